@@ -1,0 +1,52 @@
+# taproom: two commands on a fresh machine, `make run` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP_RUN  := $(VENV)/.installed-run
+STAMP_ALL  := $(VENV)/.installed-all
+PEERS      := tests/peers/node_modules/.installed
+export PYSPARK_PYTHON := $(abspath $(BIN)/python)
+
+.PHONY: run test lint typecheck unit bench soak peers clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP_RUN): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(STAMP_ALL): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[spark,dev]'
+	touch $@ $(STAMP_RUN)
+
+# Real third-party peers the integration tests run (PEERS.md), in a folder the tests own.
+$(PEERS): tests/peers/package.json
+	@if command -v npm >/dev/null 2>&1; then \
+	  npm install --prefix tests/peers --no-audit --no-fund --loglevel=error && touch $@; \
+	else echo "npm not found: the node peer tests will say so and fail"; fi
+
+run: $(STAMP_RUN)
+	$(BIN)/taproom serve $(ARGS)
+
+lint: $(STAMP_ALL)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck: $(STAMP_ALL)
+	$(BIN)/mypy
+
+unit: $(STAMP_ALL) $(PEERS)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+bench: $(STAMP_ALL) $(PEERS)
+	$(BIN)/python -m bench $(ARGS)
+
+soak: $(STAMP_ALL) $(PEERS)
+	TAPROOM_SOAK=1 $(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) tests/peers/node_modules var .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,148 @@
+"""``taproom serve``: start the hub, the ops endpoints and every enabled protocol service.
+
+Start-up order: journal and commit thread, ops endpoints, protocol services; then the ready
+file (JSON: listener name -> bound address) so scripts and tests using port 0 know where
+everything is. Shutdown on SIGTERM/SIGINT: stop accepting, let in-flight commits finish and
+their acks go out, close listeners, exit 0 within ``hub.grace_period_s``; a second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import signal
+from typing import Any
+
+import orjson
+
+from .config import Config
+from .hub import Hub
+from .servers import SERVICE_MODULES, Service
+from .web.ops import OpsServer
+
+__all__ = ["App", "run_app"]
+
+log = logging.getLogger("taproom")
+
+
+class App:
+    """Everything ``taproom serve`` runs, usable in-process: ``async with App(config) as app``."""
+
+    def __init__(self, config: Config, *, only: list[str] | None = None) -> None:
+        self.config = config
+        self.only = only
+        self.hub = Hub(config)
+        self.services: dict[str, Service] = {}
+        self.addresses: dict[str, str] = {}
+        self._ops: OpsServer | None = None
+        self.listeners_up = False
+
+    def readiness(self) -> list[str]:
+        reasons = self.hub.readiness()
+        if not self.listeners_up:
+            reasons.append("listeners not up")
+        return reasons
+
+    async def start(self) -> App:
+        await self.hub.start()
+        web = self.config.web
+        if web.enabled and (self.only is None or "web" in self.only):
+            self._ops = OpsServer(
+                self.hub.metrics, self.readiness, web.host, web.port, web.max_connections
+            )
+            self.addresses.update(await self._ops.start())
+        for name, module_name in SERVICE_MODULES.items():
+            section = self.config.section(name) if name in self.config.names else None
+            if section is None or not getattr(section, "enabled", False):
+                continue
+            if self.only is not None and name not in self.only:
+                continue
+            module = importlib.import_module(module_name)
+            create = getattr(module, "create_service", None)
+            if create is None:
+                log.warning("%s: no server in this build; section ignored", name)
+                continue
+            service = create(self.hub, section)
+            self.addresses.update(await service.start())
+            self.services[name] = service
+        self.listeners_up = True
+        return self
+
+    async def stop(self) -> None:
+        self.listeners_up = False
+        for name, service in reversed(list(self.services.items())):
+            try:
+                await service.stop()
+            except Exception:
+                log.exception("%s: error while stopping", name)
+        if self._ops is not None:
+            await self._ops.stop()
+        await self.hub.stop()
+
+    async def __aenter__(self) -> App:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _write_ready_file(path: str, addresses: dict[str, Any]) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(
+            orjson.dumps({"pid": os.getpid(), "listeners": addresses}, option=orjson.OPT_INDENT_2)
+        )
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+async def run_app(config: Config, ready_file: str | None = None) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            log.warning("second signal: exiting at once")
+            os._exit(1)
+        log.info(
+            "signal %s: shutting down (grace %.1fs)",
+            signal.Signals(signum).name,
+            config.hub.grace_period_s,
+        )
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    app = App(config)
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop()
+        raise
+    for name, address in sorted(app.addresses.items()):
+        log.info("listening: %-22s %s", name, address)
+    if ready_file:
+        _write_ready_file(ready_file, app.addresses)
+    log.info(
+        "taproom ready; journal %s at offset %d", config.journal.dir, app.hub.journal.next_offset
+    )
+    await stop.wait()
+    try:
+        await asyncio.wait_for(app.stop(), timeout=config.hub.grace_period_s)
+    except TimeoutError:
+        log.error("grace period of %.1fs exceeded; exiting", config.hub.grace_period_s)
+        return 1
+    finally:
+        if ready_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ready_file)
+    log.info("stopped cleanly")
+    return 0

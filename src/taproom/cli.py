@@ -1,0 +1,248 @@
+"""The ``taproom`` command.
+
+Core commands live here (serve, validate, tail, journal, config). Protocol and pipeline commands
+plug in: each module in :data:`CLI_PLUGINS` may define
+
+* ``register_send(subparsers)``  -- add ``taproom send <protocol>``;
+* ``register_tail(parser)``      -- add options to ``taproom tail`` and return a handler
+  ``handler(args) -> int | None`` (None: not this plugin's options, fall through);
+* ``register_commands(subparsers)`` -- add top-level commands (``keg``, ``spark``).
+
+Parsers set ``func(args) -> int`` as their default. Plugins must import heavy dependencies
+(pyspark) lazily, inside ``func``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from .config import describe_defaults, load_config
+from .errors import ConfigError, TaproomError
+
+__all__ = ["CLI_PLUGINS", "main"]
+
+CLI_PLUGINS = (
+    "taproom.clients.lumberjack",
+    "taproom.clients.logtk",
+    "taproom.clients.logjam",
+    "taproom.clients.eventbus",
+    "taproom.clients.lager",
+    "taproom.spark.cli",
+)
+
+EX_CONFIG = 78  # sysexits.h EX_CONFIG
+
+
+def _plugins() -> list[Any]:
+    modules = []
+    for name in CLI_PLUGINS:
+        try:
+            modules.append(importlib.import_module(name))
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+    return modules
+
+
+def _config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        "-c",
+        metavar="PATH",
+        default=os.environ.get("TAPROOM_CONFIG"),
+        help="TOML configuration (default: embedded defaults; env TAPROOM_CONFIG)",
+    )
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .app import run_app
+
+    config = load_config(args.config)
+    _setup_logging(config.hub.log_level)
+    return asyncio.run(run_app(config, args.ready_file))
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    print(f"{config.source or '<defaults>'}: valid ({len(config.names)} sections)")
+    return 0
+
+
+def cmd_config_defaults(args: argparse.Namespace) -> int:
+    for section, key, default, why in describe_defaults():
+        print(f"{section}.{key} = {default!r}  # {why}")
+    return 0
+
+
+def _journal_dir(args: argparse.Namespace) -> str:
+    if getattr(args, "journal", None):
+        return str(args.journal)
+    return str(load_config(args.config).journal.dir)
+
+
+def cmd_tail(args: argparse.Namespace) -> int:
+    for handler in getattr(args, "_tail_handlers", []):
+        result = handler(args)
+        if result is not None:
+            return int(result)
+    from .journal import JournalReader
+
+    reader = JournalReader(_journal_dir(args))
+    start = args.from_offset
+    if start is None:
+        start = 0 if not args.follow else reader.end_offset()
+    records = reader.follow(start) if args.follow else reader.read(start)
+    out = sys.stdout.buffer
+    count = 0
+    try:
+        for record in records:
+            if args.protocol and record.protocol != args.protocol:
+                continue
+            if args.stream and record.stream != args.stream:
+                continue
+            out.write(orjson.dumps(record.to_json_dict(), option=orjson.OPT_APPEND_NEWLINE))
+            count += 1
+            if args.follow:
+                out.flush()
+            if args.limit is not None and count >= args.limit:
+                break
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        return 0
+    out.flush()
+    return 0
+
+
+def cmd_journal_stats(args: argparse.Namespace) -> int:
+    from .journal import JournalReader
+
+    path = _journal_dir(args)
+    reader = JournalReader(path)
+    bases = reader.segment_bases()
+    total = sum(os.path.getsize(os.path.join(path, f"{b:020d}.seg")) for b in bases)
+    first = bases[0] if bases else 0
+    end = reader.end_offset()
+    stats = {
+        "path": path,
+        "segments": len(bases),
+        "bytes": total,
+        "first_offset": first,
+        "last_offset": end - 1 if end > first else None,
+        "events": end - first,
+    }
+    if args.json:
+        print(orjson.dumps(stats).decode())
+    else:
+        for key, value in stats.items():
+            print(f"{key:>13}: {value}")
+    return 0
+
+
+def cmd_journal_check(args: argparse.Namespace) -> int:
+    from .journal import check_journal
+
+    report = check_journal(_journal_dir(args), repair=args.repair)
+    if args.json:
+        print(orjson.dumps(report).decode())
+    else:
+        print(
+            f"segments {report['segments']}, batches {report['batches']}, events {report['events']}"
+        )
+        for problem in report["problems"]:
+            print(f"problem: {problem}")
+        print("ok" if report["ok"] else ("repaired" if args.repair else "problems found"))
+    return 0 if report["ok"] or args.repair else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="taproom", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the hub")
+    _config_arg(p)
+    p.add_argument("--ready-file", metavar="PATH", help="write bound addresses (JSON) once up")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("validate", help="check a configuration (exit 78 when invalid)")
+    _config_arg(p)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("config", help="configuration helpers")
+    csub = p.add_subparsers(dest="config_command", required=True)
+    q = csub.add_parser("defaults", help="every setting with its default and the reason")
+    q.set_defaults(func=cmd_config_defaults)
+
+    p = sub.add_parser("tail", help="print committed events as JSON lines")
+    _config_arg(p)
+    p.add_argument("--journal", metavar="DIR", help="journal directory (default: from config)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument("--from", dest="from_offset", type=int, metavar="OFFSET")
+    p.add_argument("--protocol", metavar="P")
+    p.add_argument("--stream", metavar="S")
+    p.add_argument("--limit", type=int, metavar="N", help="stop after N events")
+    handlers: list[Callable[[argparse.Namespace], int | None]] = []
+    p.set_defaults(func=cmd_tail, _tail_handlers=handlers)
+    tail_parser = p
+
+    p = sub.add_parser("journal", help="inspect the journal")
+    jsub = p.add_subparsers(dest="journal_command", required=True)
+    q = jsub.add_parser("stats", help="segments, events, bytes, offsets")
+    _config_arg(q)
+    q.add_argument("--journal", metavar="DIR")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_journal_stats)
+    q = jsub.add_parser("check", help="verify every CRC (exit 1 on problems)")
+    _config_arg(q)
+    q.add_argument("--journal", metavar="DIR")
+    q.add_argument("--repair", action="store_true", help="truncate at the first bad frame")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(func=cmd_journal_check)
+
+    send = sub.add_parser("send", help="send events with taproom's clients")
+    send_sub = send.add_subparsers(dest="protocol", required=True, metavar="PROTOCOL")
+
+    for plugin in _plugins():
+        if hasattr(plugin, "register_send"):
+            plugin.register_send(send_sub)
+        if hasattr(plugin, "register_tail"):
+            handler = plugin.register_tail(tail_parser)
+            if handler is not None:
+                handlers.append(handler)
+        if hasattr(plugin, "register_commands"):
+            plugin.register_commands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ConfigError as exc:
+        print(f"taproom: config error: {exc}", file=sys.stderr)
+        return EX_CONFIG
+    except TaproomError as exc:
+        print(f"taproom: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

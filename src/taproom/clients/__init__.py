@@ -1,0 +1,1 @@
+"""Python clients for every protocol taproom speaks, mirroring servers/ module by module."""

@@ -1,0 +1,427 @@
+"""Configuration: one TOML file, typed sections, errors that name file, line and key.
+
+Each subsystem declares its section as a frozen dataclass decorated with
+:func:`config_section`; every field is a :func:`setting` whose default carries a one-line reason
+(STYLE.md rule 4). Sections live beside the code they configure (``journal`` and ``hub`` here,
+``lumberjack`` in ``servers/lumberjack.py``, ...); :data:`SECTION_MODULES` lists the modules
+that declare sections so ``taproom validate`` knows all of them.
+
+Resolution order for a value: the dataclass default, then the TOML file (with ``${VAR}``,
+``${VAR:-default}`` and ``${VAR:?message}`` interpolated in strings), then
+``TAPROOM_SECTION__KEY`` environment variables (``__`` separates nested keys; the value is
+read as a TOML literal when it parses as one, else as a string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import ConfigError
+
+__all__ = [
+    "SECTION_MODULES",
+    "Config",
+    "HubConfig",
+    "JournalConfig",
+    "WebConfig",
+    "config_section",
+    "load_config",
+    "setting",
+]
+
+T = TypeVar("T")
+
+# Modules that declare config sections. A module missing from the installed tree is skipped,
+# so the list can name every subsystem the hub knows.
+SECTION_MODULES = (
+    "taproom.config",
+    "taproom.servers.lumberjack",
+    "taproom.servers.logtk",
+    "taproom.servers.logjam",
+    "taproom.servers.eventbus",
+    "taproom.servers.lager",
+)
+
+_SECTIONS: dict[str, type] = {}
+
+
+def config_section(name: str) -> Callable[[type[T]], type[T]]:
+    """Register a frozen dataclass as the ``[name]`` section of the configuration."""
+
+    def register(cls: type[T]) -> type[T]:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls!r} must be a dataclass")
+        _SECTIONS[name] = cls
+        return cls
+
+    return register
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    why: str = "",
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple[Any, ...] | None = None,
+    factory: Callable[[], Any] | None = None,
+) -> Any:
+    """A configuration field: its default, the reason for that default, and its bounds."""
+    metadata = {"why": why, "min": min, "max": max, "choices": choices}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@config_section("journal")
+@dataclass(frozen=True)
+class JournalConfig:
+    dir: str = setting("./var/journal", "next to the working directory, as `make run` expects")
+    fsync: str = setting(
+        "always",
+        "ack only what is on disk: a power loss cannot take back an acknowledged event",
+        choices=("always", "interval", "off"),
+    )
+    fsync_interval_ms: int = setting(
+        200, "with fsync=interval: the window of acked-but-unsynced data", min=1, max=60_000
+    )
+    segment_bytes: int = setting(
+        128 * 1024 * 1024,
+        "large enough to keep file counts low, small enough that retention frees space often",
+        min=1024 * 1024,
+        max=1 << 40,
+    )
+    retention_bytes: int = setting(
+        0, "0 keeps everything; set it to bound disk use (whole sealed segments are deleted)", min=0
+    )
+    retention_age_s: int = setting(0, "0 keeps everything; else delete segments older", min=0)
+    max_commit_bytes: int = setting(
+        8 * 1024 * 1024,
+        "one group commit writes at most this much so one fsync never waits on a huge write",
+        min=64 * 1024,
+    )
+
+
+@config_section("hub")
+@dataclass(frozen=True)
+class HubConfig:
+    name: str = setting("taproom", "shows in logs, metrics and the logjam/Event BUS producer id")
+    max_pending_bytes: int = setting(
+        64 * 1024 * 1024,
+        "bytes accepted but not yet committed; above this servers stop reading their sockets",
+        min=64 * 1024,
+    )
+    output_queue_batches: int = setting(
+        1024, "committed batches buffered per output before it reads back from the journal", min=1
+    )
+    grace_period_s: float = setting(
+        10.0, "SIGTERM: time to finish in-flight commits and acks before exiting", min=0, max=3600
+    )
+    stall_after_s: float = setting(
+        10.0, "/ready turns 503 when a commit has been pending this long", min=0.1
+    )
+    log_level: str = setting(
+        "INFO",
+        "operators want connections and rejects, not per-event lines",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+    )
+
+
+@config_section("web")
+@dataclass(frozen=True)
+class WebConfig:
+    enabled: bool = setting(True, "/metrics, /health and /ready are how operators see the hub")
+    host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
+    port: int = setting(8686, "the port Vector's API uses by convention", min=0, max=65535)
+    max_connections: int = setting(64, "ops endpoints serve scrapers, not crowds", min=1)
+
+
+class Config:
+    """All sections, validated. ``config.journal`` or ``config.section("journal")``."""
+
+    def __init__(self, sections: Mapping[str, Any], source: str | None = None) -> None:
+        self._sections = dict(sections)
+        self.source = source
+
+    def section(self, name: str) -> Any:
+        return self._sections[name]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._sections[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._sections)
+
+    def replace(self, name: str, **changes: Any) -> Config:
+        """A copy with some fields of one section changed (tests and CLI flags)."""
+        sections = dict(self._sections)
+        sections[name] = dataclasses.replace(sections[name], **changes)
+        return Config(sections, self.source)
+
+
+def known_sections() -> dict[str, type]:
+    for module in SECTION_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+    return dict(_SECTIONS)
+
+
+# --- interpolation and overrides -------------------------------------------------------------
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:-|:\?)([^}]*))?\}")
+
+
+def _interpolate(value: str, env: Mapping[str, str], where: Callable[[str], ConfigError]) -> str:
+    def replace(match: re.Match[str]) -> str:
+        name, op, arg = match.group(1), match.group(2), match.group(3)
+        current = env.get(name)
+        if current is not None and current != "":
+            return current
+        if op == ":-":
+            return arg or ""
+        if op == ":?":
+            raise where(f"${{{name}}} is not set: {arg or 'required'}")
+        if current is None:
+            raise where(f"${{{name}}} is not set (use ${{{name}:-default}} for a default)")
+        return current
+
+    return _VAR.sub(replace, value)
+
+
+def _env_literal(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _line_index(text: str) -> dict[tuple[str, ...], int]:
+    """Map dotted key paths to the line they are defined on (tomllib gives no positions)."""
+    index: dict[tuple[str, ...], int] = {}
+    table: tuple[str, ...] = ()
+    header = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+    keyline = re.compile(r"^\s*([A-Za-z0-9_\-\".]+)\s*=")
+    for number, line in enumerate(text.splitlines(), start=1):
+        if m := header.match(line):
+            table = tuple(part.strip().strip('"') for part in m.group(1).split("."))
+            index.setdefault(table, number)
+        elif m := keyline.match(line):
+            path = table + tuple(part.strip().strip('"') for part in m.group(1).split("."))
+            index.setdefault(path, number)
+    return index
+
+
+# --- typed conversion ------------------------------------------------------------------------
+
+
+def _convert(value: Any, hint: Any, path: str) -> Any:
+    """Check ``value`` against ``hint``; strings from interpolation are coerced to scalars."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path)
+            except ConfigError as exc:
+                errors.append(exc.message)
+        raise ConfigError("; ".join(errors), key=path)
+    if hint is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"expected true or false, got {value!r}", key=path)
+        return value
+    if hint is int:
+        if isinstance(value, str):
+            try:
+                value = int(value.replace("_", ""), 0)
+            except ValueError:
+                raise ConfigError(f"expected an integer, got {value!r}", key=path) from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"expected an integer, got {value!r}", key=path)
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"expected a number, got {value!r}", key=path) from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"expected a number, got {value!r}", key=path)
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"expected a string, got {value!r}", key=path)
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"expected a list, got {value!r}", key=path)
+        item = args[0] if args else Any
+        return tuple(_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin in (dict, Mapping) or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a table, got {value!r}", key=path)
+        vt = args[1] if len(args) == 2 else Any
+        return {str(k): _convert(v, vt, f"{path}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if not isinstance(value, dict):
+            raise ConfigError(f"expected a table, got {value!r}", key=path)
+        return _build(hint, value, path)
+    if hint is Any:
+        return value
+    raise ConfigError(f"unsupported setting type {hint!r}", key=path)
+
+
+def _build(cls: type, table: Mapping[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown key (known: {known})", key=f"{path}.{key}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in table:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError("required", key=f"{path}.{name}")
+            continue
+        key = f"{path}.{name}"
+        value = _convert(table[name], hints[name], key)
+        meta = f.metadata
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            allowed = ", ".join(repr(c) for c in meta["choices"])
+            raise ConfigError(f"{value!r} is not one of {allowed}", key=key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if meta.get("min") is not None and value < meta["min"]:
+                raise ConfigError(f"{value} is below the minimum {meta['min']}", key=key)
+            if meta.get("max") is not None and value > meta["max"]:
+                raise ConfigError(f"{value} is above the maximum {meta['max']}", key=key)
+        kwargs[name] = value
+    instance = cls(**kwargs)
+    validate = getattr(instance, "validate", None)
+    if callable(validate):
+        try:
+            validate()
+        except ConfigError as exc:
+            # Section validators name keys relative to the section; make them absolute.
+            exc.key = f"{path}.{exc.key}" if exc.key else path
+            raise ConfigError(exc.message, key=exc.key) from None
+    return instance
+
+
+def _walk_strings(value: Any, fn: Callable[[str, str], str], path: str) -> Any:
+    if isinstance(value, str):
+        return fn(value, path)
+    if isinstance(value, dict):
+        return {k: _walk_strings(v, fn, f"{path}.{k}" if path else k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_walk_strings(v, fn, path) for v in value]
+    return value
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    text: str | None = None,
+) -> Config:
+    """Load and validate a configuration. ``path=None`` and ``text=None`` gives the defaults."""
+    env = os.environ if env is None else env
+    source = str(path) if path is not None else None
+    if text is None and path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read: {exc.strerror}", file=source) from None
+    text = text or ""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"at line (\d+)", str(exc))
+        raise ConfigError(
+            f"not valid TOML: {exc}", file=source, line=int(m.group(1)) if m else None
+        ) from None
+    lines = _line_index(text)
+
+    def line_of(key: str) -> int | None:
+        parts = tuple(p for p in re.split(r"\.|\[\d+\]", key) if p)
+        while parts:
+            if parts in lines:
+                return lines[parts]
+            parts = parts[:-1]
+        return None
+
+    def interpolate(value: str, key: str) -> str:
+        return _interpolate(value, env, lambda msg: ConfigError(msg, key=key))
+
+    try:
+        data = _walk_strings(data, interpolate, "")
+    except ConfigError as exc:
+        raise ConfigError(exc.message, file=source, line=line_of(exc.key), key=exc.key) from None
+
+    for name, raw in env.items():
+        if not name.startswith("TAPROOM_") or "__" not in name:
+            continue
+        parts = [p.lower() for p in name[len("TAPROOM_") :].split("__")]
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError("cannot override inside a non-table value", key=name)
+        node[parts[-1]] = _env_literal(raw)
+
+    sections = known_sections()
+    built: dict[str, Any] = {}
+    for name in data:
+        if name not in sections:
+            raise ConfigError(
+                f"unknown section (known: {', '.join(sorted(sections))})",
+                file=source,
+                line=line_of(name),
+                key=name,
+            )
+    for name, cls in sections.items():
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise ConfigError("expected a table", file=source, line=line_of(name), key=name)
+        try:
+            built[name] = _build(cls, table, name)
+        except ConfigError as exc:
+            raise ConfigError(
+                exc.message, file=source, line=line_of(exc.key), key=exc.key
+            ) from None
+    return Config(built, source)
+
+
+def describe_defaults() -> list[tuple[str, str, Any, str]]:
+    """(section, key, default, why) for every setting: docs and ``taproom config defaults``."""
+    rows = []
+    for name, cls in known_sections().items():
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            rows.append((name, f.name, default, f.metadata.get("why", "")))
+    return rows

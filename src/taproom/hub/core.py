@@ -1,0 +1,455 @@
+"""The hub: one ingest API for every protocol, commit-then-ack, committed-tail fan-out.
+
+Protocol servers hand in :class:`~taproom.records.EncodedBatch` objects and await the
+:class:`Commit` that says they are durable; only then do they acknowledge their senders.
+A single commit thread owns the journal's write side and turns everything that queued up while
+the previous fsync ran into one write and one fsync (group commit).
+
+Fan-out reads committed data only. Each output has a bounded queue; an output that falls behind
+is not allowed to slow ingest: its queue is abandoned and it reads back from the journal until it
+has caught up (counted as a lag), or, for outputs created ``lossy``, the batches are dropped and
+counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ..config import Config, load_config
+from ..errors import DiskFull, HubStopped, JournalError, JournalFailed
+from ..journal import CursorStore, Journal
+from ..metrics import Metrics
+from ..records import EncodedBatch, Record, decode_batch
+
+__all__ = ["Commit", "CommittedBatch", "Hub", "Subscription"]
+
+log = logging.getLogger("taproom.hub")
+
+# Commit latency buckets (seconds): fsync on SSDs is 0.1-5 ms, on cloud disks up to ~50 ms.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """A durable batch: offsets ``first_offset`` .. ``first_offset + count - 1``."""
+
+    first_offset: int
+    count: int
+
+    @property
+    def end_offset(self) -> int:
+        return self.first_offset + self.count
+
+
+class CommittedBatch:
+    """One committed batch as outputs see it; records are decoded once, on first use."""
+
+    __slots__ = ("_records", "base_offset", "body", "count")
+
+    def __init__(self, base_offset: int, count: int, body: bytes) -> None:
+        self.base_offset = base_offset
+        self.count = count
+        self.body = body
+        self._records: list[Record] | None = None
+
+    @property
+    def end_offset(self) -> int:
+        return self.base_offset + self.count
+
+    def records(self) -> list[Record]:
+        if self._records is None:
+            self._records = decode_batch(self.body, self.base_offset)
+        return self._records
+
+
+@dataclass(slots=True)
+class _Pending:
+    batch: EncodedBatch
+    future: asyncio.Future[Commit]
+    loop: asyncio.AbstractEventLoop
+    submitted: float
+
+
+class Subscription:
+    """Committed batches for one output, in offset order, without gaps unless ``lossy``.
+
+    Iterate with ``async for batch in subscription``. ``maxsize`` bounds the in-memory queue.
+    """
+
+    def __init__(self, hub: Hub, name: str, from_offset: int, maxsize: int, lossy: bool) -> None:
+        self.hub = hub
+        self.name = name
+        self.lossy = lossy
+        self.next_offset = from_offset
+        self._queue: asyncio.Queue[CommittedBatch] = asyncio.Queue(maxsize)
+        self._lagging = from_offset < hub.journal.end_offset
+        self.closed = False
+        m = hub.metrics
+        self._m_lag = m.counter(
+            "hub",
+            "output_lagged",
+            "events",
+            "Times an output fell behind and read back from the journal",
+            ("output",),
+        ).labels(output=name)
+        self._m_drop = m.counter(
+            "hub",
+            "output_dropped",
+            "events",
+            "Events dropped for a lossy output that fell behind",
+            ("output",),
+        ).labels(output=name)
+        m.gauge(
+            "hub", "output_queue", "batches", "Committed batches waiting per output", ("output",)
+        ).labels(output=name).set_function(self._queue.qsize)
+
+    def _offer(self, batch: CommittedBatch) -> None:
+        """Called on the hub's loop after each commit."""
+        if self.closed or self._lagging:
+            return
+        try:
+            self._queue.put_nowait(batch)
+        except asyncio.QueueFull:
+            if self.lossy:
+                self._m_drop.inc(batch.count)  # the consumer sees a gap in offsets
+                return
+            self._m_lag.inc()
+            self._lagging = True  # read from the journal from next_offset on
+
+    async def __anext__(self) -> CommittedBatch:
+        while True:
+            if self.closed:
+                raise StopAsyncIteration
+            if not self._queue.empty():
+                batch = self._queue.get_nowait()
+                if batch.end_offset <= self.next_offset:
+                    continue  # already delivered from the journal while catching up
+                self.next_offset = batch.end_offset
+                return batch
+            if self._lagging:
+                batch_or_none = await self._read_back()
+                if batch_or_none is not None:
+                    self.next_offset = batch_or_none.end_offset
+                    return batch_or_none
+                continue
+            getter = asyncio.ensure_future(self._queue.get())
+            closed = asyncio.ensure_future(self.hub._stopped.wait())
+            done, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
+            closed.cancel()
+            if getter in done:
+                batch = getter.result()
+                if batch.end_offset <= self.next_offset:
+                    continue
+                self.next_offset = batch.end_offset
+                return batch
+            getter.cancel()
+            raise StopAsyncIteration
+
+    async def _read_back(self) -> CommittedBatch | None:
+        """The next batch from the journal, or None once caught up with the live queue."""
+        journal = self.hub.journal
+        start = self.next_offset
+        if start < journal.first_offset:
+            # Retention deleted what this output had not read: count it, move on.
+            self._m_drop.inc(journal.first_offset - start)
+            start = self.next_offset = journal.first_offset
+
+        def one() -> tuple[int, int, bytes] | None:
+            for item in journal.read_batches(start):
+                return item
+            return None
+
+        item = await asyncio.to_thread(one)
+        if item is None:
+            # Caught up. Drain the stale queue so the live path starts after next_offset.
+            while not self._queue.empty():
+                b = self._queue.get_nowait()
+                if b.end_offset > self.next_offset:
+                    self._queue.put_nowait(b)
+                    break
+            self._lagging = False
+            return None
+        base, count, body = item
+        batch = CommittedBatch(base, count, body)
+        if base < start:  # the subscription started inside this batch: trim the front
+            records = [r for r in batch.records() if r.offset >= start]
+            batch._records = records
+        return batch
+
+    def __aiter__(self) -> AsyncIterator[CommittedBatch]:
+        return self
+
+    def close(self) -> None:
+        self.closed = True
+        self.hub._subscriptions.discard(self)
+
+
+class Hub:
+    """Owns the journal, the commit thread and the outputs' subscriptions.
+
+    Use as ``async with Hub(config) as hub`` or call :meth:`start` / :meth:`stop`.
+    """
+
+    def __init__(self, config: Config | None = None, *, metrics: Metrics | None = None) -> None:
+        self.config = config or load_config()
+        self.metrics = metrics or Metrics()
+        jc = self.config.journal
+        self.journal = Journal(
+            jc.dir, fsync=jc.fsync, segment_bytes=jc.segment_bytes, metrics=self.metrics
+        )
+        self.cursors = CursorStore(jc.dir)
+        self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
+        self._pending_bytes = 0
+        self._pending_lock = threading.Lock()
+        self._capacity = asyncio.Event()
+        self._capacity.set()
+        self._subscriptions: set[Subscription] = set()
+        self._stopped = asyncio.Event()
+        self._accepting = True
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.last_commit_at = time.monotonic()
+        self.oldest_pending_since: float | None = None
+        self.journal_problem: str | None = None
+        m = self.metrics
+        self._m_commits = m.counter("hub", "commits", "calls", "Group commits (one write + fsync)")
+        self._m_batches = m.counter("hub", "committed", "batches", "Batches committed")
+        self._m_latency = m.histogram(
+            "hub", "commit_latency", "seconds", "Submit to durable, per batch", _LATENCY_BUCKETS
+        )
+        self._m_failures = m.counter(
+            "hub", "commit_failures", "events", "Commit attempts that failed", ("reason",)
+        )
+        m.gauge_fn(
+            "hub", "pending", "bytes", "Accepted, not yet committed", lambda: self._pending_bytes
+        )
+        self._m_backpressure = m.counter(
+            "hub", "backpressure_waits", "calls", "Times a server waited for commit capacity"
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> Hub:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(
+            target=self._commit_loop, name="taproom-commit", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    async def stop(self) -> None:
+        """Stop taking ingest, commit what is queued, stop the commit thread, close outputs."""
+        self._accepting = False
+        if self._thread is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        self._stopped.set()
+        for sub in list(self._subscriptions):
+            sub.close()
+        self.journal.close()
+
+    async def __aenter__(self) -> Hub:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- ingest ---------------------------------------------------------------------------
+
+    def submit(self, batch: EncodedBatch) -> asyncio.Future[Commit]:
+        """Queue ``batch`` for the next group commit; the future resolves once durable.
+
+        Does not wait for capacity: servers call :meth:`wait_capacity` (or :meth:`ingest`)
+        before reading more from their sockets.
+        """
+        if not self._accepting:
+            raise HubStopped("the hub is shutting down")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Commit] = loop.create_future()
+        if batch.count == 0:
+            future.set_result(Commit(self.journal.end_offset, 0))
+            return future
+        size = len(batch.body)
+        with self._pending_lock:
+            self._pending_bytes += size
+            if self.oldest_pending_since is None:
+                self.oldest_pending_since = time.monotonic()
+            if self._pending_bytes >= self.config.hub.max_pending_bytes:
+                self._capacity.clear()
+        self._queue.put(_Pending(batch, future, loop, time.monotonic()))
+        return future
+
+    async def ingest(self, batch: EncodedBatch) -> Commit:
+        """Wait for capacity, submit, and wait until ``batch`` is durable."""
+        await self.wait_capacity()
+        return await self.submit(batch)
+
+    async def wait_capacity(self) -> None:
+        """Return when the hub can take more; servers stop reading sockets while this waits."""
+        if not self._capacity.is_set():
+            self._m_backpressure.inc()
+            await self._capacity.wait()
+
+    @property
+    def has_capacity(self) -> bool:
+        return self._capacity.is_set()
+
+    # --- commit thread --------------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        jc = self.config.journal
+        max_bytes = jc.max_commit_bytes
+        carry: list[_Pending] = []
+        stopping = False
+        last_sync = time.monotonic()
+        last_retention = 0.0
+        interval = jc.fsync_interval_ms / 1000
+        while True:
+            group = carry
+            carry = []
+            if not group and not stopping:
+                timeout = interval if jc.fsync != "always" else 1.0
+                try:
+                    item = self._queue.get(timeout=timeout)
+                except queue.Empty:
+                    item = None
+                    self._housekeeping(last_retention)
+                    if jc.fsync == "interval":
+                        self._sync_quietly()
+                    continue
+                if item is None:
+                    stopping = True
+                else:
+                    group.append(item)
+            nbytes = sum(len(p.batch.body) for p in group)
+            while nbytes < max_bytes:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    continue
+                group.append(item)
+                nbytes += len(item.batch.body)
+            if not group:
+                if stopping:
+                    self._sync_quietly()
+                    return
+                continue
+            try:
+                bases = self.journal.commit([p.batch for p in group])
+            except (DiskFull, JournalFailed, JournalError, OSError) as exc:
+                reason = "disk_full" if isinstance(exc, DiskFull) else "journal_failed"
+                self._m_failures.labels(reason=reason).inc(len(group))
+                self.journal_problem = str(exc)
+                log.error("commit failed (%s); holding %d batches, acks paused", exc, len(group))
+                carry = group
+                time.sleep(0.5)  # retry the same batches; senders stay un-acked meanwhile
+                if stopping and not self._accepting and self._grace_expired():
+                    self._fail_all(group, HubStopped(f"journal unavailable at shutdown: {exc}"))
+                    return
+                continue
+            self.journal_problem = None
+            now = time.monotonic()
+            self.last_commit_at = now
+            if jc.fsync == "interval" and now - last_sync >= interval:
+                self._sync_quietly()
+                last_sync = now
+            self._m_commits.inc()
+            self._m_batches.inc(len(group))
+            for p in group:
+                self._m_latency.observe(now - p.submitted)
+            with self._pending_lock:
+                self._pending_bytes -= nbytes
+                self.oldest_pending_since = None if self._queue.empty() else now
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._deliver, group, bases)
+            if time.monotonic() - last_retention > 10:
+                last_retention = self._housekeeping(last_retention)
+
+    _grace_deadline: float | None = None
+
+    def _grace_expired(self) -> bool:
+        if self._grace_deadline is None:
+            self._grace_deadline = time.monotonic() + self.config.hub.grace_period_s
+        return time.monotonic() >= self._grace_deadline
+
+    def _fail_all(self, group: list[_Pending], exc: Exception) -> None:
+        for p in group:
+            p.loop.call_soon_threadsafe(_set_exception_if_pending, p.future, exc)
+
+    def _sync_quietly(self) -> None:
+        try:
+            self.journal.sync()
+        except JournalError as exc:
+            self.journal_problem = str(exc)
+
+    def _housekeeping(self, last: float) -> float:
+        jc = self.config.journal
+        if jc.retention_bytes or jc.retention_age_s:
+            try:
+                self.journal.enforce_retention(jc.retention_bytes, jc.retention_age_s)
+            except OSError as exc:
+                log.warning("retention failed: %s", exc)
+        return time.monotonic()
+
+    def _deliver(self, group: list[_Pending], bases: list[int]) -> None:
+        """On the loop: resolve futures first (acks), then feed outputs."""
+        for p, base in zip(group, bases, strict=True):
+            if not p.future.done():
+                p.future.set_result(Commit(base, p.batch.count))
+        with self._pending_lock:
+            if self._pending_bytes < self.config.hub.max_pending_bytes:
+                self._capacity.set()
+        if self._subscriptions:
+            for p, base in zip(group, bases, strict=True):
+                committed = CommittedBatch(base, p.batch.count, p.batch.body)
+                for sub in list(self._subscriptions):
+                    sub._offer(committed)
+
+    # --- outputs --------------------------------------------------------------------------
+
+    def subscribe(
+        self,
+        name: str,
+        *,
+        from_offset: int | None = None,
+        maxsize: int | None = None,
+        lossy: bool = False,
+    ) -> Subscription:
+        """Committed batches from ``from_offset`` (default: only new ones) onward."""
+        start = self.journal.end_offset if from_offset is None else from_offset
+        sub = Subscription(
+            self, name, start, maxsize or self.config.hub.output_queue_batches, lossy
+        )
+        self._subscriptions.add(sub)
+        return sub
+
+    # --- health ---------------------------------------------------------------------------
+
+    def readiness(self) -> list[str]:
+        """Reasons the hub is not ready; empty when it is."""
+        reasons = []
+        if self.journal_problem:
+            reasons.append(f"journal: {self.journal_problem}")
+        if self.journal.failed:
+            reasons.append(f"journal: {self.journal.failed}")
+        since = self.oldest_pending_since
+        if since is not None and time.monotonic() - since > self.config.hub.stall_after_s:
+            reasons.append(f"commit loop stalled for {time.monotonic() - since:.1f}s")
+        if self._thread is None or not self._thread.is_alive():
+            reasons.append("commit thread not running")
+        return reasons
+
+
+def _set_exception_if_pending(future: asyncio.Future[Commit], exc: Exception) -> None:
+    if not future.done():
+        future.set_exception(exc)

@@ -1,0 +1,99 @@
+"""Prometheus metrics with taproom's naming rule and bounded labels.
+
+Names read ``taproom_<component>_<name>_<unit>_total`` for counters (prometheus-client adds the
+``_total``); labels are drawn only from bounded sets: protocol, listener, reason, output. Each
+:class:`Metrics` owns its registry so several hubs can live in one test process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+_ALLOWED_LABELS = frozenset({"protocol", "listener", "reason", "output", "segment_state", "kind"})
+
+
+class Metrics:
+    """Get-or-create access to counters, gauges and histograms on one registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._metrics: dict[str, Any] = {}
+
+    def _get(self, kind: type, name: str, doc: str, labels: Sequence[str], **kw: Any) -> Any:
+        bad = set(labels) - _ALLOWED_LABELS
+        if bad:
+            raise ValueError(f"unbounded label(s) {sorted(bad)} on {name}")
+        metric = self._metrics.get(name)
+        if metric is None:
+            metric = kind(name, doc, labelnames=tuple(labels), registry=self.registry, **kw)
+            self._metrics[name] = metric
+        return metric
+
+    def counter(
+        self, component: str, name: str, unit: str, doc: str, labels: Sequence[str] = ()
+    ) -> Counter:
+        """``taproom_<component>_<name>_<unit>_total``."""
+        return self._get(Counter, f"taproom_{component}_{name}_{unit}", doc, labels)
+
+    def gauge(
+        self, component: str, name: str, unit: str, doc: str, labels: Sequence[str] = ()
+    ) -> Gauge:
+        return self._get(Gauge, f"taproom_{component}_{name}_{unit}", doc, labels)
+
+    def gauge_fn(
+        self, component: str, name: str, unit: str, doc: str, fn: Callable[[], float]
+    ) -> None:
+        """A gauge read at scrape time (queue fill levels, segment counts)."""
+        self.gauge(component, name, unit, doc).set_function(fn)
+
+    def histogram(
+        self,
+        component: str,
+        name: str,
+        unit: str,
+        doc: str,
+        buckets: Sequence[float],
+        labels: Sequence[str] = (),
+    ) -> Histogram:
+        return self._get(
+            Histogram, f"taproom_{component}_{name}_{unit}", doc, labels, buckets=tuple(buckets)
+        )
+
+    def rejected(self, protocol: str, reason: str, count: int = 1) -> None:
+        """Count input refused by a protocol: a frame, message, connection or event."""
+        self.counter(
+            "ingest",
+            "rejected",
+            "items",
+            "Frames, messages or connections refused, by reason",
+            ("protocol", "reason"),
+        ).labels(protocol=protocol, reason=reason).inc(count)
+
+    def accepted(self, protocol: str, count: int) -> None:
+        """Count events a protocol handed to the journal (acked once committed)."""
+        self.counter(
+            "ingest",
+            "accepted",
+            "events",
+            "Events handed to the journal, by protocol",
+            ("protocol",),
+        ).labels(protocol=protocol).inc(count)
+
+    def connections(self, protocol: str, listener: str) -> Gauge:
+        """Open connections of one listener."""
+        return self.gauge(
+            "ingest",
+            "open_connections",
+            "count",
+            "Open connections by listener",
+            ("protocol", "listener"),
+        ).labels(protocol=protocol, listener=listener)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)

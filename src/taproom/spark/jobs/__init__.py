@@ -1,0 +1,1 @@
+"""taproom spark/jobs."""

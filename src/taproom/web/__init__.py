@@ -1,0 +1,1 @@
+"""Operations endpoints and live views."""

@@ -1,0 +1,193 @@
+"""Shared test support: configs on port 0, the hub in-process, and the hub as a real process.
+
+Every server binds 127.0.0.1 on port 0 (the tests read the actual addresses back) and every
+test stops what it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from taproom.app import App
+from taproom.config import Config, known_sections, load_config
+from taproom.servers import SERVICE_MODULES
+
+__all__ = ["SOAK", "HubProcess", "fuzz_examples", "running_app", "write_config"]
+
+# `make test` runs the short, real version of every fuzz and crash loop; `make soak` the long one.
+SOAK = os.environ.get("TAPROOM_SOAK") == "1"
+
+
+def fuzz_examples(in_test: int, in_soak: int) -> int:
+    """How many examples or cycles: ``in_test`` under `make test`, ``in_soak`` under soak."""
+    return in_soak if SOAK else in_test
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return orjson.dumps(value).decode()
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def write_config(
+    tmp_path: Path,
+    *,
+    enable: Iterable[str] = (),
+    journal_dir: Path | None = None,
+    **sections: Mapping[str, Any],
+) -> Path:
+    """A taproom.toml in ``tmp_path``: journal there, every port 0, only ``enable`` services on.
+
+    Keyword arguments are section tables, e.g. ``lumberjack={"max_window": 100}``. Every field
+    of a known section whose name ends in ``port`` is set to 0 unless given.
+    """
+    enable = set(enable)
+    known = known_sections()
+    tables: dict[str, dict[str, Any]] = {name: dict(values) for name, values in sections.items()}
+    tables.setdefault("journal", {}).setdefault("dir", str(journal_dir or tmp_path / "journal"))
+    tables.setdefault("web", {}).setdefault("port", 0)
+    for name, cls in known.items():
+        fields = getattr(cls, "__dataclass_fields__", {})
+        if name in SERVICE_MODULES:
+            tables.setdefault(name, {}).setdefault("enabled", name in enable)
+        for field_name in fields:
+            if field_name.endswith("port") and name in tables:
+                tables[name].setdefault(field_name, 0)
+    lines = []
+    for name, values in tables.items():
+        lines.append(f"[{name}]")
+        for key, value in values.items():
+            if (
+                isinstance(value, dict)
+                and all(isinstance(v, dict) for v in value.values())
+                and value
+            ):
+                continue
+            lines.append(f"{key} = {_toml_value(value)}")
+        for key, value in values.items():
+            if (
+                isinstance(value, dict)
+                and all(isinstance(v, dict) for v in value.values())
+                and value
+            ):
+                for sub, subvalues in value.items():
+                    lines.append(f"[{name}.{key}.{sub}]")
+                    lines.extend(f"{k} = {_toml_value(v)}" for k, v in subvalues.items())
+        lines.append("")
+    path = tmp_path / "taproom.toml"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def load(path: Path) -> Config:
+    return load_config(path, env={})
+
+
+@contextlib.asynccontextmanager
+async def running_app(
+    tmp_path: Path, *, enable: Iterable[str] = (), **sections: Mapping[str, Any]
+) -> AsyncIterator[App]:
+    """The whole hub in this test's event loop: ``async with running_app(...) as app``."""
+    config = load(write_config(tmp_path, enable=enable, **sections))
+    app = App(config)
+    await app.start()
+    try:
+        yield app
+    finally:
+        await app.stop()
+
+
+class HubProcess:
+    """``taproom serve`` as a child process, for SIGKILL and restart tests."""
+
+    def __init__(self, config_path: Path, *, env: Mapping[str, str] | None = None) -> None:
+        self.config_path = Path(config_path)
+        self.ready_file = self.config_path.with_suffix(".ready.json")
+        self.log_path = self.config_path.with_suffix(".log")
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.addresses: dict[str, str] = {}
+        self.starts = 0
+
+    def start(self, timeout: float = 30.0) -> HubProcess:
+        with contextlib.suppress(FileNotFoundError):
+            self.ready_file.unlink()
+        log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child process
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "taproom",
+                "serve",
+                "--config",
+                str(self.config_path),
+                "--ready-file",
+                str(self.ready_file),
+            ],
+            stdout=log,
+            stderr=log,
+            env=self.env,
+        )
+        log.close()
+        self.starts += 1
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                self.addresses = orjson.loads(self.ready_file.read_bytes())["listeners"]
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"taproom serve exited {self.proc.returncode}:\n{self.log()}")
+            time.sleep(0.02)
+        self.kill()
+        raise TimeoutError(f"taproom serve not ready in {timeout}s:\n{self.log()}")
+
+    def address(self, name: str) -> tuple[str, int]:
+        host, port = self.addresses[name].rsplit(":", 1)
+        return host, int(port)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-5000:]
+        except FileNotFoundError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown code runs."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM and wait for the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def restart(self, timeout: float = 30.0) -> HubProcess:
+        self.kill()
+        return self.start(timeout)
+
+    def __enter__(self) -> HubProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
