@@ -15,6 +15,8 @@ import orjson
 __all__ = ["decode_payload", "register_decoder"]
 
 _DECODERS: dict[str, Callable[[bytes], object]] = {}
+# Content types whose decoders live in a protocol module, imported on first use.
+_LAZY = {"protobuf": "taproom.protocols.logtk", "bson": "taproom.protocols.logtk"}
 
 
 def register_decoder(content_type: str, decoder: Callable[[bytes], object]) -> None:
@@ -42,6 +44,14 @@ register_decoder("msgpack", _msgpack)
 def decode_payload(content_type: str, payload: bytes) -> object:
     """A JSON-ready value for ``payload``; text or ``{"base64": ...}`` when it cannot decode."""
     decoder = _DECODERS.get(content_type)
+    if decoder is None and content_type in _LAZY:
+        import importlib
+
+        try:
+            importlib.import_module(_LAZY.pop(content_type))
+        except ImportError:
+            pass
+        decoder = _DECODERS.get(content_type)
     if decoder is not None:
         try:
             return decoder(payload)
