@@ -1,0 +1,144 @@
+"""The real `taproom` console script: validate, serve, journal stats/check, tail."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+
+from taproom.journal import Journal
+from taproom.records import BatchBuilder
+
+TAPROOM = shutil.which("taproom", path=str(Path(sys.executable).parent)) or "taproom"
+
+
+def run(
+    *args: str, cwd: Path | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TAPROOM_")}
+    return subprocess.run(
+        [TAPROOM, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
+    )
+
+
+def make_journal(path: Path) -> None:
+    j = Journal(path)
+    b = BatchBuilder()
+    b.add("lumberjack", b'{"message":"hello"}', stream="shop", topic="log", content_type="json")
+    b.add("logtk", b"plain text", stream="web", topic="x", content_type="raw")
+    b.add("eventbus", bytes.fromhex("81a16101"), stream="/a/", content_type="msgpack")
+    j.commit([b.build()])
+    j.close()
+
+
+def test_validate_valid_and_invalid(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text("[web]\nport = 0\n")
+    assert run("validate", "--config", str(good)).returncode == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[web]\nport = -1\n")
+    result = run("validate", "--config", str(bad))
+    assert result.returncode == 78
+    assert f"{bad}:2: web.port" in result.stderr
+
+
+def test_validate_missing_file(tmp_path):
+    result = run("validate", "--config", str(tmp_path / "nope.toml"))
+    assert result.returncode == 78 and "cannot read" in result.stderr
+
+
+def test_tail_prints_committed_events_with_decoded_payloads(tmp_path):
+    make_journal(tmp_path / "j")
+    result = run("tail", "--journal", str(tmp_path / "j"))
+    assert result.returncode == 0, result.stderr
+    lines = [orjson.loads(line) for line in result.stdout.splitlines()]
+    assert [e["offset"] for e in lines] == [0, 1, 2]
+    assert lines[0]["payload"] == {"message": "hello"}
+    assert lines[1]["payload"] == "plain text"
+    assert lines[2]["payload"] == {"a": 1}
+    filtered = run("tail", "--journal", str(tmp_path / "j"), "--protocol", "logtk")
+    assert [orjson.loads(x)["protocol"] for x in filtered.stdout.splitlines()] == ["logtk"]
+    from_one = run("tail", "--journal", str(tmp_path / "j"), "--from", "1", "--stream", "/a/")
+    assert [orjson.loads(x)["offset"] for x in from_one.stdout.splitlines()] == [2]
+
+
+def test_tail_follow_sees_new_events(tmp_path):
+    make_journal(tmp_path / "j")
+    proc = subprocess.Popen(
+        [
+            TAPROOM,
+            "tail",
+            "--journal",
+            str(tmp_path / "j"),
+            "--follow",
+            "--from",
+            "3",
+            "--limit",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    j = Journal(tmp_path / "j")
+    b = BatchBuilder()
+    b.add("t", b'"later"', content_type="json")
+    j.commit([b.build()])
+    j.close()
+    out, _ = proc.communicate(timeout=30)
+    assert orjson.loads(out)["payload"] == "later"
+
+
+def test_journal_stats_and_check(tmp_path):
+    make_journal(tmp_path / "j")
+    stats = json.loads(run("journal", "stats", "--journal", str(tmp_path / "j"), "--json").stdout)
+    assert stats["events"] == 3 and stats["segments"] == 1 and stats["last_offset"] == 2
+    assert run("journal", "check", "--journal", str(tmp_path / "j")).returncode == 0
+    seg = next((tmp_path / "j").glob("*.seg"))
+    with open(seg, "ab") as f:
+        f.write(b"torn")
+    assert run("journal", "check", "--journal", str(tmp_path / "j")).returncode == 1
+    assert run("journal", "check", "--journal", str(tmp_path / "j"), "--repair").returncode == 0
+    assert run("journal", "check", "--journal", str(tmp_path / "j")).returncode == 0
+
+
+def test_serve_writes_ready_file_and_exits_zero_on_sigterm(tmp_path):
+    config = tmp_path / "t.toml"
+    config.write_text(
+        f'[journal]\ndir = "{tmp_path / "j"}"\n[web]\nport = 0\n'
+        + "".join(
+            f"[{s}]\nenabled = false\n"
+            for s in ("lumberjack", "logtk", "logjam", "eventbus", "lager")
+        )
+    )
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen(
+        [TAPROOM, "serve", "--config", str(config), "--ready-file", str(ready)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(300):
+            if ready.exists():
+                break
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            subprocess.run(["sleep", "0.05"])
+        listeners = json.loads(ready.read_text())["listeners"]
+        assert listeners["web"].startswith("127.0.0.1:")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "stopped cleanly" in err
+    assert not ready.exists()
+
+
+def test_config_defaults_lists_reasons():
+    result = run("config", "defaults")
+    assert result.returncode == 0
+    assert "journal.fsync = 'always'  # ack only what is on disk" in result.stdout

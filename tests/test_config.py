@@ -1,0 +1,103 @@
+"""Configuration: types, bounds, unknown keys, interpolation, env overrides, file:line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from taproom.config import describe_defaults, load_config
+from taproom.errors import ConfigError
+
+
+def load(text: str, env: dict[str, str] | None = None, path: str | None = None):
+    return (
+        load_config(text=text, env=env or {}) if path is None else load_config(path, env=env or {})
+    )
+
+
+def test_defaults_run_everything_on_loopback_with_journal_in_var():
+    config = load("")
+    assert config.journal.dir == "./var/journal"
+    assert config.journal.fsync == "always"
+    hosts = {getattr(config.section(n), "host", "127.0.0.1") for n in config.names}
+    assert hosts == {"127.0.0.1"}
+
+
+def test_every_setting_says_why_its_default():
+    missing = [f"{s}.{k}" for s, k, _d, why in describe_defaults() if not why]
+    assert missing == []
+
+
+def test_unknown_key_names_file_line_and_key(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('[journal]\nfsync = "always"\n\nfsynk = "off"\n')
+    with pytest.raises(ConfigError) as err:
+        load("", path=str(path))
+    assert str(err.value).startswith(f"{path}:4: journal.fsynk: unknown key")
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError) as err:
+        load("[journl]\ndir = 'x'\n")
+    assert err.value.line == 1 and err.value.key == "journl"
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "fragment"),
+    [
+        ("[journal]\nfsync = 'sometimes'\n", "journal.fsync", "not one of"),
+        ("[journal]\nsegment_bytes = 10\n", "journal.segment_bytes", "below the minimum"),
+        ("[web]\nport = 70000\n", "web.port", "above the maximum"),
+        ("[web]\nport = 'eighty'\n", "web.port", "expected an integer"),
+        ("[web]\nenabled = 3\n", "web.enabled", "expected true or false"),
+        ("[hub]\nname = 5\n", "hub.name", "expected a string"),
+    ],
+)
+def test_wrong_types_and_impossible_values(text, key, fragment):
+    with pytest.raises(ConfigError) as err:
+        load(text)
+    assert err.value.key == key
+    assert fragment in err.value.message
+    assert err.value.line == 2
+
+
+def test_invalid_toml_gives_line():
+    with pytest.raises(ConfigError) as err:
+        load("[journal]\ndir = \n")
+    assert err.value.line == 2
+
+
+def test_interpolation_forms():
+    text = '[journal]\ndir = "${BASE}/j"\n[hub]\nname = "${NAME:-fallback}"\n[web]\nport = "${PORT:-9999}"\n'
+    config = load(text, env={"BASE": "/data"})
+    assert config.journal.dir == "/data/j"
+    assert config.hub.name == "fallback"
+    assert config.web.port == 9999  # interpolated strings are coerced to the setting's type
+
+
+def test_required_variable_message():
+    with pytest.raises(ConfigError) as err:
+        load('[journal]\ndir = "${DATA:?set DATA to the journal disk}"\n')
+    assert "set DATA to the journal disk" in str(err.value) and err.value.line == 2
+
+
+def test_unset_variable_without_default_is_an_error():
+    with pytest.raises(ConfigError, match=r"\$\{NOPE\} is not set"):
+        load('[journal]\ndir = "${NOPE}"\n')
+
+
+def test_environment_overrides_win_and_are_typed():
+    config = load(
+        "[web]\nport = 1\n",
+        env={
+            "TAPROOM_WEB__PORT": "2345",
+            "TAPROOM_JOURNAL__FSYNC": "off",
+            "TAPROOM_WEB__ENABLED": "false",
+        },
+    )
+    assert config.web.port == 2345 and config.journal.fsync == "off" and config.web.enabled is False
+
+
+def test_environment_override_is_validated():
+    with pytest.raises(ConfigError) as err:
+        load("", env={"TAPROOM_JOURNAL__FSYNC": "never"})
+    assert err.value.key == "journal.fsync"

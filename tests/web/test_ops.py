@@ -1,0 +1,114 @@
+"""/metrics, /health and /ready over real HTTP, and the disk-full path seen through /ready."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+import orjson
+import pytest
+
+from taproom.records import BatchBuilder
+from tests.support import running_app
+
+
+async def http(address: str, request: bytes) -> tuple[int, bytes]:
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def get(address: str, path: str) -> tuple[int, bytes]:
+    return await http(address, f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+
+
+async def test_health_ready_metrics(tmp_path):
+    async with running_app(tmp_path) as app:
+        web = app.addresses["web"]
+        assert await get(web, "/health") == (200, b'{"status":"alive"}\n')
+        status, body = await get(web, "/ready")
+        assert status == 200 and orjson.loads(body) == {"ready": True, "reasons": []}
+        b = BatchBuilder()
+        b.add("test", b"x")
+        await app.hub.ingest(b.build())
+        status, body = await get(web, "/metrics")
+        assert status == 200
+        assert b"taproom_journal_appended_events_total 1.0" in body
+        assert b"# TYPE taproom_hub_commit_latency_seconds histogram" in body
+
+
+async def test_bad_requests_get_4xx_and_are_counted(tmp_path):
+    async with running_app(tmp_path) as app:
+        web = app.addresses["web"]
+        assert (await get(web, "/nope"))[0] == 404
+        assert (await http(web, b"POST /metrics HTTP/1.1\r\n\r\n"))[0] == 405
+        assert (await http(web, b"garbage\r\n\r\n"))[0] == 400
+        assert (await http(web, b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n"))[0] == 431
+        _, body = await get(web, "/metrics")
+        assert b'taproom_web_requests_calls_total{reason="not_found"} 1.0' in body
+        assert b'taproom_web_requests_calls_total{reason="method_not_allowed"} 1.0' in body
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str):
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    filler = path / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for size in (65536, 4096, 1):  # down to the last byte the filesystem has
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * size)
+    finally:
+        os.close(fd)
+    return filler
+
+
+@pytest.mark.skipif(not _can_mount(), reason="a real full filesystem needs root to mount tmpfs")
+async def test_disk_full_pauses_acks_reports_not_ready_and_recovers(tmp_path):
+    with small_tmpfs(tmp_path / "mnt", "2m") as mnt:
+        async with running_app(tmp_path, journal={"dir": str(mnt / "journal")}) as app:
+            web = app.addresses["web"]
+            first = BatchBuilder()
+            first.add("test", b"before")
+            await app.hub.ingest(first.build())
+            filler = fill(mnt)
+            b = BatchBuilder()
+            b.add("test", b"y" * 200_000)
+            future = app.hub.submit(b.build())
+            for _ in range(100):
+                status, body = await get(web, "/ready")
+                if status == 503:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == 503 and b"no space" in body
+            assert not future.done()  # never acked while it is not on disk
+            filler.unlink()
+            commit = await asyncio.wait_for(future, 10)
+            assert commit.first_offset == 1
+            assert (await get(web, "/ready"))[0] == 200
+            assert [r.payload[:6] for r in app.hub.journal.read(0)] == [b"before", b"yyyyyy"]
+            failures = app.hub.metrics.registry.get_sample_value(
+                "taproom_hub_commit_failures_events_total", {"reason": "disk_full"}
+            )
+            assert failures and failures >= 1
