@@ -45,6 +45,8 @@ _HEAD_AFTER_LEN = _HEAD.size - 4
 # single event larger than 64 MiB is a sender bug, not telemetry.
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 _U64 = (1 << 64) - 1
+# Distinct short strings remembered per builder: a batch has few protocols/streams/topics.
+_CACHE_ENTRIES = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,13 +108,20 @@ class BatchBuilder:
     the builder was created so one batch shares one receive time.
     """
 
-    __slots__ = ("_count", "_nbytes", "_parts", "received_ns")
+    __slots__ = ("_cache", "_count", "_nbytes", "_parts", "received_ns")
 
     def __init__(self, received_ns: int | None = None) -> None:
         self.received_ns = time.time_ns() if received_ns is None else received_ns
         self._parts: list[bytes] = []
         self._count = 0
         self._nbytes = 0
+        self._cache: dict[str, bytes] = {"": b""}
+
+    def _encode(self, value: str, limit: int, name: str) -> bytes:
+        raw = _utf8(value, limit, name)
+        if len(self._cache) < _CACHE_ENTRIES:
+            self._cache[value] = raw
+        return raw
 
     def __len__(self) -> int:
         return self._count
@@ -145,12 +154,25 @@ class BatchBuilder:
             )
         if not 0 <= seq <= _U64:
             raise LimitExceeded(f"seq {seq} outside u64", reason="bad_seq")
-        p = _utf8(protocol, 255, "protocol")
-        c = _utf8(content_type, 255, "content_type")
-        s = _utf8(stream, 65535, "stream")
-        t = _utf8(topic, 65535, "topic")
-        r = _utf8(producer, 65535, "producer")
-        e = _utf8(event_id, 65535, "event_id")
+        # Hot path: protocol, content type, stream, topic and producer repeat within a batch,
+        # so their encoded (and length-checked) bytes come from a per-builder cache.
+        cache = self._cache
+        p = cache.get(protocol)
+        if p is None:
+            p = self._encode(protocol, 255, "protocol")
+        c = cache.get(content_type)
+        if c is None:
+            c = self._encode(content_type, 255, "content_type")
+        s = cache.get(stream)
+        if s is None:
+            s = self._encode(stream, 65535, "stream")
+        t = cache.get(topic)
+        if t is None:
+            t = self._encode(topic, 65535, "topic")
+        r = cache.get(producer)
+        if r is None:
+            r = self._encode(producer, 65535, "producer")
+        e = _utf8(event_id, 65535, "event_id") if event_id else b""
         if attrs is None:
             a = b""
         elif isinstance(attrs, bytes):
