@@ -126,7 +126,6 @@ def run(quick: bool) -> list[Figure]:
                 "< 5",
             )
         )
-        last = sorted(os.listdir(path))[-2 if os.path.isdir(os.path.join(path, "cursors")) else -1]
         seg = os.path.join(path, sorted(n for n in os.listdir(path) if n.endswith(".seg"))[-1])
         with open(seg, "ab") as f:
             f.write(os.urandom(1000))
@@ -140,7 +139,6 @@ def run(quick: bool) -> list[Figure]:
                 "< 5",
             )
         )
-        del last
         figures.append(Figure("peak RSS of the bench process", peak_rss_mib(), "MiB"))
     finally:
         shutil.rmtree(root, ignore_errors=True)

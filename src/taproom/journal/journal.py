@@ -28,17 +28,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptSegment, DiskFull, JournalError, JournalFailed
+from ..errors import DiskFull, JournalError, JournalFailed
 from ..metrics import Metrics
-from ..records import EncodedBatch, Record, iter_batch
+from ..records import EncodedBatch, Record
 from .segments import (
-    FRAME,
     SEGMENT_HEADER,
     SEGMENT_MAGIC,
     encode_frame_header,
     iter_frames,
     read_segment_header,
+    records_in_range,
     scan_segment,
+    segment_batches,
     segment_name,
 )
 
@@ -443,39 +444,19 @@ class Journal:
                 continue  # deleted by retention while we read: move on to newer data
             try:
                 index = self._segment_index(seg, fd, end)
-                start_pos = SEGMENT_HEADER.size
-                start_base = seg.base_offset
+                start = (seg.base_offset, SEGMENT_HEADER.size)
                 k = bisect.bisect_right(index, (from_offset, float("inf"))) - 1
                 if k >= 0:
-                    start_base, start_pos = index[k]
-                size = os.fstat(fd).st_size
-                for info, body, problem in iter_frames(
-                    fd, start_pos, start_base, size, verify=True
-                ):
-                    if info.base_offset >= end:
-                        break
-                    if problem is not None:
-                        raise CorruptSegment(
-                            f"{os.path.basename(seg.path)}: {problem} at {info.position}",
-                            segment=seg.path,
-                            position=info.position,
-                        )
-                    if info.base_offset + info.count <= from_offset:
-                        continue
-                    assert body is not None
-                    yield info.base_offset, info.count, body
+                    start = index[k]
+                yield from segment_batches(
+                    fd, seg.path, start, from_offset, end, unfinished_ok=False
+                )
             finally:
                 os.close(fd)
 
     def read(self, from_offset: int = 0, end_offset: int | None = None) -> Iterator[Record]:
         """Committed records with ``from_offset <= offset < end_offset``."""
-        for base, _count, body in self.read_batches(from_offset, end_offset):
-            for record in iter_batch(body, base):
-                if record.offset < from_offset:
-                    continue
-                if end_offset is not None and record.offset >= end_offset:
-                    return
-                yield record
+        return records_in_range(self.read_batches(from_offset, end_offset), from_offset, end_offset)
 
     # --- inspection -----------------------------------------------------------------------
 
@@ -527,7 +508,7 @@ def check_journal(path: str | os.PathLike[str], *, repair: bool = False) -> dict
                 "valid_bytes": result.valid_end,
                 "bytes_after": result.file_size - result.valid_end,
             }
-            if repair and result.valid_end >= FRAME.size - FRAME.size + 16:
+            if repair and result.valid_end >= SEGMENT_HEADER.size:
                 fd = os.open(seg_path, os.O_RDWR)
                 try:
                     os.ftruncate(fd, result.valid_end)

@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterator
 
 from ..errors import CorruptSegment, JournalError
-from ..records import Record, iter_batch
-from .segments import SEGMENT_HEADER, iter_frames, read_segment_header
+from ..records import Record
+from .segments import SEGMENT_HEADER, read_segment_header, records_in_range, segment_batches
 
 __all__ = ["JournalReader"]
 
@@ -58,35 +58,19 @@ class JournalReader:
                     if last:
                         return
                     raise CorruptSegment(f"segment {base}: bad header", segment=self._path(base))
-                size = os.fstat(fd).st_size
-                for info, body, problem in iter_frames(
-                    fd, SEGMENT_HEADER.size, base, size, verify=True
-                ):
-                    if problem is not None:
-                        if last:
-                            return
-                        raise CorruptSegment(
-                            f"segment {base}: {problem} at {info.position}",
-                            segment=self._path(base),
-                            position=info.position,
-                        )
-                    if end_offset is not None and info.base_offset >= end_offset:
-                        return
-                    if info.base_offset + info.count <= from_offset:
-                        continue
-                    assert body is not None
-                    yield info.base_offset, info.count, body
+                yield from segment_batches(
+                    fd,
+                    self._path(base),
+                    (base, SEGMENT_HEADER.size),
+                    from_offset,
+                    end_offset,
+                    unfinished_ok=last,
+                )
             finally:
                 os.close(fd)
 
     def read(self, from_offset: int = 0, end_offset: int | None = None) -> Iterator[Record]:
-        for base, _count, body in self.read_batches(from_offset, end_offset):
-            for record in iter_batch(body, base):
-                if record.offset < from_offset:
-                    continue
-                if end_offset is not None and record.offset >= end_offset:
-                    return
-                yield record
+        return records_in_range(self.read_batches(from_offset, end_offset), from_offset, end_offset)
 
     def end_offset(self) -> int:
         """Offset after the last verified record (scans the last segment)."""

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import crc32c
 
+from ..records import Record, iter_batch
+
 __all__ = [
     "FRAME",
     "MAX_BATCH_BODY",
@@ -29,7 +31,9 @@ __all__ = [
     "crc_of",
     "encode_frame_header",
     "iter_frames",
+    "records_in_range",
     "scan_segment",
+    "segment_batches",
     "segment_name",
 ]
 
@@ -114,6 +118,54 @@ def iter_frames(
         yield info, body, None
         pos += FRAME.size + length
         expected = base + count
+
+
+def segment_batches(
+    fd: int,
+    path: str,
+    start: tuple[int, int],
+    from_offset: int,
+    end_offset: int | None,
+    *,
+    unfinished_ok: bool,
+) -> Iterator[tuple[int, int, bytes]]:
+    """Verified ``(base, count, body)`` of one open segment overlapping the offset range.
+
+    ``start`` is a (base offset, file position) to begin the walk at (from a sparse index or
+    the segment header). A bad frame raises :class:`CorruptSegment`, unless ``unfinished_ok``
+    (the last segment as seen by another process), where it is taken as still being written.
+    """
+    from ..errors import CorruptSegment  # local: keeps this module free of the error tree
+
+    size = os.fstat(fd).st_size
+    for info, body, problem in iter_frames(fd, start[1], start[0], size, verify=True):
+        if end_offset is not None and info.base_offset >= end_offset:
+            return
+        if problem is not None:
+            if unfinished_ok:
+                return
+            raise CorruptSegment(
+                f"{os.path.basename(path)}: {problem} at {info.position}",
+                segment=path,
+                position=info.position,
+            )
+        if info.base_offset + info.count <= from_offset:
+            continue
+        assert body is not None
+        yield info.base_offset, info.count, body
+
+
+def records_in_range(
+    batches: Iterator[tuple[int, int, bytes]], from_offset: int, end_offset: int | None
+) -> Iterator[Record]:
+    """The records of ``batches`` with ``from_offset <= offset < end_offset``."""
+    for base, _count, body in batches:
+        for record in iter_batch(body, base):
+            if record.offset < from_offset:
+                continue
+            if end_offset is not None and record.offset >= end_offset:
+                return
+            yield record
 
 
 def scan_segment(path: str, *, verify: bool = True) -> ScanResult:
