@@ -1,10 +1,43 @@
-"""Lumberjack v1/v2 server glue (to be built under issue 3). Declares the config section."""
+"""Lumberjack v1/v2 server: asyncio glue around :class:`taproom.protocols.lumberjack.ServerConnection`.
+
+One listener speaks both versions (the version byte of each frame decides). Each connection is
+an :class:`asyncio.Protocol` (cheaper than streams for 10,000 idle connections): bytes go to the
+sans-I/O parser, every complete window goes to ``hub.submit`` at once (pipelining), and acks go
+out in window order once the commit covering them resolves. While the hub is out of capacity the
+connection stops reading. One sweep task per listener handles idle timeouts and v2 keepalives,
+so an idle connection owns no timer.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
+import os
+import ssl
+import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import config_section, setting
+from ..errors import ConfigError, HubStopped, ProtocolError
+from ..hub import Commit, Hub
+from ..protocols.lumberjack import (
+    PROTOCOL,
+    Limits,
+    LumberjackError,
+    LumberjackLimit,
+    ServerConnection,
+    Window,
+    encode_ack,
+)
+
+__all__ = ["LumberjackConfig", "LumberjackServer", "create_service", "server_ssl_context"]
+
+log = logging.getLogger("taproom.lumberjack")
+
+_CLIENT_AUTH = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
 
 @config_section("lumberjack")
@@ -13,3 +46,384 @@ class LumberjackConfig:
     enabled: bool = setting(True, "Filebeat-style shippers are the most common source")
     host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
     port: int = setting(5044, "the Beats/Logstash convention", min=0, max=65535)
+    tls_cert: str = setting(
+        "", "PEM certificate (chain); empty serves plain TCP like Beats' default"
+    )
+    tls_key: str = setting("", "PEM private key, PKCS#8 or PKCS#1 (Logstash users have both)")
+    tls_ca: str = setting("", "PEM CA bundle that client certificates must chain to")
+    tls_client_auth: str = setting(
+        "none",
+        "Logstash's default; 'required' is for fleets with client certificates",
+        choices=("none", "optional", "required"),
+    )
+    max_window: int = setting(
+        10_000, "go-lumber closes on a larger W; Filebeat sends at most 2048", min=1, max=1 << 24
+    )
+    max_frame_bytes: int = setting(
+        16 * 1024 * 1024,
+        "a compressed 2048-event window of large events; Filebeat caps one event at 10 MiB",
+        min=1024,
+        max=1 << 30,
+    )
+    max_decompressed_bytes: int = setting(
+        64 * 1024 * 1024,
+        "2048 events of 32 KiB inflated; a zlib bomb stops here (output-bounded inflate)",
+        min=1024,
+        max=1 << 31,
+    )
+    max_pairs: int = setting(
+        1024, "logstash-forwarder sends ~5 pairs per D frame; thousands is an attack", min=1
+    )
+    max_nesting: int = setting(
+        3, "real senders nest C at most once; recursion must stay bounded", min=1, max=16
+    )
+    max_batch_bytes: int = setting(
+        8 * 1024 * 1024,
+        "a window larger than this is journaled in parts (its ack waits for the last part)",
+        min=64 * 1024,
+    )
+    max_connections: int = setting(
+        4096, "one or a few connections per shipper; each idle one costs ~10 KiB", min=1
+    )
+    idle_timeout_s: float = setting(
+        60.0, "Filebeat's default client timeout is 30 s; twice that is surely dead", min=0.1
+    )
+    handshake_timeout_s: float = setting(
+        10.0, "a TLS handshake that takes longer is a stuck or hostile peer", min=0.1
+    )
+    idle_ack_s: float = setting(
+        0.2,
+        "streaming v1 senders (npm lumberjack-protocol) never finish a window: ack when quiet",
+        min=0.001,
+        max=60,
+    )
+    keepalive_s: float = setting(
+        3.0, "v2 only: go-lumber sends keepalive acks every 3 s while a commit is pending", min=0.1
+    )
+    stream_fields: tuple[str, ...] = setting(
+        ("fields.app", "beat.name", "agent.name"),
+        "Beats put the app in fields.app by convention; else the shipper's name",
+    )
+    topic_fields: tuple[str, ...] = setting(
+        ("type", "fields.type"), "logstash-forwarder and old Beats set type; new ones fields.type"
+    )
+
+    def validate(self) -> None:
+        """Check the TLS files can actually be loaded together (``taproom validate``)."""
+        if self.tls_key and not self.tls_cert:
+            raise ConfigError("tls_key given without tls_cert", key="tls_cert")
+        if self.tls_ca and not self.tls_cert:
+            raise ConfigError("tls_ca given without tls_cert", key="tls_cert")
+        if self.tls_client_auth != "none" and not self.tls_ca:
+            raise ConfigError(
+                f"client auth {self.tls_client_auth!r} needs tls_ca", key="tls_client_auth"
+            )
+        if not self.tls_cert:
+            return
+        if not self.tls_key:
+            raise ConfigError("tls_cert given without tls_key", key="tls_key")
+        for key in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, key)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{path}: no such file", key=key)
+        server_ssl_context(self)
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(
+            max_window=self.max_window,
+            max_frame_bytes=self.max_frame_bytes,
+            max_decompressed_bytes=self.max_decompressed_bytes,
+            max_pairs=self.max_pairs,
+            max_nesting=self.max_nesting,
+            max_batch_bytes=self.max_batch_bytes,
+        )
+
+
+def server_ssl_context(config: LumberjackConfig) -> ssl.SSLContext:
+    """TLS 1.2+ server context; raises :class:`ConfigError` naming the key at fault."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(config.tls_cert, config.tls_key)
+    except ssl.SSLError as exc:
+        raise ConfigError(
+            f"certificate and key do not load together: {exc}", key="tls_key"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc}", key="tls_cert") from None
+    if config.tls_ca:
+        try:
+            ctx.load_verify_locations(cafile=config.tls_ca)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(f"not a PEM CA bundle: {exc}", key="tls_ca") from None
+    ctx.verify_mode = _CLIENT_AUTH[config.tls_client_auth]
+    return ctx
+
+
+class _Connection(asyncio.Protocol):
+    """One Lumberjack connection. Acks are written in window order only after their commit."""
+
+    __slots__ = (
+        "_ack_timer",
+        "_closing",
+        "_paused",
+        "_pending",
+        "last_activity",
+        "parser",
+        "producer",
+        "server",
+        "transport",
+    )
+
+    def __init__(self, server: LumberjackServer) -> None:
+        self.server = server
+        self.transport: Any = None
+        self.parser: ServerConnection | None = None
+        self._pending: deque[tuple[asyncio.Future[Commit] | None, Window]] = deque()
+        self._ack_timer: asyncio.TimerHandle | None = None
+        self._paused = False
+        self._closing = False
+        self.last_activity = time.monotonic()
+        self.producer = ""
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        assert isinstance(transport, asyncio.Transport)
+        server = self.server
+        if len(server.connections) >= server.config.max_connections:
+            server.hub.metrics.rejected(PROTOCOL, "max_connections")
+            log.warning("connection refused: max_connections %d", server.config.max_connections)
+            transport.abort()
+            return
+        peer = transport.get_extra_info("peername")
+        producer = f"{peer[0]}:{peer[1]}" if peer else ""
+        cert = transport.get_extra_info("peercert")
+        if cert:
+            for rdn in cert.get("subject", ()):
+                for name, value in rdn:
+                    if name == "commonName":
+                        producer = value
+        self.producer = producer
+        cfg = server.config
+        self.parser = ServerConnection(
+            producer,
+            limits=server.limits,
+            stream_fields=cfg.stream_fields,
+            topic_fields=cfg.topic_fields,
+        )
+        server.connections.add(self)
+        server.m_connections.inc()
+
+    def data_received(self, data: bytes) -> None:
+        parser = self.parser
+        if parser is None or self._closing:
+            return
+        self.last_activity = time.monotonic()
+        try:
+            windows = parser.receive_data(data, time.time_ns())
+        except (LumberjackError, LumberjackLimit) as exc:
+            self._submit(exc.windows)
+            self._violation(exc)
+            return
+        except ProtocolError as exc:  # records-level limits (over-long fields)
+            self._violation(exc)
+            return
+        except Exception:  # a bug: close without leaking detail
+            log.exception("%s: internal error while parsing", self.producer)
+            self._violation(ProtocolError("internal error", reason="internal_error"))
+            return
+        if windows:
+            self._submit(windows)
+        if parser.pending_events:
+            if self._ack_timer is not None:
+                self._ack_timer.cancel()
+            self._ack_timer = self.server.loop.call_later(
+                self.server.config.idle_ack_s, self._idle_flush
+            )
+        if not self.server.hub.has_capacity and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()
+            self.server.loop.create_task(self._wait_capacity())
+
+    def eof_received(self) -> bool:
+        # The sender half-closed: flush, let pending acks go out, then close.
+        if self.parser is not None and not self._closing:
+            self._idle_flush()
+        self._closing = True
+        self._close_when_acked()
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
+        if self in self.server.connections:
+            self.server.connections.discard(self)
+            self.server.m_connections.dec()
+        self._closing = True
+        self._pending.clear()
+
+    # -- windows and acks ---------------------------------------------------------------------
+
+    def _submit(self, windows: list[Window]) -> None:
+        hub = self.server.hub
+        events = 0
+        for window in windows:
+            future: asyncio.Future[Commit] | None = None
+            if window.batch.count:
+                try:
+                    future = hub.submit(window.batch)
+                except HubStopped:
+                    self._abort("hub stopping")
+                    return
+                events += window.batch.count
+                future.add_done_callback(self._on_commit)
+            self._pending.append((future, window))
+        if events:
+            hub.metrics.accepted(PROTOCOL, events)
+        self._on_commit(None)
+
+    def _on_commit(self, _future: object) -> None:
+        """Write the acks of every leading window whose commit is done, in one write."""
+        pending = self._pending
+        acks: list[bytes] = []
+        while pending:
+            future, window = pending[0]
+            if future is not None:
+                if not future.done():
+                    break
+                if future.cancelled() or future.exception() is not None:
+                    # Not durable: no ack; the sender resends after reconnecting.
+                    self._abort("commit failed")
+                    return
+            pending.popleft()
+            if window.ack_seq is not None:
+                acks.append(encode_ack(window.version, window.ack_seq))
+        if acks and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(acks) if len(acks) > 1 else acks[0])
+        if self._closing:
+            self._close_when_acked()
+
+    def _idle_flush(self) -> None:
+        self._ack_timer = None
+        parser = self.parser
+        if parser is None or self._closing:
+            return
+        window = parser.flush()
+        if window is not None:
+            self._submit([window])
+
+    async def _wait_capacity(self) -> None:
+        try:
+            await self.server.hub.wait_capacity()
+        finally:
+            self._paused = False
+            if not self._closing and not self.transport.is_closing():
+                self.transport.resume_reading()
+
+    def keepalive(self) -> None:
+        """v2 only: tell the sender the pending window is being worked on (seq 0)."""
+        if self._pending and self.parser is not None and self.parser.version == 0x32:
+            self.transport.write(encode_ack(0x32, 0))
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def _violation(self, exc: ProtocolError) -> None:
+        reason = exc.reason
+        self.server.hub.metrics.rejected(PROTOCOL, reason)
+        log.warning("%s: closing connection: %s (%s)", self.producer, exc, reason)
+        self._closing = True
+        self.transport.pause_reading()
+        self._close_when_acked()
+
+    def _close_when_acked(self) -> None:
+        """Close once every window already complete is committed and acknowledged."""
+        if not self._pending and self.transport is not None:
+            self.transport.close()
+
+    def _abort(self, why: str) -> None:
+        log.info("%s: closing connection: %s", self.producer, why)
+        self._closing = True
+        self._pending.clear()
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class LumberjackServer:
+    """The listener: accepts, limits connections, sweeps idle ones, sends v2 keepalives."""
+
+    def __init__(self, hub: Hub, config: LumberjackConfig) -> None:
+        self.hub = hub
+        self.config = config
+        self.limits = config.limits
+        self.connections: set[_Connection] = set()
+        self.loop = asyncio.get_event_loop()
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+        self.m_connections = hub.metrics.connections(PROTOCOL, "lumberjack")
+
+    async def start(self) -> dict[str, str]:
+        self.loop = asyncio.get_running_loop()
+        cfg = self.config
+        ssl_ctx = server_ssl_context(cfg) if cfg.tls_cert else None
+        self._server = await self.loop.create_server(
+            lambda: _Connection(self),
+            cfg.host,
+            cfg.port,
+            ssl=ssl_ctx,
+            ssl_handshake_timeout=cfg.handshake_timeout_s if ssl_ctx else None,
+            backlog=1024,
+        )
+        self._sweeper = self.loop.create_task(self._sweep())
+        host, port = self._server.sockets[0].getsockname()[:2]
+        log.info("lumberjack listening on %s:%d (%s)", host, port, "TLS" if ssl_ctx else "TCP")
+        return {"lumberjack": f"{host}:{port}"}
+
+    async def _sweep(self) -> None:
+        """Idle timeouts and keepalives for all connections, one wake-up per second at most."""
+        cfg = self.config
+        period = min(1.0, cfg.keepalive_s, cfg.idle_timeout_s / 2)
+        last_keepalive = time.monotonic()
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            send_keepalive = now - last_keepalive >= cfg.keepalive_s
+            if send_keepalive:
+                last_keepalive = now
+            for conn in list(self.connections):
+                if conn._pending:
+                    if send_keepalive:
+                        conn.keepalive()
+                elif now - conn.last_activity > cfg.idle_timeout_s:
+                    self.hub.metrics.rejected(PROTOCOL, "idle_timeout")
+                    log.info("%s: idle for %.0fs, closing", conn.producer, cfg.idle_timeout_s)
+                    conn._closing = True
+                    conn.transport.close()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        # Stop reading, let in-flight commits finish so their acks go out, then close.
+        for conn in list(self.connections):
+            conn._closing = True
+            with contextlib.suppress(Exception):
+                conn.transport.pause_reading()
+        deadline = time.monotonic() + self.hub.config.hub.grace_period_s
+        while any(c._pending for c in self.connections) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for conn in list(self.connections):
+            conn.transport.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+
+def create_service(hub: Hub, section: LumberjackConfig) -> LumberjackServer:
+    return LumberjackServer(hub, section)

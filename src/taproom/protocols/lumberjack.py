@@ -1,0 +1,740 @@
+"""Lumberjack v1 and v2 (Beats), sans-I/O: bytes in, journal batches and acks out.
+
+One :class:`ServerConnection` per TCP/TLS connection. ``receive_data(data, now_ns)`` parses
+every complete frame, maps data frames straight into the journal's record encoding (no per-event
+objects) and returns a :class:`Window` for each window that is complete; the glue submits
+``window.batch`` to the hub and, once it is durable, sends ``encode_ack(window.version,
+window.ack_seq)``. ``flush()`` closes a partial window when the connection goes idle (streaming
+v1 clients never finish a window). :class:`ClientSession` is the sender's side: it encodes
+windows, tracks them until acknowledged and tells what to resend after a reconnect.
+
+Wire format (seed ``lumberjack-v1.txt``; v2 is the same framing with version byte ``'2'``)::
+
+    version(1) type(1) payload...      all integers uint32 big-endian
+    W size | D seq npairs (klen key vlen value)* | J seq len json | C len zlib | A seq
+
+The decoder raises only :class:`LumberjackError` (a :class:`~taproom.errors.ProtocolError`)
+or :class:`LumberjackLimit` (a :class:`~taproom.errors.LimitExceeded`); both carry the
+windows completed before the bad frame in ``windows`` so nothing parsed before it is lost.
+Decisions on the seed's ambiguities are in ``docs/protocols/lumberjack.md``.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import orjson
+
+from ..errors import LimitExceeded, ProtocolError
+from ..records import EncodedBatch
+
+__all__ = [
+    "PROTOCOL",
+    "AckFrame",
+    "ClientSession",
+    "CompressedFrame",
+    "DataFrame",
+    "FrameType",
+    "JsonFrame",
+    "Limits",
+    "LumberjackError",
+    "LumberjackLimit",
+    "SentWindow",
+    "ServerConnection",
+    "Version",
+    "Window",
+    "WindowSizeFrame",
+    "encode_ack",
+    "next_seq",
+    "seq_after",
+]
+
+PROTOCOL = "lumberjack"
+SEQ_MASK = 0xFFFFFFFF
+_HALF = 0x80000000
+
+
+class Version(IntEnum):
+    """The first byte of every frame."""
+
+    V1 = 0x31  # "version(1)" -- ASCII '1' (logstash-forwarder, lumberjack-protocol)
+    V2 = 0x32  # '2' -- the Beats protocol (go-lumber, Filebeat, Logstash beats input)
+
+
+class FrameType(IntEnum):
+    """The second byte of every frame."""
+
+    WINDOW = 0x57  # "'window size' frame type ... ASCII 'W' aka byte value 0x57"
+    DATA = 0x44  # "'data' frame type ... ASCII 'D' aka byte value 0x44"
+    JSON = 0x4A  # "'json' frame type ... ASCII 'J' aka byte value 0x4a"
+    COMPRESSED = 0x43  # "'compressed' frame type ... ASCII 'C' aka byte value 0x43"
+    ACK = 0x41  # "'ack' frame type ... ASCII 'A' aka byte value 0x41"
+
+
+class LumberjackError(ProtocolError):
+    """The peer broke the Lumberjack protocol; the connection is closed without a reply.
+
+    ``windows`` holds the windows completed before the bad frame: they are valid, get
+    committed and acknowledged before the close.
+    """
+
+    def __init__(self, message: str, *, reason: str = "malformed") -> None:
+        super().__init__(message, reason=reason, reply=None)
+        self.windows: list[Window] = []
+
+
+class LumberjackLimit(LimitExceeded):
+    """A size, count or nesting depth read from the wire is over its configured bound."""
+
+    def __init__(self, message: str, *, reason: str = "limit") -> None:
+        super().__init__(message, reason=reason, reply=None)
+        self.windows: list[Window] = []
+
+
+def seq_after(a: int, b: int) -> bool:
+    """``a`` comes after ``b`` in uint32 serial-number order (RFC 1982), across roll-over."""
+    return 0 < ((a - b) & SEQ_MASK) < _HALF
+
+
+def next_seq(seq: int) -> int:
+    """The sequence number after ``seq``. Skips 0 on roll-over: 0 is the keepalive ack."""
+    seq = (seq + 1) & SEQ_MASK
+    return seq or 1
+
+
+# --- frames as values (clients, tests, docs) ---------------------------------------------------
+
+_U32 = struct.Struct(">I")
+_U32X2 = struct.Struct(">II")
+_FRAME_U32 = struct.Struct(">BBI")
+_FRAME_U32X2 = struct.Struct(">BBII")
+
+
+@dataclass(frozen=True, slots=True)
+class WindowSizeFrame:
+    """``W``: the sender will have at most ``size`` data frames unacknowledged."""
+
+    size: int
+    version: Version = Version.V2
+
+    def serialize(self) -> bytes:
+        return _FRAME_U32.pack(self.version, FrameType.WINDOW, self.size)
+
+
+@dataclass(frozen=True, slots=True)
+class DataFrame:
+    """``D`` (v1): string key/value pairs."""
+
+    seq: int
+    pairs: tuple[tuple[str, str], ...]
+    version: Version = Version.V1
+
+    @classmethod
+    def from_mapping(
+        cls, seq: int, data: Mapping[str, object], version: Version = Version.V1
+    ) -> DataFrame:
+        return cls(seq, tuple((str(k), str(v)) for k, v in data.items()), version)
+
+    def serialize(self) -> bytes:
+        parts = [_FRAME_U32X2.pack(self.version, FrameType.DATA, self.seq, len(self.pairs))]
+        for key, value in self.pairs:
+            k = key.encode()
+            v = value.encode()
+            parts += (_U32.pack(len(k)), k, _U32.pack(len(v)), v)
+        return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class JsonFrame:
+    """``J`` (v2): one JSON document."""
+
+    seq: int
+    payload: bytes
+    version: Version = Version.V2
+
+    def serialize(self) -> bytes:
+        head = _FRAME_U32X2.pack(self.version, FrameType.JSON, self.seq, len(self.payload))
+        return head + self.payload
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedFrame:
+    """``C``: a zlib stream (with header) whose content is a complete frame sequence."""
+
+    payload: bytes
+    version: Version = Version.V2
+
+    @classmethod
+    def compress(cls, frames: bytes, level: int = 3, version: Version = Version.V2) -> bytes:
+        """The serialized ``C`` frame wrapping ``frames``."""
+        return cls(zlib.compress(frames, level), version).serialize()
+
+    def serialize(self) -> bytes:
+        head = _FRAME_U32.pack(self.version, FrameType.COMPRESSED, len(self.payload))
+        return head + self.payload
+
+
+@dataclass(frozen=True, slots=True)
+class AckFrame:
+    """``A``: everything up to and including ``seq`` is acknowledged (0: keepalive, v2)."""
+
+    seq: int
+    version: Version = Version.V2
+
+    def serialize(self) -> bytes:
+        return _FRAME_U32.pack(self.version, FrameType.ACK, self.seq)
+
+
+def encode_ack(version: int, seq: int) -> bytes:
+    """The ``A`` frame bytes; ``version`` is the byte of the frames being acknowledged."""
+    return _FRAME_U32.pack(version, FrameType.ACK, seq & SEQ_MASK)
+
+
+# --- server side -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds checked before anything read from the wire is allocated (see the server config)."""
+
+    max_window: int = 10_000
+    max_frame_bytes: int = 16 * 1024 * 1024
+    max_decompressed_bytes: int = 64 * 1024 * 1024
+    max_pairs: int = 1024
+    max_nesting: int = 3
+    max_batch_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """Events ready for the journal.
+
+    ``ack_seq`` is the sequence number to acknowledge once ``batch`` is durable (the highest
+    received, never a count); ``None`` for the first parts of a window split because it grew
+    past ``max_batch_bytes`` (the ack waits for the last part). ``batch.count`` may be 0
+    (``W 0``, or an idle flush with nothing new): then the ack is owed at once, in order.
+    """
+
+    batch: EncodedBatch
+    ack_seq: int | None
+    version: int
+
+
+# Journal record head (records.py layout): u32 rest, i64 received_ns, i64 ts_ns, u64 seq,
+# u8 lp, u8 lc, u16 ls, lt, lr, le, u32 la, lp. Encoded here directly: records.BatchBuilder.add
+# costs ~2.5 us per event, more than the whole rest of the v2 path; the format is checked
+# against records.iter_batch by the tests.
+_REC_HEAD = struct.Struct("<IqqQBBHHHHII")
+_REC_AFTER_LEN = _REC_HEAD.size - 4
+_MAX_NAME_CHARS = 255  # a stream/topic value longer than this is not a name: ignored
+
+_CT_KV = b"kv"
+_CT_JSON = b"json"
+_ATTRS = {0x31: b'{"v":"1"}', 0x32: b'{"v":"2"}'}
+# Plain ints for the hot loop: comparing with IntEnum members is several times slower.
+_VER1 = int(Version.V1)
+_VER2 = int(Version.V2)
+_T_W = int(FrameType.WINDOW)
+_T_D = int(FrameType.DATA)
+_T_J = int(FrameType.JSON)
+_T_C = int(FrameType.COMPRESSED)
+_T_A = int(FrameType.ACK)
+_JSONDecodeError = orjson.JSONDecodeError
+
+
+def _compile_paths(paths: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(p.split(".")) for p in paths if p)
+
+
+class ServerConnection:
+    """The receiving side of one connection.
+
+    ``producer`` goes into every record (peer ``ip:port`` or TLS subject CN). ``stream_fields``
+    and ``topic_fields`` are dotted paths tried in order; the first non-empty string wins. In
+    ``D`` frames, whose keys are flat, a path is looked up as one literal key.
+    """
+
+    __slots__ = (
+        "_buf",
+        "_cache",
+        "_count",
+        "_events",
+        "_high",
+        "_limits",
+        "_nbytes",
+        "_need",
+        "_parts",
+        "_producer",
+        "_received_ns",
+        "_stream_keys",
+        "_stream_paths",
+        "_topic_keys",
+        "_topic_paths",
+        "_version",
+        "_window_size",
+        "events_total",
+    )
+
+    def __init__(
+        self,
+        producer: str = "",
+        *,
+        limits: Limits | None = None,
+        stream_fields: Sequence[str] = ("fields.app", "beat.name", "agent.name"),
+        topic_fields: Sequence[str] = ("type", "fields.type"),
+    ) -> None:
+        self._limits = limits or Limits()
+        self._producer = producer.encode("utf-8", "replace")[:65535]
+        self._stream_paths = _compile_paths(stream_fields)
+        self._topic_paths = _compile_paths(topic_fields)
+        self._stream_keys = tuple(p for p in stream_fields if p)
+        self._topic_keys = tuple(p for p in topic_fields if p)
+        self._buf = bytearray()
+        self._need = 0
+        self._window_size = 0  # 0: no W seen yet, windows close at max_window or idle
+        self._version = _VER2
+        self._count = 0  # data frames in the open window
+        self._high = 0
+        self._parts: list[bytes] = []
+        self._nbytes = 0
+        self._received_ns = 0
+        self._events: list[Window] = []
+        self._cache: dict[tuple[int, bytes, str, str], tuple[bytes, int, int, int]] = {}
+        self.events_total = 0
+
+    # -- public API ---------------------------------------------------------------------------
+
+    @property
+    def pending_events(self) -> int:
+        """Data frames received in the open (not yet returned) window."""
+        return self._count
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of an incomplete frame held until the rest arrives."""
+        return len(self._buf)
+
+    @property
+    def version(self) -> int:
+        """Version byte of the latest frame (acks and keepalives answer in it)."""
+        return self._version
+
+    def receive_data(self, data: bytes, now_ns: int) -> list[Window]:
+        """Parse ``data``; return the windows it completed, in order."""
+        self._received_ns = now_ns
+        events: list[Window] = []
+        self._events = events
+        try:
+            if self._buf:
+                buf = self._buf
+                buf += data
+                if len(buf) < self._need:
+                    return events
+                view = memoryview(buf)
+                try:
+                    pos = self._parse(view, 0, len(buf), 0)
+                finally:
+                    view.release()
+                del buf[:pos]
+            else:
+                view = memoryview(data)
+                pos = self._parse(view, 0, len(data), 0)
+                if pos < len(data):
+                    self._buf += view[pos:]
+                view.release()
+        except (LumberjackError, LumberjackLimit) as exc:
+            exc.windows = events
+            self._buf = bytearray()
+            raise
+        if not self._buf:
+            self._need = 0
+        return events
+
+    def flush(self) -> Window | None:
+        """Close the open window early (the connection went idle); None when it is empty."""
+        if not self._count:
+            return None
+        return self._close_window(final=True)
+
+    # -- parsing ------------------------------------------------------------------------------
+
+    def _parse(self, view: memoryview, pos: int, end: int, depth: int) -> int:
+        """Handle complete frames in ``view[pos:end]``; return where an incomplete one starts."""
+        unpack2 = _U32X2.unpack_from
+        unpack1 = _U32.unpack_from
+        limits = self._limits
+        max_frame = limits.max_frame_bytes
+        loads = orjson.loads
+        while end - pos >= 2:
+            version = view[pos]
+            ftype = view[pos + 1]
+            if version != _VER2 and version != _VER1:
+                raise LumberjackError(f"unknown version byte {version:#04x}", reason="bad_version")
+            if ftype == _T_J:
+                if end - pos < 10:
+                    self._need = 10
+                    return pos
+                seq, length = unpack2(view, pos + 2)
+                if length > max_frame:
+                    raise LumberjackLimit(
+                        f"J payload of {length} bytes, at most {max_frame}",
+                        reason="frame_too_large",
+                    )
+                if length == 0:
+                    raise LumberjackError("J frame with an empty payload", reason="empty_json")
+                fend = pos + 10 + length
+                if fend > end:
+                    self._need = fend - pos
+                    return pos
+                payload = view[pos + 10 : fend].tobytes()
+                try:
+                    obj = loads(payload)
+                except _JSONDecodeError:
+                    raise LumberjackError(
+                        "J payload is not valid JSON", reason="bad_json"
+                    ) from None
+                if type(obj) is not dict:
+                    raise LumberjackError(
+                        "J payload is not a JSON object", reason="json_not_object"
+                    )
+                stream = ""
+                node: object
+                for path in self._stream_paths:
+                    node = obj
+                    for key in path:
+                        node = node.get(key) if type(node) is dict else None
+                    if type(node) is str and node and len(node) <= _MAX_NAME_CHARS:
+                        stream = node
+                        break
+                topic = ""
+                for path in self._topic_paths:
+                    node = obj
+                    for key in path:
+                        node = node.get(key) if type(node) is dict else None
+                    if type(node) is str and node and len(node) <= _MAX_NAME_CHARS:
+                        topic = node
+                        break
+                self._version = version
+                self._add(version, _CT_JSON, stream, topic, seq, payload)
+                pos = fend
+            elif ftype == _T_D:
+                pos = self._data_frame(view, pos, end, version)
+                if pos < 0:
+                    return -pos - 1
+            elif ftype == _T_W:
+                if end - pos < 6:
+                    self._need = 6
+                    return pos
+                (size,) = unpack1(view, pos + 2)
+                if size > limits.max_window:
+                    raise LumberjackLimit(
+                        f"window of {size}, at most {limits.max_window}", reason="window_too_large"
+                    )
+                if self._count:
+                    # A new window while one is open: the sender gave up on the old one's
+                    # size. Close it so its ack is owed in order.
+                    self._close_window(final=True)
+                self._version = version
+                self._window_size = size
+                if size == 0:
+                    # Nothing will follow in this window; acknowledge it as such.
+                    self._events.append(Window(EncodedBatch(0, b""), 0, version))
+                pos += 6
+            elif ftype == _T_C:
+                if end - pos < 6:
+                    self._need = 6
+                    return pos
+                (length,) = unpack1(view, pos + 2)
+                if length > max_frame:
+                    raise LumberjackLimit(
+                        f"C payload of {length} bytes, at most {max_frame}",
+                        reason="frame_too_large",
+                    )
+                fend = pos + 6 + length
+                if fend > end:
+                    self._need = fend - pos
+                    return pos
+                if depth >= limits.max_nesting:
+                    raise LumberjackLimit(
+                        f"C frames nested deeper than {limits.max_nesting}",
+                        reason="nesting_too_deep",
+                    )
+                inner = _inflate(view[pos + 6 : fend], limits.max_decompressed_bytes)
+                self._version = version
+                inner_view = memoryview(inner)
+                try:
+                    stop = self._parse(inner_view, 0, len(inner), depth + 1)
+                finally:
+                    inner_view.release()
+                if stop != len(inner):
+                    raise LumberjackError(
+                        "C content ends inside a frame", reason="truncated_compressed"
+                    )
+                pos = fend
+            elif ftype == _T_A:
+                raise LumberjackError("A frames are sent by readers only", reason="unexpected_ack")
+            else:
+                raise LumberjackError(f"unknown frame type {ftype:#04x}", reason="bad_frame_type")
+        self._need = 2
+        return pos
+
+    def _data_frame(self, view: memoryview, pos: int, end: int, version: int) -> int:
+        """One ``D`` frame; returns the next position, or ``-(pos + 1)`` if incomplete."""
+        if end - pos < 10:
+            self._need = 10
+            return -pos - 1
+        limits = self._limits
+        seq, npairs = _U32X2.unpack_from(view, pos + 2)
+        if npairs == 0:
+            raise LumberjackError("D frame with zero pairs", reason="empty_data")
+        if npairs > limits.max_pairs:
+            raise LumberjackLimit(
+                f"D frame with {npairs} pairs, at most {limits.max_pairs}", reason="too_many_pairs"
+            )
+        max_frame = limits.max_frame_bytes
+        unpack1 = _U32.unpack_from
+        q = pos + 10
+        obj: dict[str, str] = {}
+        for _ in range(npairs):
+            if end - q < 4:
+                self._need = q + 4 - pos
+                return -pos - 1
+            (klen,) = unpack1(view, q)
+            kend = q + 4 + klen
+            if kend - pos > max_frame:
+                raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
+            if end - kend < 4:
+                self._need = kend + 4 - pos
+                return -pos - 1
+            (vlen,) = unpack1(view, kend)
+            vend = kend + 4 + vlen
+            if vend - pos > max_frame:
+                raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
+            if vend > end:
+                self._need = vend - pos
+                return -pos - 1
+            # Invalid UTF-8 becomes U+FFFD: the payload must be JSON (documented).
+            obj[str(view[q + 4 : kend], "utf-8", "replace")] = str(
+                view[kend + 4 : vend], "utf-8", "replace"
+            )
+            q = vend
+        stream = ""
+        for key in self._stream_keys:
+            value = obj.get(key)
+            if value and len(value) <= _MAX_NAME_CHARS:
+                stream = value
+                break
+        topic = ""
+        for key in self._topic_keys:
+            value = obj.get(key)
+            if value and len(value) <= _MAX_NAME_CHARS:
+                topic = value
+                break
+        self._version = version
+        self._add(version, _CT_KV, stream, topic, seq, orjson.dumps(obj))
+        return q
+
+    # -- window accounting and record encoding ------------------------------------------------
+
+    def _add(
+        self, version: int, content_type: bytes, stream: str, topic: str, seq: int, payload: bytes
+    ) -> None:
+        key = (version, content_type, stream, topic)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._cache_entry(key)
+        mid, mid_len, ls, lt = entry
+        plen = len(payload)
+        self._parts += (
+            _REC_HEAD.pack(
+                _REC_AFTER_LEN + mid_len + plen,
+                self._received_ns,
+                0,
+                seq,
+                10,  # len(b"lumberjack")
+                len(content_type),
+                ls,
+                lt,
+                len(self._producer),
+                0,
+                9,  # len of the attrs object, both versions
+                plen,
+            ),
+            mid,
+            payload,
+        )
+        self._nbytes += _REC_AFTER_LEN + 4 + mid_len + plen
+        count = self._count
+        if count:
+            if 0 < ((seq - self._high) & SEQ_MASK) < _HALF:
+                self._high = seq
+        else:
+            self._high = seq
+        self._count = count = count + 1
+        size = self._window_size or self._limits.max_window
+        if count >= size:
+            self._close_window(final=True)
+        elif self._nbytes >= self._limits.max_batch_bytes:
+            self._close_window(final=False)
+
+    def _cache_entry(self, key: tuple[int, bytes, str, str]) -> tuple[bytes, int, int, int]:
+        version, content_type, stream, topic = key
+        s = stream.encode("utf-8", "surrogateescape")
+        t = topic.encode("utf-8", "surrogateescape")
+        mid = b"".join((b"lumberjack", content_type, s, t, self._producer, _ATTRS[version]))
+        if len(self._cache) >= 256:
+            self._cache.clear()  # bounded: streams/topics are few, but senders choose them
+        entry = (mid, len(mid), len(s), len(t))
+        self._cache[key] = entry
+        return entry
+
+    def _close_window(self, *, final: bool) -> Window:
+        parts = self._parts
+        batch = EncodedBatch(len(parts) // 3, b"".join(parts))
+        self._parts = []
+        self._nbytes = 0
+        self.events_total += batch.count
+        ack: int | None = None
+        if final:
+            ack = self._high
+            self._count = 0
+        # else: the window stays open and later parts still count towards its size.
+        window = Window(batch, ack, self._version)
+        self._events.append(window)
+        return window
+
+
+def _inflate(data: memoryview, limit: int) -> bytes:
+    """zlib-decode with an output bound: a bomb stops at ``limit + 1`` bytes, never more."""
+    decomp = zlib.decompressobj()
+    try:
+        out = decomp.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise LumberjackError(f"C payload is not zlib: {exc}", reason="bad_compressed") from None
+    if len(out) > limit:
+        raise LumberjackLimit(
+            f"C payload inflates past {limit} bytes", reason="decompressed_too_large"
+        )
+    if not decomp.eof:
+        raise LumberjackError("C payload is a truncated zlib stream", reason="bad_compressed")
+    if decomp.unused_data:
+        raise LumberjackError("bytes after the zlib stream in a C frame", reason="bad_compressed")
+    return out
+
+
+# --- client side -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SentWindow:
+    """One window on the wire: its events (for a resend) and its sequence range."""
+
+    events: list[object]
+    first_seq: int
+    last_seq: int
+    data: bytes
+
+
+@dataclass
+class ClientSession:
+    """The sending side's bookkeeping, shared by the sync and asyncio clients.
+
+    Sequence numbers count per connection from 1 (like pylogbeat and logstash-forwarder) and
+    skip 0 on roll-over, so a ``2A 0`` keepalive can never be mistaken for an ack. An ack
+    acknowledges every window whose last sequence number it reaches (bulk acks work).
+    """
+
+    version: Version = Version.V2
+    compression_level: int = 3
+    in_flight: deque[SentWindow] = field(default_factory=deque)
+    next_seq: int = 1
+    acked_events: int = 0
+    keepalives: int = 0
+    _buf: bytearray = field(default_factory=bytearray)
+
+    def encode_window(self, events: Sequence[object]) -> SentWindow:
+        """Frames for one window (W, then the data frames, in one C unless level is 0)."""
+        version = self.version
+        seq = self.next_seq
+        first = seq
+        frames: list[bytes] = []
+        last = seq
+        for event in events:
+            last = seq
+            if version == Version.V1 and isinstance(event, Mapping):
+                frames.append(DataFrame.from_mapping(seq, event, version).serialize())
+            else:
+                if isinstance(event, bytes):
+                    payload = event
+                elif isinstance(event, str):
+                    payload = event.encode()
+                else:
+                    payload = orjson.dumps(event)
+                frames.append(
+                    _FRAME_U32X2.pack(version, FrameType.JSON, seq, len(payload)) + payload
+                )
+            seq = next_seq(seq)
+        self.next_seq = seq
+        body = b"".join(frames)
+        head = WindowSizeFrame(len(frames), version).serialize()
+        if self.compression_level > 0:
+            body = CompressedFrame.compress(body, self.compression_level, version)
+        window = SentWindow(list(events), first, last, head + body)
+        self.in_flight.append(window)
+        return window
+
+    def receive_data(self, data: bytes) -> list[SentWindow]:
+        """Feed bytes from the server; return the windows now fully acknowledged."""
+        self._buf += data
+        done: list[SentWindow] = []
+        buf = self._buf
+        pos = 0
+        while len(buf) - pos >= 6:
+            version, ftype, seq = _FRAME_U32.unpack_from(buf, pos)
+            pos += 6
+            if ftype != FrameType.ACK or version not in (Version.V1, Version.V2):
+                raise LumberjackError(
+                    f"server sent frame {version:#04x}/{ftype:#04x}, expected an ack",
+                    reason="unexpected_frame",
+                )
+            if seq == 0:
+                self.keepalives += 1
+                continue
+            while self.in_flight:
+                window = self.in_flight[0]
+                if seq == window.last_seq or seq_after(seq, window.last_seq):
+                    self.in_flight.popleft()
+                    self.acked_events += len(window.events)
+                    done.append(window)
+                else:
+                    break
+        del buf[:pos]
+        return done
+
+    def reconnected(self) -> list[bytes]:
+        """After a new connection: re-encode every unacknowledged window, in order."""
+        pending = list(self.in_flight)
+        self.in_flight.clear()
+        self._buf.clear()
+        self.next_seq = 1
+        return [self.encode_window(w.events).data for w in pending]
+
+    def unacked_events(self) -> int:
+        return sum(len(w.events) for w in self.in_flight)
+
+
+def windows_of(events: Iterable[object], size: int) -> Iterable[list[object]]:
+    """Split ``events`` into lists of at most ``size``."""
+    chunk: list[object] = []
+    for event in events:
+        chunk.append(event)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
