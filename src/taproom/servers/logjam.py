@@ -1,10 +1,51 @@
-"""Logjam ZeroMQ ingest and PUB output (to be built under issue 5). Declares the config section."""
+"""Logjam over ZeroMQ: taproom as a logjam-device, on the hub's event loop.
+
+Ingest: a ROUTER (DEALER agents; an empty frame before the four frames asks for a
+``202 Accepted`` reply, sent only after the commit) and a PULL (PUSH agents). Each read loop
+drains a burst without blocking, validates it with :mod:`taproom.protocols.logjam`, builds one
+batch and hands it to the hub.
+
+Output: an XPUB socket (consumers connect SUB sockets) fed from ``hub.subscribe("logjam_pub")``,
+so only committed events go out, in journal order, renumbered from 1 under taproom's device
+number, plus a heartbeat every ``heartbeat_interval_s``. Sends never block: with
+``ZMQ_XPUB_NODROP`` a full subscriber queue makes the send fail with EAGAIN, and that message is
+counted in ``taproom_logjam_pub_dropped_messages_total`` (see docs/protocols/logjam.md).
+
+Replay: a ROUTER side channel answers ``offset``/``seq`` requests from the journal (read in a
+thread), so a consumer that saw a gap can fill it.
+"""
 
 from __future__ import annotations
 
+import array
+import asyncio
+import contextlib
+import functools
+import logging
+import socket
+import struct
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import zmq
+import zmq.asyncio
 
 from ..config import config_section, setting
+from ..errors import ConfigError, HubStopped, ProtocolError
+from ..hub import Hub
+from ..payloads import decode_payload
+from ..protocols import logjam as lj
+from ..records import BatchBuilder, Record
+
+__all__ = ["LogjamConfig", "LogjamService", "create_service"]
+
+log = logging.getLogger("taproom.logjam")
+
+# routing id + empty delimiter + four frames; anything longer is refused without keeping it.
+_MAX_FRAMES = 6
 
 
 @config_section("logjam")
@@ -17,3 +58,523 @@ class LogjamConfig:
     )
     pull_port: int = setting(9605, "logjam-device's PULL port for PUSH agents", min=0, max=65535)
     pub_port: int = setting(9606, "logjam-device's PUB port for consumers", min=0, max=65535)
+    replay_port: int = setting(
+        9607, "replay side channel: the port after logjam-device's three", min=0, max=65535
+    )
+    rcv_hwm: int = setting(
+        100_000,
+        "messages ZeroMQ queues per agent connection before PUSH agents block (logjam-device)",
+        min=1,
+    )
+    snd_hwm: int = setting(
+        100_000,
+        "messages queued per subscriber (about 50 MB of logjam requests) before drops",
+        min=1,
+    )
+    max_message_bytes: int = setting(
+        4 * 1024 * 1024,
+        "ZMQ_MAXMSGSIZE per frame: logjam request bodies are KBs; bigger means a broken agent",
+        min=1024,
+        max=1 << 30,
+    )
+    max_decompressed_bytes: int = setting(
+        16 * 1024 * 1024,
+        "a body may inflate to at most this (zlib bombs), checked before allocating",
+        min=1024,
+        max=64 * 1024 * 1024,
+    )
+    burst_messages: int = setting(
+        4096, "messages drained per read before one batch goes to the journal", min=1
+    )
+    device_number: int = setting(
+        1,
+        "non-zero so importers track gaps; must be unique across logjam producers (seed)",
+        min=0,
+        max=(1 << 32) - 1,
+    )
+    heartbeat_interval_s: float = setting(
+        5.0, "logjam-device publishes a heartbeat every 5 s", min=0.01, max=3600
+    )
+    sequence_wrap: int = setting(
+        (1 << 64) - 1,
+        "the last sequence number before restarting at 1 (seed); lower only for tests",
+        min=2,
+        max=(1 << 64) - 1,
+    )
+    output_compression: str = setting(
+        "none",
+        "logjam-device forwards uncompressed by default; consumers decompress any method",
+        choices=("none", "zlib", "snappy", "lz4"),
+    )
+    meta_size: int = setting(
+        24, "24-byte meta is what logjam-tools reads; 22 is the seed's form", choices=(22, 24)
+    )
+    grammar: str = setting(
+        "seed",
+        "the seed's app-env/topic grammar; 'relaxed' also allows digits, '_' and '-'",
+        choices=("seed", "relaxed"),
+    )
+    routes: tuple[str, ...] = setting(
+        ("*",), "protocols whose events reach the PUB output; '*' is every protocol"
+    )
+    default_app_env: str = setting(
+        "taproom-{protocol}",
+        "app-env for events whose stream is not a valid app-env",
+    )
+    event_protocols: tuple[str, ...] = setting(
+        ("eventbus", "lager"), "protocols mapped to events.* topics (others to logs.*)"
+    )
+    replay_max_count: int = setting(
+        10_000, "events examined per replay request: bounds one reply's memory", min=1
+    )
+    replay_index_size: int = setting(
+        1_000_000,
+        "sequence numbers remembered for 'seq' replay requests (8 bytes each)",
+        min=16,
+        max=100_000_000,
+    )
+    hostname: str = setting("", "heartbeat and ping replies; empty means this host's name")
+
+    def validate(self) -> None:
+        if self.meta_size == 22 and self.device_number > 0xFFFF:
+            raise ConfigError("the 22-byte meta holds a 16-bit device number", key="device_number")
+        try:
+            self.default_app_env.format(protocol="x")
+        except (KeyError, IndexError, ValueError):
+            raise ConfigError("only {protocol} may be filled in", key="default_app_env") from None
+
+
+_META_OUT = {24: struct.Struct("!HBBIQQ"), 22: struct.Struct("!HBBHQQ")}
+
+
+class LogjamService:
+    """The logjam ROUTER/PULL ingest, XPUB output and replay channel."""
+
+    def __init__(self, hub: Hub, config: LogjamConfig) -> None:
+        self.hub = hub
+        self.config = config
+        self.relaxed = config.grammar == "relaxed"
+        self.hostname = (config.hostname or socket.getfqdn() or "localhost").encode()
+        self.compression = lj.compression_by_name(config.output_compression)
+        self.mapper = lj.OutputMapper(
+            routes=config.routes,
+            default_app_env=config.default_app_env,
+            event_protocols=config.event_protocols,
+            payload_decoder=decode_payload,
+        )
+        self._meta = _META_OUT[config.meta_size]
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sockets: list[zmq.asyncio.Socket] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._pending: set[asyncio.Future[Any]] = set()
+        self.addresses: dict[str, str] = {}
+        self.pub_endpoint = ""
+        # Output numbering: the k-th message sent carries sequence ((k - 1) % wrap) + 1.
+        self.published = 0
+        self._index = array.array("q", [-1]) * config.replay_index_size
+        self.subscriptions = 0
+        m = hub.metrics
+        self._m_published = m.counter(
+            "logjam", "published", "messages", "Messages sent on the PUB output", ("kind",)
+        )
+        self._m_pub_data = self._m_published.labels(kind="data")
+        self._m_pub_heartbeat = self._m_published.labels(kind="heartbeat")
+        self._m_dropped = m.counter(
+            "logjam",
+            "pub_dropped",
+            "messages",
+            "PUB messages refused because a matching subscriber was at its HWM",
+            ("reason",),
+        ).labels(reason="hwm")
+        self._m_pings = m.counter("logjam", "pings", "messages", "Pings answered")
+        self._m_replay = m.counter(
+            "logjam", "replay_requests", "requests", "Replay requests by outcome", ("kind",)
+        )
+        m.gauge_fn(
+            "logjam", "pub_subscriptions", "count", "Live SUB prefixes", lambda: self.subscriptions
+        )
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    def _bind(self, kind: int, port: int, name: str) -> tuple[zmq.asyncio.Socket, zmq.Socket]:
+        assert self._ctx is not None
+        cfg = self.config
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
+        sock.setsockopt(zmq.SNDHWM, cfg.snd_hwm)
+        if kind == zmq.XPUB:
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+        self._sockets.append(sock)
+        sock.bind(f"tcp://{cfg.host}:{port or '*'}")
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.addresses[name] = endpoint.removeprefix("tcp://")
+        return sock, zmq.Socket.shadow(sock.underlying)
+
+    async def start(self) -> dict[str, str]:
+        cfg = self.config
+        self._ctx = zmq.asyncio.Context()
+        try:
+            router, router_sync = self._bind(zmq.ROUTER, cfg.router_port, "logjam_router")
+            pull, pull_sync = self._bind(zmq.PULL, cfg.pull_port, "logjam_pull")
+            pub, pub_sync = self._bind(zmq.XPUB, cfg.pub_port, "logjam_pub")
+            replay, replay_sync = self._bind(zmq.ROUTER, cfg.replay_port, "logjam_replay")
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self.pub_endpoint = (
+            f"tcp://{self.hostname.decode()}:{self.addresses['logjam_pub'].rsplit(':', 1)[1]}"
+        )
+        self._pub = pub_sync
+        self._xpub = pub
+        self._sub = self.hub.subscribe("logjam_pub")
+        self._tasks = [
+            asyncio.create_task(self._ingest_loop(router, router_sync, True), name="logjam-router"),
+            asyncio.create_task(self._ingest_loop(pull, pull_sync, False), name="logjam-pull"),
+            asyncio.create_task(self._publish_loop(), name="logjam-pub"),
+            asyncio.create_task(self._heartbeat_loop(), name="logjam-heartbeat"),
+            asyncio.create_task(self._replay_loop(replay, replay_sync), name="logjam-replay"),
+        ]
+        return dict(self.addresses)
+
+    async def stop(self) -> None:
+        """Stop reading; let submitted batches commit so their 202s go out; close."""
+        for task in self._tasks[:2]:
+            task.cancel()
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=self.hub.config.hub.grace_period_s)
+        for task in self._tasks[2:]:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._sub.close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets = []
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # --- ingest ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _recv(sock: zmq.Socket) -> tuple[list[bytes], bool]:
+        """One multipart message without blocking; frames past the bound are read and dropped."""
+        frames = [sock.recv(zmq.NOBLOCK)]
+        overflow = False
+        while sock.get(zmq.RCVMORE):
+            frame = sock.recv()
+            if len(frames) < _MAX_FRAMES:
+                frames.append(frame)
+            else:
+                overflow = True
+        return frames, overflow
+
+    @staticmethod
+    async def _readable(asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
+        """Return when ``sock`` has input. ZMQ_FD is edge-triggered and replies sent on the
+        same socket (acks) can consume the edge, so the wait re-checks every 100 ms."""
+        while not int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            await asock.poll(100, zmq.POLLIN)  # type: ignore[call-arg]
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.hub.metrics.rejected("logjam", reason)
+        log.info("logjam: rejected message (%s): %s", reason, detail)
+
+    async def _ingest_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket, router: bool) -> None:
+        cfg = self.config
+        hub = self.hub
+        parse = lj.parse_message
+        max_body = cfg.max_message_bytes
+        max_inflated = cfg.max_decompressed_bytes
+        relaxed = self.relaxed
+        while True:
+            await hub.wait_capacity()
+            await self._readable(asock, sock)
+            builder = BatchBuilder()
+            acks: list[list[bytes]] = []
+            for _ in range(cfg.burst_messages):
+                try:
+                    frames, overflow = self._recv(sock)
+                except zmq.Again:
+                    break
+                wants_reply = False
+                routing_id = b""
+                first = b""
+                try:
+                    if router:
+                        msg = lj.parse_router_frames(frames)
+                        routing_id, wants_reply, content = (
+                            msg.routing_id,
+                            msg.wants_reply,
+                            msg.frames,
+                        )
+                    else:
+                        content = frames
+                    first = content[0] if content and len(content[0]) <= 255 else b""
+                    if overflow:
+                        raise lj.LogjamError("too many frames", reason="bad_frame_count")
+                    parsed = parse(
+                        content, max_body=max_body, max_decompressed=max_inflated, relaxed=relaxed
+                    )
+                    if isinstance(parsed, lj.PingMessage):
+                        self._m_pings.inc()
+                        if wants_reply:
+                            sock.send_multipart(
+                                lj.reply_frames(routing_id, lj.PING, lj.PING_OK, self.hostname),
+                                zmq.NOBLOCK,
+                            )
+                        continue
+                    parsed.add_to(builder)
+                except ProtocolError as exc:
+                    self._reject(exc.reason, str(exc))
+                    if wants_reply:
+                        with contextlib.suppress(zmq.ZMQError):
+                            sock.send_multipart(
+                                lj.reply_frames(routing_id, first, lj.BAD_REQUEST), zmq.NOBLOCK
+                            )
+                    continue
+                if wants_reply:
+                    acks.append(lj.reply_frames(routing_id, first, lj.ACCEPTED))
+            if not len(builder):
+                continue
+            batch = builder.build()
+            try:
+                future = hub.submit(batch)
+            except HubStopped:
+                return
+            hub.metrics.accepted("logjam", batch.count)
+            if acks:
+                # 202s go out only once the batch is durable; reading the next burst overlaps
+                # with this commit's fsync (hub.wait_capacity bounds what is in flight).
+                self._pending.add(future)
+                future.add_done_callback(functools.partial(self._send_acks, sock, acks))
+            else:
+                self._pending.add(future)
+                future.add_done_callback(self._pending.discard)
+
+    def _send_acks(
+        self, sock: zmq.Socket, acks: list[list[bytes]], future: asyncio.Future[Any]
+    ) -> None:
+        self._pending.discard(future)
+        if future.cancelled() or future.exception() is not None:
+            return  # not durable: no 202; the agent times out and may resend
+        if sock.closed:
+            return
+        send = sock.send
+        flags = zmq.NOBLOCK | zmq.SNDMORE
+        for frames in acks:
+            try:
+                send(frames[0], flags)
+                send(frames[1], flags)
+                send(frames[2], flags)
+                send(frames[3], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue  # the agent went away; ROUTER drops replies to unknown peers
+
+    # --- PUB output -----------------------------------------------------------------------
+
+    def _emit(
+        self,
+        app_env: bytes,
+        topic: bytes,
+        body: bytes,
+        created_ms: int,
+        offset: int,
+        compression: int,
+    ) -> bool:
+        """Number and send one message; False (and counted) when a subscriber was full."""
+        k = self.published + 1
+        self.published = k
+        seq = (k - 1) % self.config.sequence_wrap + 1
+        index = self._index
+        index[k % len(index)] = offset
+        meta = self._meta.pack(
+            lj.META_TAG, compression, lj.META_VERSION, self.config.device_number, created_ms, seq
+        )
+        pub = self._pub
+        try:
+            pub.send(app_env, zmq.NOBLOCK | zmq.SNDMORE)
+        except zmq.Again:
+            self._m_dropped.inc()
+            return False
+        # With XPUB_NODROP only the first frame can hit the HWM (pipes count whole messages).
+        pub.send(topic, zmq.SNDMORE)
+        pub.send(body, zmq.SNDMORE)
+        pub.send(meta)
+        return True
+
+    async def _publish_loop(self) -> None:
+        mapper = self.mapper
+        routed = mapper.routed
+        compression = int(self.compression)
+        emit = self._emit
+        m_data = self._m_pub_data
+        async for batch in self._sub:
+            self._drain_subscriptions()
+            now_ms = int(time.time() * 1000)
+            sent = 0
+            for record in batch.records():
+                if not routed(record.protocol):
+                    continue
+                app_env, topic, body, created = mapper.map(record, now_ms)
+                if compression:
+                    body = lj.compress(compression, body)
+                if emit(app_env, topic, body, created, record.offset, compression):
+                    sent += 1
+            if sent:
+                m_data.inc(sent)
+
+    def _drain_subscriptions(self) -> None:
+        """Read XPUB subscription messages: the count is a gauge, and libzmq queues them."""
+        while True:
+            try:
+                msg = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg[:1] == b"\x01":
+                self.subscriptions += 1
+            elif msg[:1] == b"\x00":
+                self.subscriptions = max(0, self.subscriptions - 1)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        topic = self.pub_endpoint.encode()
+        while True:
+            await asyncio.sleep(interval)
+            self._drain_subscriptions()
+            body = orjson.dumps(
+                {
+                    "device": self.config.device_number,
+                    "hostname": self.hostname.decode(),
+                    "next_offset": self._sub.next_offset,
+                }
+            )
+            if self._emit(
+                lj.HEARTBEAT_APP_ENV, topic, body, int(time.time() * 1000), -1, lj.Compression.NONE
+            ):
+                self._m_pub_heartbeat.inc()
+
+    # --- replay ---------------------------------------------------------------------------
+
+    def _seq_offsets(self, first_seq: int, last_seq: int) -> dict[int, int] | None:
+        """Journal offset per data sequence number in ``first..last``; None if forgotten."""
+        k_now = self.published
+        if k_now == 0:
+            return None
+        wrap = self.config.sequence_wrap
+        seq_now = (k_now - 1) % wrap + 1
+        if first_seq < 1 or last_seq > wrap:
+            return None
+        back = (seq_now - first_seq) % wrap
+        k_first = k_now - back
+        size = len(self._index)
+        if k_first < 1 or k_now - k_first >= size:
+            return None
+        # Numbers not handed out yet are simply not there (the reply's "next" says so).
+        count = min(last_seq - first_seq + 1, k_now - k_first + 1)
+        result = {}
+        for i in range(count):
+            offset = self._index[(k_first + i) % size]
+            if offset >= 0:
+                result[offset] = first_seq + i
+        return result
+
+    def _replay_read(
+        self, start: int, end: int, prefixes: Sequence[bytes], seqs: dict[int, int] | None
+    ) -> list[bytes]:
+        """Runs in a thread: the matching events of ``[start, end)`` as reply frames."""
+        frames: list[bytes] = []
+        count = 0
+        now_ms = int(time.time() * 1000)
+        mapper = self.mapper
+        device = self.config.device_number
+        compression = int(self.compression)
+        record: Record
+        for record in self.hub.journal.read(start, end):
+            if seqs is not None:
+                seq = seqs.get(record.offset)
+                if seq is None:
+                    continue
+            else:
+                seq = 0  # replayed by offset: not part of the live numbering
+                if not mapper.routed(record.protocol):
+                    continue
+            app_env, topic, body, created = mapper.map(record, now_ms)
+            if not lj.matches_prefixes(app_env, prefixes):
+                continue
+            frames += (
+                str(record.offset).encode(),
+                app_env,
+                topic,
+                lj.compress(compression, body) if compression else body,
+                self._meta.pack(lj.META_TAG, compression, lj.META_VERSION, device, created, seq),
+            )
+            count += 1
+        return frames
+
+    async def _answer_replay(self, content: Sequence[bytes]) -> list[bytes]:
+        req = lj.parse_replay_request(content, max_count=self.config.replay_max_count)
+        journal = self.hub.journal
+        if req.mode == lj.ReplayMode.OFFSET:
+            start = req.start
+            if start < journal.first_offset:
+                self._m_replay.labels(kind="gone").inc()
+                return lj.replay_error(b"410 Gone", f"journal starts at {journal.first_offset}")
+            end = min(start + req.limit, self._sub.next_offset)
+            end = max(end, start)
+            frames = await asyncio.to_thread(self._replay_read, start, end, req.prefixes, None)
+            self._m_replay.labels(kind="offset").inc()
+            return [b"200 OK", str(end).encode(), str(len(frames) // 5).encode(), *frames]
+        seqs = self._seq_offsets(req.start, req.limit)
+        if seqs is None:
+            self._m_replay.labels(kind="gone").inc()
+            return lj.replay_error(b"410 Gone", "sequence numbers not in the replay index")
+        nxt = str(req.limit + 1).encode()
+        if not seqs:
+            self._m_replay.labels(kind="seq").inc()
+            return [b"200 OK", nxt, b"0"]
+        lo, hi = min(seqs), max(seqs) + 1
+        if lo < journal.first_offset:
+            self._m_replay.labels(kind="gone").inc()
+            return lj.replay_error(b"410 Gone", f"journal starts at {journal.first_offset}")
+        frames = await asyncio.to_thread(self._replay_read, lo, hi, req.prefixes, seqs)
+        self._m_replay.labels(kind="seq").inc()
+        return [b"200 OK", nxt, str(len(frames) // 5).encode(), *frames]
+
+    async def _replay_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
+        while True:
+            await self._readable(asock, sock)
+            try:
+                frames, overflow = self._recv(sock)
+            except zmq.Again:
+                continue
+            if len(frames) < 2:
+                continue
+            routing_id = frames[0]
+            # REQ clients put an empty delimiter first; DEALER clients may leave it out.
+            has_delim = frames[1] == b""
+            content = frames[2:] if has_delim else frames[1:]
+            try:
+                if overflow:
+                    raise lj.LogjamError("too many frames", reason="bad_replay_request")
+                reply = await self._answer_replay(content)
+            except ProtocolError as exc:
+                self._reject(exc.reason, str(exc))
+                self._m_replay.labels(kind="bad").inc()
+                reply = lj.replay_error(lj.BAD_REQUEST, str(exc))
+            except Exception:
+                log.exception("logjam replay failed")
+                reply = lj.replay_error(b"500 Internal Server Error", "replay failed")
+            envelope = [routing_id, b""] if has_delim else [routing_id]
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart(envelope + reply, zmq.NOBLOCK)
+
+
+def create_service(hub: Hub, config: LogjamConfig) -> LogjamService:
+    return LogjamService(hub, config)
