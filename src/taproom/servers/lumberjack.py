@@ -254,7 +254,9 @@ class _Connection(asyncio.Protocol):
             self._idle_flush()
         self._closing = True
         self._close_when_acked()
-        return True
+        # Keep the write side open for the acks; asyncio's TLS transport closes regardless
+        # (and warns if asked not to).
+        return self.transport.get_extra_info("sslcontext") is None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._ack_timer is not None:
