@@ -1,0 +1,470 @@
+"""Event BUS client: snapshot, then live updates, publish with retries, failover; CLI plug-ins.
+
+The client follows the Clone pattern's client (zguide clonecli6) with the seed's commands:
+
+1. connect a SUB to the server's PUBLISHER (P+1) first, so nothing broadcast after the
+   snapshot's cut is missed, then send SYNCSTART to the SNAPSHOT port (P) and apply SYNC
+   commands until SYNCEND, whose sequence becomes the last applied sequence;
+2. apply BROADCASTs in order: one at or below the last applied sequence is discarded (the
+   seed's rule), one above ``last + 1`` is a gap and triggers a fresh snapshot. To see every
+   sequence the SUB takes the whole stream and filters subtrees locally;
+3. publish PUB commands on a DEALER to the COLLECTOR (P+2). An event stays pending, and is
+   sent again under the same UUID, until its BROADCAST is seen; the bus drops the repeats;
+4. a server is alive while it broadcasts or sends HUGZ in the active state. Silence longer than
+   ``server_timeout`` (or a snapshot that does not come) moves the client to the next server
+   of its list (the Binary Star backup), where it takes a full snapshot and re-sends what is
+   still pending.
+
+``taproom send eventbus`` and ``taproom tail --eventbus`` are thin wrappers around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+import uuid as uuid_mod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgpack
+import orjson
+import zmq
+import zmq.asyncio
+
+from ..protocols.eventbus import (
+    BStarState,
+    Event,
+    EventBusError,
+    Heartbeat,
+    Limits,
+    SyncEnd,
+    broadcast_frames,
+    matches,
+    parse_broadcast,
+    parse_snapshot_reply,
+    syncstart_frames,
+)
+
+__all__ = ["EventBusClient", "register_send", "register_tail"]
+
+log = logging.getLogger("taproom.clients.eventbus")
+
+
+def _split(server: str) -> tuple[str, int]:
+    """``tcp://host:P`` or ``host:P`` -> (host, P)."""
+    address = server.removeprefix("tcp://")
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"expected tcp://host:port, got {server!r}")
+    return host.strip("[]"), int(port)
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+@dataclass(slots=True)
+class _Pending:
+    frames: list[bytes]
+    future: asyncio.Future[int]
+    sent_at: float = 0.0
+
+
+class EventBusClient:
+    """A Clone client over one server or a Binary Star pair (``servers`` in failover order).
+
+    ``state`` holds the latest event per topic of the subscribed ``subtrees``. ``on_update``
+    is called with ``(event, source)`` for every applied SYNC (``"sync"``) and BROADCAST
+    (``"broadcast"``); ``on_resync`` when a new snapshot starts replacing the state.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        subtrees: Sequence[str] = (),
+        *,
+        producer: str | None = None,
+        server_timeout: float = 3.0,
+        snapshot_timeout: float = 5.0,
+        retry_interval: float = 2.0,
+        max_pending: int = 10_000,
+        limits: Limits | None = None,
+        on_update: Callable[[Event, str], None] | None = None,
+        on_resync: Callable[[], None] | None = None,
+    ) -> None:
+        if not servers:
+            raise ValueError("at least one server")
+        self.servers = [_split(s) for s in servers]
+        self.subtrees = tuple(subtrees)
+        self.producer = producer or f"taproom-client-{uuid_mod.uuid4().hex[:8]}"
+        self.server_timeout = server_timeout
+        self.snapshot_timeout = snapshot_timeout
+        self.retry_interval = retry_interval
+        self.max_pending = max_pending
+        self.limits = limits or Limits()
+        self.on_update = on_update
+        self.on_resync = on_resync
+        self.state: dict[str, Event] = {}
+        self.last_seq = 0
+        self.server_index = 0
+        self.synced = asyncio.Event()
+        self.stats = {"snapshots": 0, "gaps": 0, "failovers": 0, "discarded": 0, "resent": 0}
+        self._pending: dict[str, _Pending] = {}
+        self._room = asyncio.Event()
+        self._room.set()
+        self._ctx = zmq.asyncio.Context()
+        self._collector: zmq.Socket[bytes] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self, wait: bool = True, timeout: float = 30.0) -> EventBusClient:
+        self._task = asyncio.create_task(self._run())
+        if wait:
+            await asyncio.wait_for(self.synced.wait(), timeout)
+        return self
+
+    async def stop(self) -> None:
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.cancel()
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> EventBusClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def server(self) -> str:
+        host, port = self.servers[self.server_index]
+        return f"tcp://{host}:{port}"
+
+    # --- publishing -------------------------------------------------------------------------
+
+    async def publish(
+        self, topic: str, data: Any, *, event_uuid: str | None = None, packed: bool = False
+    ) -> asyncio.Future[int]:
+        """Queue an event; the future gives its bus sequence once it has been broadcast.
+
+        ``data`` is MessagePack-encoded unless ``packed``. Waits while ``max_pending`` events
+        are unconfirmed (backpressure).
+        """
+        while len(self._pending) >= self.max_pending:
+            self._room.clear()
+            await self._room.wait()
+        payload = data if packed else msgpack.packb(data, use_bin_type=True)
+        key = (event_uuid or str(uuid_mod.uuid4())).lower()
+        timestamp = datetime.now(UTC).isoformat(timespec="microseconds")
+        event = Event(topic, 0, self.producer, timestamp, key, payload)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        existing = self._pending.get(key)
+        if existing is not None:
+            return existing.future
+        pending = _Pending(broadcast_frames(event), future)
+        self._pending[key] = pending
+        self._send(pending)
+        return future
+
+    def _send(self, pending: _Pending) -> None:
+        if self._collector is None:
+            return
+        try:
+            self._collector.send_multipart(pending.frames, zmq.NOBLOCK)
+        except zmq.ZMQError:  # no connection yet (IMMEDIATE) or full: the retry tick resends
+            return
+        pending.sent_at = time.monotonic()
+
+    def _resend(self, older_than: float) -> None:
+        now = time.monotonic()
+        for pending in list(self._pending.values()):
+            if now - pending.sent_at >= older_than:
+                if pending.sent_at:
+                    self.stats["resent"] += 1
+                self._send(pending)
+
+    def _confirm(self, event: Event) -> None:
+        pending = self._pending.pop(event.uuid, None)
+        if pending is not None:
+            if not pending.future.done():
+                pending.future.set_result(event.sequence)
+            if len(self._pending) < self.max_pending:
+                self._room.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    # --- the session loop ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._closed:
+            try:
+                await self._session(*self.servers[self.server_index])
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # never let one bad session end the client
+                log.exception("eventbus client: session error")
+                await asyncio.sleep(0.1)
+            if self._closed:
+                return
+            # Silence or no snapshot: try the next server (the Binary Star backup).
+            self.server_index = (self.server_index + 1) % len(self.servers)
+            self.stats["failovers"] += 1
+            log.info("eventbus client: moving to %s", self.server)
+
+    async def _session(self, host: str, base: int) -> None:
+        ctx = self._ctx
+        sub = ctx.socket(zmq.SUB)
+        snap = ctx.socket(zmq.DEALER)
+        col = ctx.socket(zmq.DEALER)
+        sockets = (sub, snap, col)
+        for sock in sockets:
+            sock.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 1_000_000)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        snap.setsockopt(zmq.RCVHWM, 1_000_000)
+        col.setsockopt(zmq.IMMEDIATE, 1)
+        col.setsockopt(zmq.SNDHWM, 100_000)
+        try:
+            sub.connect(_endpoint(host, base + 1))
+            snap.connect(_endpoint(host, base))
+            col.connect(_endpoint(host, base + 2))
+            self._collector = zmq.Socket.shadow(col.underlying)
+            while not self._closed:
+                if not await self._snapshot(snap):
+                    return
+                self._resend(0)
+                if not await self._live(sub):
+                    return  # the server went silent
+                # else: a gap; take a fresh snapshot from the same server
+        finally:
+            self._collector = None
+            for sock in sockets:
+                sock.close(0)
+
+    async def _snapshot(self, snap: zmq.asyncio.Socket) -> bool:
+        await snap.send_multipart(syncstart_frames(self.subtrees, 0))
+        fresh: dict[str, Event] = {}
+        timeout_ms = int(self.snapshot_timeout * 1000)
+        while True:
+            if not await snap.poll(timeout_ms):
+                log.warning("eventbus client: no snapshot from %s", self.server)
+                return False
+            try:
+                reply = parse_snapshot_reply(await snap.recv_multipart(), self.limits)
+            except EventBusError as exc:
+                log.warning("eventbus client: bad snapshot command: %s", exc)
+                continue
+            if isinstance(reply, SyncEnd):
+                break
+            fresh[reply.topic] = reply
+        if reply.sequence < self.last_seq:
+            log.warning(
+                "eventbus client: %s is behind (sequence %d < %d)",
+                self.server,
+                reply.sequence,
+                self.last_seq,
+            )
+        if self.on_resync is not None:
+            self.on_resync()
+        self.state = fresh
+        self.last_seq = reply.sequence
+        self.stats["snapshots"] += 1
+        if self.on_update is not None:
+            for event in fresh.values():
+                self.on_update(event, "sync")
+        self.synced.set()
+        return True
+
+    async def _live(self, sub: zmq.asyncio.Socket) -> bool:
+        """Apply broadcasts; False when the server went silent, True on a gap (resync)."""
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
+        alive_at = time.monotonic()
+        retry_at = alive_at + self.retry_interval
+        tick = min(self.server_timeout, self.retry_interval, 0.25)
+        while not self._closed:
+            if not await sub.poll(int(tick * 1000)):
+                now = time.monotonic()
+            else:
+                while True:
+                    try:
+                        frames = raw.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        message = parse_broadcast(frames, self.limits)
+                    except EventBusError as exc:
+                        log.warning("eventbus client: bad broadcast: %s", exc)
+                        continue
+                    if isinstance(message, Heartbeat):
+                        if message.state != BStarState.ACTIVE:
+                            continue  # a passive server is not serving us
+                        alive_at = time.monotonic()
+                        if message.sequence > self.last_seq:
+                            self.stats["gaps"] += 1
+                            return True
+                        continue
+                    alive_at = time.monotonic()
+                    if message.sequence <= self.last_seq:
+                        self.stats["discarded"] += 1
+                        continue
+                    if message.sequence != self.last_seq + 1:
+                        self.stats["gaps"] += 1
+                        log.info(
+                            "eventbus client: gap (%d after %d); resyncing",
+                            message.sequence,
+                            self.last_seq,
+                        )
+                        return True
+                    self.last_seq = message.sequence
+                    self._confirm(message)
+                    if matches(message.topic, self.subtrees):
+                        self.state[message.topic] = message
+                        if self.on_update is not None:
+                            self.on_update(message, "broadcast")
+                now = time.monotonic()
+            if now - alive_at > self.server_timeout:
+                log.warning("eventbus client: %s silent for %.1fs", self.server, now - alive_at)
+                return False
+            if now >= retry_at:
+                self._resend(self.retry_interval)
+                retry_at = now + self.retry_interval
+        return False
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+def _event_json(event: Event) -> dict[str, Any]:
+    from ..payloads import decode_payload
+
+    return {
+        "topic": event.topic,
+        "sequence": event.sequence,
+        "producer": event.producer,
+        "timestamp": event.timestamp,
+        "uuid": event.uuid,
+        "data": decode_payload("msgpack", event.data),
+    }
+
+
+def _cmd_send(args: argparse.Namespace) -> int:
+    try:
+        data = orjson.loads(args.data)
+    except orjson.JSONDecodeError as exc:
+        print(f"taproom send eventbus: --data is not JSON: {exc}", file=sys.stderr)
+        return 2
+    if not args.topic.startswith("/"):
+        print("taproom send eventbus: --topic must start with '/'", file=sys.stderr)
+        return 2
+
+    async def go() -> int:
+        client = EventBusClient(
+            args.server, producer=args.producer, server_timeout=args.timeout, subtrees=["/"]
+        )
+        await client.start(timeout=args.timeout * 2)
+        try:
+            futures = [await client.publish(args.topic, data) for _ in range(args.count)]
+            sequences = await asyncio.wait_for(asyncio.gather(*futures), args.timeout * 2)
+        finally:
+            await client.stop()
+        for seq in sequences:
+            print(seq)
+        return 0
+
+    try:
+        return asyncio.run(go())
+    except TimeoutError:
+        print("taproom send eventbus: no confirmation from the bus", file=sys.stderr)
+        return 1
+
+
+def register_send(subparsers: Any) -> None:
+    p = subparsers.add_parser("eventbus", help="publish events on an Event BUS")
+    p.add_argument(
+        "--server",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="tcp://host:P (SNAPSHOT port); repeat for the Binary Star backup",
+    )
+    p.add_argument("--topic", required=True, help="e.g. /orders/eu/")
+    p.add_argument("--data", required=True, help="JSON value, sent as MessagePack")
+    p.add_argument("--count", type=int, default=1)
+    p.add_argument("--producer", default=None)
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    p.set_defaults(func=_cmd_send_default)
+
+
+def _cmd_send_default(args: argparse.Namespace) -> int:
+    if not args.server:
+        args.server = ["tcp://127.0.0.1:5556"]
+    return _cmd_send(args)
+
+
+def register_tail(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int | None]:
+    parser.add_argument(
+        "--eventbus",
+        action="append",
+        metavar="URL",
+        help="tail an Event BUS (tcp://host:P): snapshot, then live with --follow; "
+        "repeat for the backup",
+    )
+    parser.add_argument(
+        "--subtree", action="append", default=None, metavar="/A/", help="with --eventbus"
+    )
+    return _tail_handler
+
+
+def _tail_handler(args: argparse.Namespace) -> int | None:
+    if not getattr(args, "eventbus", None):
+        return None
+    out = sys.stdout.buffer
+    limit = args.limit
+    done = asyncio.Event()
+    count = 0
+
+    def emit(event: Event, source: str) -> None:
+        nonlocal count
+        if limit is not None and count >= limit:
+            done.set()
+            return
+        out.write(orjson.dumps(_event_json(event), option=orjson.OPT_APPEND_NEWLINE))
+        count += 1
+        if args.follow:
+            out.flush()
+        if limit is not None and count >= limit:
+            done.set()
+
+    async def go() -> int:
+        client = EventBusClient(args.eventbus, args.subtree or (), on_update=emit)
+        await client.start(timeout=30)
+        try:
+            if args.follow:
+                await done.wait()
+        finally:
+            await client.stop()
+        return 0
+
+    try:
+        result = asyncio.run(go())
+    except KeyboardInterrupt:
+        result = 0
+    except BrokenPipeError:
+        return 0
+    out.flush()
+    return result
