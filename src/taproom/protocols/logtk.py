@@ -716,8 +716,9 @@ class ServerConnection:
                 )
                 return
             app = None
-            if frame.token is not None and self._authenticate is not None:
-                app = self._authenticate(frame.token)
+            if self._authenticate is not None:
+                # A missing token is checked as an empty one so the glue counts it too.
+                app = self._authenticate(frame.token or b"")
             if app is None:
                 self._out.append(encode_frame(Auth(status=False)))
                 events.append(AuthFailed())
