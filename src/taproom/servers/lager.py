@@ -1,10 +1,69 @@
-"""Lager Bartender: registrar and forwarder (to be built under issue 7). Declares the config section."""
+"""Lager Bartender: the CHP registrar and the data forwarder, as pyzmq glue on the hub's loop.
+
+Registrar (seed, "Registrar"): SNAPSHOT ROUTER at P answers ``ICANHAZ?``; PUBLISHER PUB at
+P+1 sends each hashmap change and ``HUGZ`` when idle; COLLECTOR SUB at P+2 takes tap
+registrations. A registration is committed to the journal (content type
+``lager-registration``, stream = tap key, producer = tap uuid, payload = the format XML) before
+the hashmap changes and the update is published, so the journal is the source of truth.
+``<journal dir>/lager-registrar.json`` is a checkpoint of the hashmap plus the journal offset it
+covers (written atomically at most every ``checkpoint_interval_s`` and at stop); on start the
+checkpoint is loaded and the journal replayed from that offset (from the start if there is no
+checkpoint), so registrations survive a restart and even a SIGKILL.
+
+Forwarder (seed, "Forwarder"): taps publish data messages to a SUB socket at P (subscribed to
+everything, so nasa/lager PUB taps and taproom's XPUB taps both work); mugs subscribe by tap
+uuid at an XPUB at P+1. Each message is checked against its tap's registered format, committed
+(content type ``lager``, stream = tap key, producer = tap uuid, ts_ns = the message timestamp,
+payload = the row) and only then forwarded (DESIGN.md decision 4). The forwarder also answers
+"hello" subscriptions (``HELLO_PREFIX``) with one frame, so a mug knows its subscriptions
+reached the bartender before it asks a tap to start (no lost first samples).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
+import functools
+import logging
+import os
+import time
+import uuid as uuid_module
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import zmq
+import zmq.asyncio
 
 from ..config import config_section, setting
+from ..errors import HubStopped, ProtocolError
+from ..hub import Hub
+from ..protocols.lager.chp import (
+    ChpError,
+    Registrar,
+    Registration,
+    hugz_frames,
+    kthxbai_frames,
+    parse_registration,
+    parse_snapshot_request,
+)
+from ..protocols.lager.formats import parse_format_xml
+from ..protocols.lager.messages import MESSAGE_VERSION, parse_data_message
+from ..records import BatchBuilder, iter_batch
+
+__all__ = ["HELLO_PREFIX", "LagerConfig", "LagerService", "create_service"]
+
+log = logging.getLogger("taproom.lager")
+
+# A mug subscribes to HELLO_PREFIX + a random token after its data subscriptions; the forwarder
+# publishes that topic back once. ZeroMQ applies one pipe's subscriptions in order, so when the
+# hello arrives every earlier subscription is in place. The NUL first byte keeps it out of any
+# uuid prefix a real mug subscribes to.
+HELLO_PREFIX = b"\x00taproom-lager-hello/"
+REGISTRATION_CONTENT_TYPE = "lager-registration"
+DATA_CONTENT_TYPE = "lager"
+_STATE_VERSION = 1
 
 
 @config_section("lager")
@@ -18,3 +77,542 @@ class LagerConfig:
     forwarder_port: int = setting(
         12348, "forwarder: taps publish to P, mugs subscribe at P+1", min=0, max=65534
     )
+    hugz_interval_s: float = setting(
+        1.0, "seed: 'a HUGZ message at an interval of 1Hz' when no update was sent", min=0.01
+    )
+    max_taps: int = setting(
+        100_000, "hashmap entries; a fleet of robots is thousands, not millions", min=1
+    )
+    max_key_bytes: int = setting(255, "a /Namespace/Tap/ key is a short name", min=8, max=65535)
+    max_format_bytes: int = setting(
+        64 * 1024, "a BEERR01 format of ~1000 items fits; bounds XML parsing work", min=256
+    )
+    max_format_items: int = setting(1024, "items per row; rows are telemetry, not blobs", min=1)
+    max_payload_bytes: int = setting(
+        1024 * 1024, "one row; also ZMQ_MAXMSGSIZE on the forwarder input", min=64
+    )
+    max_message_frames: int = setting(
+        1028, "5 frames per seed message; C++ taps send one frame per item (4 + items)", min=5
+    )
+    max_batch_messages: int = setting(
+        8192, "data messages drained into one journal batch before yielding the loop", min=1
+    )
+    forward_hwm: int = setting(
+        100_000, "messages queued per mug before ZeroMQ drops for that slow mug only", min=1
+    )
+    input_hwm: int = setting(
+        100_000, "messages queued from taps before ZeroMQ pushes back on them", min=1
+    )
+    checkpoint_interval_s: float = setting(
+        1.0, "registrar checkpoint at most this often; the journal covers the rest", min=0.01
+    )
+    state_file: str = setting(
+        "", "registrar checkpoint; empty means <journal dir>/lager-registrar.json"
+    )
+    port_retries: int = setting(50, "port 0: tries to find consecutive free ports", min=1)
+
+
+def _endpoint(host: str, port: int | str) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{port}"
+
+
+def _bind_range(sockets: list[zmq.asyncio.Socket], host: str, port: int, retries: int) -> int:
+    """Bind ``sockets`` to consecutive ports from ``port`` (0: any free base). Returns the base."""
+    if port:
+        for i, sock in enumerate(sockets):
+            sock.bind(_endpoint(host, port + i))
+        return port
+    last: Exception | None = None
+    for _ in range(retries):
+        bound: list[tuple[zmq.asyncio.Socket, str]] = []
+        try:
+            sockets[0].bind(_endpoint(host, "*"))
+            first = sockets[0].getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(first, bytes)
+            bound.append((sockets[0], first.decode()))
+            base = int(first.decode().rsplit(":", 1)[1])
+            if base + len(sockets) - 1 > 65535:
+                raise zmq.ZMQError(errno.EADDRINUSE)
+            for i, sock in enumerate(sockets[1:], 1):
+                endpoint = _endpoint(host, base + i)
+                sock.bind(endpoint)
+                bound.append((sock, endpoint))
+            return base
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            last = exc
+            for sock, endpoint in bound:
+                with contextlib.suppress(zmq.ZMQError):
+                    sock.unbind(endpoint)
+    raise OSError(errno.EADDRINUSE, f"no {len(sockets)} consecutive free ports: {last}")
+
+
+def _recv_bounded(sock: zmq.Socket[bytes], max_frames: int) -> list[bytes] | None:
+    """One whole message (NOBLOCK; raises zmq.Again); None if it had more than ``max_frames``
+    frames (the rest is read and discarded so the next message starts clean)."""
+    frames = [sock.recv(zmq.NOBLOCK)]
+    while sock.getsockopt(zmq.RCVMORE):
+        frame = sock.recv()
+        if len(frames) < max_frames:
+            frames.append(frame)
+        else:
+            frames = [b""] * (max_frames + 1)
+    return None if len(frames) > max_frames else frames
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    events: Any = sock.getsockopt(zmq.EVENTS)
+    return bool(events & zmq.POLLIN)
+
+
+def _send(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, zmq.NOBLOCK | zmq.SNDMORE if i < last else zmq.NOBLOCK)
+
+
+class LagerService:
+    """The Bartender: registrar + forwarder. ``start()`` binds; ``stop()`` checkpoints."""
+
+    def __init__(self, hub: Hub, config: LagerConfig) -> None:
+        self.hub = hub
+        self.config = config
+        self.registrar = Registrar(max_taps=config.max_taps)
+        self.state_path = config.state_file or os.path.join(
+            hub.config.journal.dir, "lager-registrar.json"
+        )
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._registered_offset = 0  # journal end covered by the hashmap
+        self._dirty = False
+        self._last_publish = 0.0
+        self._closing = False
+        self._attrs: dict[tuple[bytes, int], bytes] = {}
+        self._uuid_text: dict[bytes, str] = {}
+        self._last_log: dict[str, float] = {}
+        m = hub.metrics
+        self._m_forwarded = m.counter("lager", "forwarded", "rows", "Data rows sent to mugs")
+        self._m_hugz = m.counter("lager", "hugz", "messages", "HUGZ sent by the registrar")
+        self._m_registered = m.counter(
+            "lager", "registrations", "messages", "Registrations that changed the hashmap"
+        )
+        self._m_snapshots = m.counter("lager", "snapshots", "requests", "ICANHAZ? answered")
+        m.gauge_fn("lager", "taps", "count", "Taps in the registrar's hashmap", self._tap_count)
+
+    def _tap_count(self) -> float:
+        return len(self.registrar)
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, str]:
+        cfg = self.config
+        await asyncio.to_thread(self._restore)
+        self._ctx = ctx = zmq.asyncio.Context()
+        self.snapshot = ctx.socket(zmq.ROUTER)
+        self.publisher = ctx.socket(zmq.PUB)
+        self.collector = ctx.socket(zmq.SUB)
+        self.fwd_in = ctx.socket(zmq.SUB)
+        self.fwd_out = ctx.socket(zmq.XPUB)
+        for sock in (self.snapshot, self.publisher, self.collector, self.fwd_in, self.fwd_out):
+            sock.setsockopt(zmq.LINGER, 0)
+        registrar_max = cfg.max_format_bytes + cfg.max_key_bytes
+        self.collector.setsockopt(zmq.MAXMSGSIZE, registrar_max)
+        self.collector.setsockopt(zmq.SUBSCRIBE, b"")
+        self.snapshot.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 16)
+        self.snapshot.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A snapshot is up to max_taps messages in one burst: the HWM must hold all of them.
+        self.snapshot.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
+        self.publisher.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
+        self.fwd_in.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes)
+        self.fwd_in.setsockopt(zmq.RCVHWM, cfg.input_hwm)
+        self.fwd_in.setsockopt(zmq.SUBSCRIBE, b"")
+        self.fwd_out.setsockopt(zmq.SNDHWM, cfg.forward_hwm)
+        self.fwd_out.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
+        reg_base = _bind_range(
+            [self.snapshot, self.publisher, self.collector],
+            cfg.host,
+            cfg.registrar_port,
+            cfg.port_retries,
+        )
+        fwd_base = _bind_range(
+            [self.fwd_in, self.fwd_out], cfg.host, cfg.forwarder_port, cfg.port_retries
+        )
+        # Synchronous shadows of the same sockets for NOBLOCK bursts (DESIGN.md decision 3).
+        self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.snapshot.underlying)
+        self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.publisher.underlying)
+        self._collector_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.collector.underlying)
+        self._fwd_in_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_in.underlying)
+        self._fwd_out_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_out.underlying)
+        self._last_publish = time.monotonic()
+        for coro in (
+            self._collector_loop(),
+            self._snapshot_loop(),
+            self._hugz_loop(),
+            self._data_loop(),
+            self._hello_loop(),
+            self._checkpoint_loop(),
+        ):
+            self._tasks.append(asyncio.create_task(coro))
+        host = cfg.host
+        return {
+            "lager_registrar_snapshot": f"{host}:{reg_base}",
+            "lager_registrar_publisher": f"{host}:{reg_base + 1}",
+            "lager_registrar_collector": f"{host}:{reg_base + 2}",
+            "lager_forwarder_in": f"{host}:{fwd_base}",
+            "lager_forwarder_out": f"{host}:{fwd_base + 1}",
+        }
+
+    async def stop(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        if self._dirty:
+            await asyncio.to_thread(self._checkpoint)
+        for sock in (self.snapshot, self.publisher, self.collector, self.fwd_in, self.fwd_out):
+            sock.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.hub.metrics.rejected("lager", reason)
+        now = time.monotonic()
+        if now - self._last_log.get(reason, 0.0) >= 1.0:  # a flood of bad input, one line a second
+            self._last_log[reason] = now
+            log.warning("lager: rejected (%s): %s", reason, detail[:200])
+
+    def _uuid_str(self, raw: bytes) -> str:
+        text = self._uuid_text.get(raw)
+        if text is None:
+            text = self._uuid_text[raw] = str(uuid_module.UUID(bytes=raw))
+        return text
+
+    # --- persistence ----------------------------------------------------------------------
+
+    def _restore(self) -> None:
+        """Checkpoint, then every registration the journal holds after it."""
+        journal = self.hub.journal
+        start = journal.first_offset
+        try:
+            with open(self.state_path, "rb") as f:
+                state = orjson.loads(f.read())
+            entries = []
+            for tap in state["taps"]:
+                fmt = parse_format_xml(tap["value"], max_bytes=1 << 30, max_items=1 << 20)
+                entries.append(
+                    Registration(
+                        tap["key"], bytes.fromhex(tap["uuid"]), tap["value"], fmt, tap["sequence"]
+                    )
+                )
+            self.registrar.restore(entries)
+            self.registrar.sequence = max(self.registrar.sequence, int(state["sequence"]))
+            start = max(start, int(state["journal_offset"]))
+        except FileNotFoundError:
+            pass
+        except (ValueError, KeyError, TypeError, ProtocolError) as exc:
+            log.error(
+                "lager: checkpoint %s unreadable (%s); replaying the journal", self.state_path, exc
+            )
+            self.registrar = Registrar(max_taps=self.config.max_taps)
+        replayed = 0
+        marker = REGISTRATION_CONTENT_TYPE.encode()
+        for base, _count, body in journal.read_batches(start):
+            if marker not in body:  # data batches never mention it; skip decoding them
+                continue
+
+            for record in iter_batch(body, base):
+                if record.offset < start or record.content_type != REGISTRATION_CONTENT_TYPE:
+                    continue
+                try:
+                    reg = parse_registration(
+                        [record.stream.encode(), bytes(8), uuid_module.UUID(record.producer).bytes,
+                         b"", record.payload],
+                        max_xml_bytes=1 << 30,
+                        max_items=1 << 20,
+                    )  # fmt: skip
+                    if self.registrar.check(reg):
+                        self.registrar.apply(reg)
+                        replayed += 1
+                except (ProtocolError, ValueError) as exc:
+                    log.warning("lager: journal registration at %d skipped: %s", record.offset, exc)
+        self._registered_offset = journal.end_offset
+        self._dirty = replayed > 0
+        log.info(
+            "lager: %d taps registered (%d replayed from the journal)",
+            len(self.registrar),
+            replayed,
+        )
+
+    def _checkpoint(self) -> None:
+        state = {
+            "version": _STATE_VERSION,
+            "journal_offset": self._registered_offset,
+            "sequence": self.registrar.sequence,
+            "taps": [
+                {"key": r.key, "uuid": r.uuid.hex(), "value": r.value, "sequence": r.sequence}
+                for r in self.registrar.snapshot()
+            ],
+        }
+        tmp = self.state_path + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(self.state_path)), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps(state))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.state_path)
+        fd = os.open(os.path.dirname(os.path.abspath(self.state_path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_interval_s)
+            if self._dirty:
+                self._dirty = False
+                try:
+                    await asyncio.to_thread(self._checkpoint)
+                except OSError as exc:
+                    self._dirty = True
+                    log.error("lager: checkpoint failed (%s); the journal still has it all", exc)
+
+    # --- registrar ------------------------------------------------------------------------
+
+    def _publish(self, frames: list[bytes]) -> None:
+        try:
+            _send(self._publisher_raw, frames)
+        except zmq.Again:
+            self.hub.metrics.rejected("lager", "publisher_hwm")
+        self._last_publish = time.monotonic()
+
+    async def _collector_loop(self) -> None:
+        cfg = self.config
+        raw = self._collector_raw
+        while True:
+            await self.hub.wait_capacity()
+            if not _readable(raw):
+                await self.collector.poll(timeout=1000)
+            accepted: list[Registration] = []
+            pending_keys: dict[str, Registration] = {}
+            pending_uuids: dict[bytes, Registration] = {}
+            echoes: list[list[bytes]] = []
+            for _ in range(cfg.max_batch_messages):
+                try:
+                    frames = _recv_bounded(raw, 5)
+                except zmq.Again:
+                    break
+                if frames is None:
+                    self._reject("frame_count", "registration with more than 5 frames")
+                    continue
+                try:
+                    reg = parse_registration(
+                        frames,
+                        max_key_bytes=cfg.max_key_bytes,
+                        max_xml_bytes=cfg.max_format_bytes,
+                        max_items=cfg.max_format_items,
+                    )
+                    held = pending_keys.get(reg.key)
+                    other = pending_uuids.get(reg.uuid)
+                    if held is not None and held.uuid != reg.uuid:
+                        raise ChpError("key registered by another tap", reason="duplicate_key")
+                    if other is not None and other.key != reg.key:
+                        raise ChpError("uuid registered under another key", reason="duplicate_uuid")
+                    changes = self.registrar.check(reg)
+                except ProtocolError as exc:
+                    self._reject(exc.reason, str(exc))
+                    if exc.reason == "duplicate_key":
+                        # Show the holder to the refused tap (it watches the publisher).
+                        holder = pending_keys.get(reg.key) or self.registrar.by_key.get(reg.key)
+                        if holder is not None:
+                            echoes.append(holder.frames())
+                    continue
+                if changes and reg.key not in pending_keys:
+                    pending_keys[reg.key] = reg
+                    pending_uuids[reg.uuid] = reg
+                    accepted.append(reg)
+                elif reg.key in self.registrar.by_key:
+                    echoes.append(self.registrar.by_key[reg.key].frames())  # a repeat: confirm it
+            if accepted:
+                builder = BatchBuilder()
+                for reg in accepted:
+                    builder.add(
+                        "lager",
+                        reg.value.encode("utf-8"),
+                        stream=reg.key,
+                        topic="registration",
+                        producer=reg.uuid_str,
+                        event_id=reg.uuid_str,
+                        content_type=REGISTRATION_CONTENT_TYPE,
+                        attrs={"version": reg.format.version},
+                    )
+                try:
+                    commit = await self.hub.ingest(builder.build())
+                except HubStopped:
+                    return
+                for reg in accepted:  # only this loop changes the map: the checks still hold
+                    stored = self.registrar.apply(reg)
+                    self._m_registered.inc()
+                    self._publish(stored.frames())
+                self._registered_offset = max(self._registered_offset, commit.end_offset)
+                self._dirty = True
+            for frames in echoes:
+                self._publish(frames)
+
+    async def _snapshot_loop(self) -> None:
+        cfg = self.config
+        raw = self._snapshot_raw
+        while True:
+            if not _readable(raw):
+                await self.snapshot.poll(timeout=1000)
+            for _ in range(256):
+                try:
+                    frames = _recv_bounded(raw, 3)
+                except zmq.Again:
+                    break
+                if frames is None or len(frames) < 2:
+                    self._reject("bad_request", "snapshot request framing")
+                    continue
+                identity, request = frames[0], frames[1:]
+                try:
+                    subtree = parse_snapshot_request(request, max_key_bytes=cfg.max_key_bytes)
+                except ChpError as exc:
+                    self._reject(exc.reason, str(exc))
+                    continue
+                self._m_snapshots.inc()
+                try:
+                    for reg in self.registrar.snapshot(subtree):
+                        _send(raw, [identity, *reg.frames()])
+                    _send(raw, [identity, *kthxbai_frames(self.registrar.sequence)])
+                except zmq.ZMQError as exc:  # the mug went away (EHOSTUNREACH) or is stuck
+                    self._reject("snapshot_undeliverable", str(exc))
+                await asyncio.sleep(0)
+
+    async def _hugz_loop(self) -> None:
+        interval = self.config.hugz_interval_s
+        while True:
+            idle = time.monotonic() - self._last_publish
+            if idle >= interval:
+                self._publish(hugz_frames())
+                self._m_hugz.inc()
+                idle = 0.0
+            await asyncio.sleep(max(interval - idle, 0.001))
+
+    # --- forwarder ------------------------------------------------------------------------
+
+    async def _data_loop(self) -> None:
+        cfg = self.config
+        raw = self._fwd_in_raw
+        hub = self.hub
+        by_uuid = self.registrar.by_uuid
+        max_frames = cfg.max_message_frames
+        max_batch = cfg.max_batch_messages
+        while True:
+            await hub.wait_capacity()
+            if not _readable(raw):
+                await self.fwd_in.poll(timeout=1000)
+            builder = BatchBuilder()
+            forwards: list[list[bytes]] = []
+            for _ in range(max_batch):
+                try:
+                    frames = _recv_bounded(raw, max_frames)
+                except zmq.Again:
+                    break
+                if frames is None:
+                    self._reject("frame_count", f"data message over {max_frames} frames")
+                    continue
+                try:
+                    msg = parse_data_message(frames, max_frames=max_frames)
+                except ProtocolError as exc:
+                    self._reject(exc.reason, str(exc))
+                    continue
+                reg = by_uuid.get(msg.uuid)
+                if reg is None:
+                    self._reject("unknown_tap", f"data from unregistered uuid {msg.uuid.hex()}")
+                    continue
+                if len(msg.payload) != reg.format.row_size:
+                    self._reject(
+                        "payload_size",
+                        f"{reg.key}: row of {len(msg.payload)} bytes, format has "
+                        f"{reg.format.row_size}",
+                    )
+                    continue
+                attrs = self._attrs.get((msg.version, msg.flags))
+                if attrs is None:
+                    attrs = self._attrs[(msg.version, msg.flags)] = orjson.dumps(
+                        {"version": msg.version.hex(), "flags": str(msg.flags)}
+                    )
+                builder.add(
+                    "lager",
+                    msg.payload,
+                    stream=reg.key,
+                    producer=self._uuid_str(msg.uuid),
+                    ts_ns=msg.ts_ns,
+                    content_type=DATA_CONTENT_TYPE,
+                    attrs=attrs,
+                )
+                if len(frames) == 5 and len(frames[2]) == 2 and len(frames[1]) == 2:
+                    forwards.append(frames)
+                else:  # nasa/lager framing: forward in the seed's 5-frame form
+                    forwards.append(
+                        [msg.uuid, MESSAGE_VERSION, msg.flags.to_bytes(2, "big"), frames[3],
+                         msg.payload]
+                    )  # fmt: skip
+            if not forwards:
+                continue
+            hub.metrics.accepted("lager", len(forwards))
+            try:
+                future = hub.submit(builder.build())
+            except HubStopped:
+                return
+            future.add_done_callback(functools.partial(self._forward, forwards))
+            await asyncio.sleep(0)  # let commits resolve and forwards go out between bursts
+
+    def _forward(self, forwards: list[list[bytes]], future: asyncio.Future[Any]) -> None:
+        """Runs once the batch is durable: fan out to mugs (committed data only)."""
+        if future.cancelled() or future.exception() is not None or self._closing:
+            return
+        raw = self._fwd_out_raw
+        send = raw.send
+        more = zmq.NOBLOCK | zmq.SNDMORE
+        try:
+            for f0, f1, f2, f3, f4 in forwards:
+                send(f0, more)
+                send(f1, more)
+                send(f2, more)
+                send(f3, more)
+                send(f4, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("lager: forwarding stopped: %s", exc)
+        self._m_forwarded.inc(len(forwards))
+
+    async def _hello_loop(self) -> None:
+        """Read mug subscriptions on the XPUB; answer hello topics."""
+        raw = self._fwd_out_raw
+        while True:
+            # A send on the same socket can swallow the read signal; poll with a short timeout.
+            if not _readable(raw):
+                await self.fwd_out.poll(timeout=100)
+            for _ in range(1024):
+                try:
+                    frame = raw.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                while raw.getsockopt(zmq.RCVMORE):
+                    raw.recv()
+                if frame[:1] == b"\x01" and frame[1:].startswith(HELLO_PREFIX):
+                    with contextlib.suppress(zmq.Again):
+                        raw.send(frame[1:], zmq.NOBLOCK)
+
+
+def create_service(hub: Hub, section: LagerConfig) -> LagerService:
+    return LagerService(hub, section)
