@@ -1,0 +1,524 @@
+"""protocols/logjam.py: frames, meta, compression, grammar, output mapping, replay requests."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+import zlib
+
+import lz4.block
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taproom.protocols import logjam as lj
+from taproom.protocols.logjam import Compression, LogjamError, LogjamLimit
+from taproom.records import BatchBuilder, Record, decode_batch
+from tests.support import fuzz_examples
+
+MAX = 1 << 20
+BODY = orjson.dumps({"action": "Users#show", "code": 200, "total_time": 12.5, "x": "y" * 200})
+
+
+def meta(**kw):
+    args = {"compression": 0, "device": 7, "created_ms": 1_700_000_000_123, "sequence": 42}
+    args.update(kw)
+    return lj.encode_meta(args["compression"], args["device"], args["created_ms"], args["sequence"])
+
+
+def parse(frames, **kw):
+    kw.setdefault("max_body", MAX)
+    kw.setdefault("max_decompressed", MAX)
+    return lj.parse_message(frames, **kw)
+
+
+class TestMetaFrame:
+    """Seed: meta-info = tag compression-method version device-number created-ms sequence."""
+
+    def test_24_byte_logjam_tools_form_round_trips(self):
+        frame = lj.encode_meta(Compression.LZ4, 70_000, 1_700_000_000_123, (1 << 64) - 1)
+        assert len(frame) == 24
+        assert frame[:2] == b"\xca\xbd"
+        m = lj.parse_meta(frame)
+        assert (m.compression, m.device, m.created_ms, m.sequence, m.size) == (
+            Compression.LZ4,
+            70_000,
+            1_700_000_000_123,
+            (1 << 64) - 1,
+            24,
+        )
+
+    def test_22_byte_seed_form(self):
+        frame = struct.pack("!HBBHQQ", 0xCABD, 2, 1, 513, 99, 3)
+        assert len(frame) == 22
+        m = lj.parse_meta(frame)
+        assert (m.compression, m.device, m.created_ms, m.sequence, m.size) == (
+            Compression.SNAPPY,
+            513,
+            99,
+            3,
+            22,
+        )
+        assert lj.encode_meta(2, 513, 99, 3, size=22) == frame
+
+    @pytest.mark.parametrize("fmt,size", [("<HBBIQQ", 24), ("<HBBHQQ", 22)])
+    def test_byte_swapped_tag_reads_little_endian(self, fmt, size):
+        frame = struct.pack(fmt, 0xCABD, 1, 1, 5, 1234, 77)
+        assert frame[:2] == b"\xbd\xca"
+        m = lj.parse_meta(frame)
+        assert (m.compression, m.device, m.created_ms, m.sequence, m.swapped, m.size) == (
+            Compression.ZLIB,
+            5,
+            1234,
+            77,
+            True,
+            size,
+        )
+
+    @pytest.mark.parametrize("size", [n for n in range(0, 40) if n not in (22, 24)])
+    def test_other_sizes_are_refused(self, size):
+        with pytest.raises(LogjamError) as info:
+            lj.parse_meta(meta()[:size] if size <= 24 else meta() + b"\0" * (size - 24))
+        assert info.value.reason == "bad_meta_size"
+        assert info.value.reply == lj.BAD_REQUEST
+
+    @pytest.mark.parametrize("tag", [0, 0xCABC, 0xBDCB, 0xFFFF, 0xBACD])
+    def test_wrong_tag(self, tag):
+        frame = struct.pack("!HBBIQQ", tag, 0, 1, 0, 0, 1)
+        with pytest.raises(LogjamError) as info:
+            lj.parse_meta(frame)
+        assert info.value.reason == "bad_meta_tag"
+
+    @pytest.mark.parametrize("version", [0, 2, 255])
+    def test_wrong_version(self, version):
+        with pytest.raises(LogjamError) as info:
+            lj.parse_meta(struct.pack("!HBBIQQ", 0xCABD, 0, version, 0, 0, 1))
+        assert info.value.reason == "bad_meta_version"
+
+    @pytest.mark.parametrize("method", [4, 5, 127, 255])
+    def test_unknown_compression(self, method):
+        with pytest.raises(LogjamError) as info:
+            lj.parse_meta(struct.pack("!HBBIQQ", 0xCABD, method, 1, 0, 0, 1))
+        assert info.value.reason == "bad_compression"
+
+
+class TestCompression:
+    """compression-method: 0 none, 1 zlib (gzip too), 2 raw snappy, 3 size-prefixed lz4."""
+
+    @pytest.mark.parametrize("method", list(Compression))
+    @pytest.mark.parametrize("data", [b"", b"{}", BODY, BODY * 100])
+    def test_round_trip(self, method, data):
+        packed = lj.compress(method, data)
+        assert lj.decompress(method, packed, MAX) == data
+        if method != Compression.NONE and len(data) > 1000:
+            assert len(packed) < len(data)
+
+    def test_wire_formats_are_the_documented_ones(self):
+        assert zlib.decompress(lj.compress(Compression.ZLIB, BODY)) == BODY
+        lz = lj.compress(Compression.LZ4, BODY)
+        assert struct.unpack("!I", lz[:4])[0] == len(BODY)
+        assert lz4.block.decompress(lz[4:], uncompressed_size=len(BODY)) == BODY
+        # someone else's lz4 block with our prefix, and gzip under method 1
+        foreign = struct.pack("!I", len(BODY)) + lz4.block.compress(BODY, store_size=False)
+        assert lj.decompress(Compression.LZ4, foreign, MAX) == BODY
+        assert lj.decompress(Compression.ZLIB, gzip.compress(BODY), MAX) == BODY
+
+    @pytest.mark.parametrize("method", list(Compression))
+    def test_decompressed_size_bound(self, method):
+        big = b"[" + b"0," * 50_000 + b"0]"
+        packed = lj.compress(method, big)
+        assert lj.decompress(method, packed, len(big)) == big
+        with pytest.raises(LogjamLimit) as info:
+            lj.decompress(method, packed, len(big) - 1)
+        assert info.value.reason == "decompressed_too_large"
+
+    def test_zlib_bomb_stops_at_the_bound(self):
+        bomb = zlib.compress(b"\0" * (64 << 20), 9)  # 64 MiB in ~64 KiB
+        with pytest.raises(LogjamLimit):
+            lj.decompress(Compression.ZLIB, bomb, MAX)
+        with pytest.raises(LogjamLimit):
+            lj.decompress(Compression.ZLIB, gzip.compress(b"\0" * (8 << 20)), MAX)
+
+    def test_announced_sizes_are_checked_before_allocating(self):
+        with pytest.raises(LogjamLimit):
+            lj.decompress(Compression.LZ4, struct.pack("!I", 1 << 31) + b"\0" * 8, MAX)
+        huge_snappy = b"\xff\xff\xff\xff\x0f" + b"\0" * 8  # announces 4 GiB
+        with pytest.raises(LogjamLimit):
+            lj.decompress(Compression.SNAPPY, huge_snappy, MAX)
+
+    @pytest.mark.parametrize("method", [Compression.ZLIB, Compression.SNAPPY, Compression.LZ4])
+    def test_every_truncation_is_an_error_never_a_crash(self, method):
+        packed = lj.compress(method, BODY)
+        for cut in range(len(packed)):
+            try:
+                out = lj.decompress(method, packed[:cut], MAX)
+            except LogjamError:
+                continue
+            assert out != BODY or cut == len(packed)
+
+    def test_garbage_after_zlib_stream(self):
+        with pytest.raises(LogjamError):
+            lj.decompress(Compression.ZLIB, zlib.compress(BODY) + b"xx", MAX)
+
+    def test_corrupt_blocks(self):
+        with pytest.raises(LogjamError):
+            lj.decompress(Compression.LZ4, b"\0\0", MAX)
+        with pytest.raises(LogjamError):
+            lj.decompress(Compression.LZ4, struct.pack("!I", 100) + b"\xff" * 10, MAX)
+        with pytest.raises(LogjamError):
+            lj.decompress(Compression.SNAPPY, b"\x80\x80\x80\x80\x80\x80", MAX)
+        with pytest.raises(LogjamError):
+            lj.decompress(Compression.SNAPPY, b"\x20" + b"\xff" * 10, MAX)
+
+    def test_names(self):
+        assert lj.compression_by_name("LZ4") is Compression.LZ4
+        with pytest.raises(ValueError):
+            lj.compression_by_name("brotli")
+
+
+class TestGrammar:
+    """app-env = application "-" environment; topic = logs*/javascript*/events*/frontend.*"""
+
+    @pytest.mark.parametrize(
+        "value", [b"app-prod", b"my_app-pre_view", b"perf-ua-production", b"a-b", b"app--prod"]
+    )
+    def test_valid_app_env(self, value):
+        assert lj.is_valid_app_env(value)
+
+    @pytest.mark.parametrize(
+        "value",
+        [
+            b"",
+            b"app",
+            b"-prod",
+            b"app-",
+            b"app-prod-",
+            b"1app-prod",
+            b"app-pro-d1",
+            b"app-prod\n",
+            b"web2-prod",
+            b"app-pr\xc3\xa9",
+            b"app prod",
+            b"app-prod-2",
+        ],
+    )
+    def test_invalid_app_env(self, value):
+        assert not lj.is_valid_app_env(value)
+
+    def test_relaxed_app_env_allows_digits(self):
+        assert lj.is_valid_app_env(b"web2-prod1", relaxed=True)
+        assert not lj.is_valid_app_env(b"web2", relaxed=True)
+
+    @pytest.mark.parametrize(
+        "value",
+        [
+            b"logs",
+            b"logs.app.prod",
+            b"logsx",
+            b"javascript",
+            b"javascript.errors",
+            b"events",
+            b"events.deploy",
+            b"frontend.page",
+            b"frontend.ajax",
+            b"logs..",
+        ],
+    )
+    def test_valid_topic(self, value):
+        assert lj.is_valid_topic(value)
+
+    @pytest.mark.parametrize(
+        "value",
+        [
+            b"",
+            b"log",
+            b"Logs",
+            b"frontend",
+            b"frontend.pages",
+            b"logs.app-prod",
+            b"logs.web2",
+            b"metrics.x",
+            b"logs.a b",
+            b" logs",
+        ],
+    )
+    def test_invalid_topic(self, value):
+        assert not lj.is_valid_topic(value)
+
+    def test_relaxed_topic(self):
+        assert lj.is_valid_topic(b"logs.perf-ua.web2", relaxed=True)
+        assert not lj.is_valid_topic(b"metrics.x", relaxed=True)
+
+
+class TestDataMessage:
+    """data-msg = app-env topic json-body meta-info"""
+
+    @pytest.mark.parametrize("method", list(Compression))
+    @pytest.mark.parametrize("meta_size", [22, 24])
+    def test_encode_then_parse(self, method, meta_size):
+        frames = lj.encode_message(
+            b"app-prod",
+            b"logs.app.prod",
+            BODY,
+            compression=method,
+            device=3,
+            created_ms=1_700_000_000_000,
+            sequence=9,
+            meta_size=meta_size,
+        )
+        msg = parse(frames)
+        assert isinstance(msg, lj.DataMessage)
+        assert (msg.app_env, msg.topic, msg.body) == ("app-prod", "logs.app.prod", BODY)
+        assert (msg.meta.device, msg.meta.sequence, msg.meta.compression) == (3, 9, method)
+
+    def test_maps_to_a_record(self):
+        msg = parse([b"app-prod", b"logs.app.prod", BODY, meta(compression=0)])
+        builder = BatchBuilder(received_ns=5)
+        msg.add_to(builder)
+        (record,) = decode_batch(builder.build().body, 10)
+        assert record.protocol == "logjam"
+        assert (record.stream, record.topic, record.producer) == ("app-prod", "logs.app.prod", "7")
+        assert (record.seq, record.ts_ns, record.content_type) == (
+            42,
+            1_700_000_000_123_000_000,
+            "json",
+        )
+        assert record.payload == BODY
+
+    @pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 6])
+    def test_wrong_frame_count(self, n):
+        frames = [b"app-prod", b"logs.x", BODY, meta(), b"extra", b"more"][:n]
+        with pytest.raises(LogjamError) as info:
+            parse(frames)
+        assert info.value.reason == "bad_frame_count"
+
+    @pytest.mark.parametrize(
+        "frames,reason",
+        [
+            ([b"app", b"logs", b"{}", meta()], "bad_app_env"),
+            ([b"app-prod", b"metrics", b"{}", meta()], "bad_topic"),
+            ([b"app-prod", b"logs", b"{not json", meta()], "bad_json"),
+            ([b"app-prod", b"logs", b"", meta()], "bad_json"),
+            ([b"app-prod", b"logs", b"{}", meta()[:23]], "bad_meta_size"),
+            ([b"app-prod", b"logs", b"{}", b"\0" * 24], "bad_meta_tag"),
+            ([b"app-prod", b"logs", b"xx", meta(compression=1)], "bad_body"),
+        ],
+    )
+    def test_invalid(self, frames, reason):
+        with pytest.raises(LogjamError) as info:
+            parse(frames)
+        assert info.value.reason == reason
+
+    def test_oversized_body_frame(self):
+        with pytest.raises(LogjamLimit) as info:
+            parse([b"app-prod", b"logs", b"[" + b" " * 100 + b"]", meta()], max_body=50)
+        assert info.value.reason == "body_too_large"
+        with pytest.raises(LogjamLimit) as info:
+            parse([b"app-prod", b"logs", b"[" + b" " * 100 + b"]", meta()], max_decompressed=50)
+        assert info.value.reason == "decompressed_too_large"
+
+    def test_truncated_meta_at_every_length(self):
+        full = meta()
+        for cut in range(len(full)):
+            if cut == 22:
+                continue  # a 22-byte prefix of a 24-byte frame is a different, valid layout
+            with pytest.raises(LogjamError):
+                parse([b"app-prod", b"logs", b"{}", full[:cut]])
+
+    def test_ping(self):
+        msg = parse([lj.PING, b"app-prod", b"{}", meta()])
+        assert isinstance(msg, lj.PingMessage)
+        assert msg.app_env == "app-prod"
+        with pytest.raises(LogjamError):
+            parse([lj.PING, b"app-prod", b"{}", b"short"])
+
+    def test_router_envelope(self):
+        sync = lj.parse_router_frames([b"id", b"", b"app-prod", b"logs", b"{}", meta()])
+        assert sync.wants_reply and sync.routing_id == b"id" and len(sync.frames) == 4
+        fire = lj.parse_router_frames([b"id", b"app-prod", b"logs", b"{}", meta()])
+        assert not fire.wants_reply and fire.frames[0] == b"app-prod"
+        with pytest.raises(LogjamError):
+            lj.parse_router_frames([b"id"])
+        assert lj.reply_frames(b"id", b"app-prod", lj.ACCEPTED) == [
+            b"id",
+            b"",
+            b"app-prod",
+            b"202 Accepted",
+        ]
+
+
+class TestOutputMapping:
+    """docs/protocols/logjam.md, "Output mapping"."""
+
+    def test_logjam_records_keep_app_env_topic_and_body(self):
+        mapper = lj.OutputMapper()
+        rec = Record("logjam", "app-prod", "logs.app.prod", payload=BODY, ts_ns=5_000_000)
+        assert mapper.map(rec, now_ms=99) == (b"app-prod", b"logs.app.prod", BODY, 5)
+
+    def test_other_protocols_get_default_app_env_and_logs_topic(self):
+        mapper = lj.OutputMapper()
+        rec = Record(
+            "lumberjack",
+            "/var/log/syslog",
+            "file-1",
+            producer="10.0.0.1:5000",
+            seq=3,
+            content_type="json",
+            payload=b'{"message":"hi"}',
+            attrs={"k": "v"},
+            offset=17,
+        )
+        app_env, topic, body, created = mapper.map(rec, now_ms=1234)
+        assert (app_env, topic, created) == (b"taproom-lumberjack", b"logs.lumberjack.file", 1234)
+        assert lj.is_valid_app_env(app_env) and lj.is_valid_topic(topic)
+        doc = orjson.loads(body)
+        assert doc["payload"] == '{"message":"hi"}'  # no decoder given: text
+        assert doc["taproom"]["offset"] == 17
+        assert doc["taproom"]["stream"] == "/var/log/syslog"
+        assert doc["taproom"]["attrs"] == {"k": "v"}
+
+    def test_valid_stream_is_kept_and_event_protocols_use_events(self):
+        mapper = lj.OutputMapper(payload_decoder=lambda ct, p: orjson.loads(p))
+        rec = Record("eventbus", "shop-prod", "orders/created", content_type="json", payload=b"[1]")
+        app_env, topic, body, _ = mapper.map(rec, 0)
+        assert (app_env, topic) == (b"shop-prod", b"events.eventbus.orders.created")
+        assert orjson.loads(body)["payload"] == [1]
+        assert mapper.topic("logtk", "") == b"logs.logtk"
+        assert mapper.topic("logtk", "42!!") == b"logs.logtk"
+
+    def test_routes(self):
+        mapper = lj.OutputMapper(routes=("logjam", "logtk"))
+        assert mapper.routed("logtk") and not mapper.routed("lumberjack")
+        assert lj.OutputMapper().routed("anything")
+        custom = lj.OutputMapper(default_app_env="hub-{protocol}")
+        assert custom.app_env("lager", "") == b"hub-lager"
+
+
+class TestReplayRequest:
+    def test_offset_mode(self):
+        req = lj.parse_replay_request([b"offset", b"10", b"500", b"app-"], max_count=100)
+        assert (req.mode, req.start, req.limit, req.prefixes) == (
+            lj.ReplayMode.OFFSET,
+            10,
+            100,
+            (b"app-",),
+        )
+
+    def test_seq_mode_is_clamped(self):
+        req = lj.parse_replay_request([b"seq", b"5", b"1000"], max_count=10)
+        assert (req.mode, req.start, req.limit, req.prefixes) == (lj.ReplayMode.SEQ, 5, 14, ())
+
+    @pytest.mark.parametrize(
+        "frames",
+        [
+            [],
+            [b"offset", b"1"],
+            [b"rewind", b"1", b"2"],
+            [b"offset", b"-1", b"2"],
+            [b"offset", b"1", b"x"],
+            [b"offset", b"99999999999999999999", b"1"],
+            [b"seq", b"5", b"4"],
+            [b"offset", b"1", b"2", b"p" * 300],
+            [b"offset", b"1", b"2"] + [b"p"] * 17,
+        ],
+    )
+    def test_bad(self, frames):
+        with pytest.raises(LogjamError) as info:
+            lj.parse_replay_request(frames, max_count=10)
+        assert info.value.reason == "bad_replay_request"
+
+
+# --- fuzz -------------------------------------------------------------------------------------
+
+# One binary draw per example keeps hypothesis's own cost low; the test turns the bytes into a
+# frame list: either arbitrary frames, or a near-valid message (grammar picks, a compressed and
+# possibly cut body, a meta frame with a valid or swapped tag) so the deep paths get exercised.
+_APP_ENVS = [b"app-prod", b"a-b", b"bad", b"", b"ping", b"x-y_z", b"\xff-x", b"web2-prod"]
+_TOPICS = [b"logs", b"logs.a.b", b"events.x", b"frontend.page", b"nope", b"", b"logs.a-b"]
+_RAW = [b'{"a":1}', BODY, b"[]", b"nul", b"{", b'"\xff"']
+
+
+def _frames_from(data: bytes) -> list[bytes]:
+    if not data:
+        return []
+    mode, rest = data[0], data[1:]
+    if mode % 3 == 0:  # arbitrary frames, lengths taken from the data
+        frames, pos = [], 0
+        while pos < len(rest) and len(frames) < 6:
+            n = rest[pos] % 40
+            frames.append(rest[pos + 1 : pos + 1 + n])
+            pos += 1 + n
+        return frames
+    rest = rest.ljust(32, b"\0")
+    method = rest[0] % 5  # 4 is not a method: the meta must refuse it
+    raw = _RAW[rest[1] % len(_RAW)] if rest[2] % 4 else rest[32:]
+    body = lj.compress(method % 4, raw)
+    if rest[3] % 3 == 0:
+        body = body[: rest[4] % (len(body) + 1)] + rest[5:7]
+    order = "<" if rest[6] % 5 == 0 else "!"
+    fmt = order + ("HBBIQQ" if rest[7] % 2 else "HBBHQQ")
+    tag = 0xCABD if rest[8] % 7 else int.from_bytes(rest[9:11], "big")
+    version = 1 if rest[11] % 9 else rest[12]
+    created = int.from_bytes(rest[13:21], "big")
+    seq = int.from_bytes(rest[21:29], "big")
+    meta_frame = struct.pack(fmt, tag, method, version, rest[29], created, seq)
+    if rest[30] % 11 == 0:
+        meta_frame = meta_frame[: rest[31] % 30]
+    return [_APP_ENVS[rest[9] % len(_APP_ENVS)], _TOPICS[rest[10] % len(_TOPICS)], body, meta_frame]
+
+
+@settings(max_examples=fuzz_examples(20_000, 1_000_000), database=None)
+@given(st.binary(max_size=120))
+def test_fuzz_frame_decoder_never_crashes(data):
+    frames = _frames_from(data)
+    try:
+        msg = lj.parse_message(frames, max_body=4096, max_decompressed=4096)
+    except LogjamError as exc:
+        assert exc.reply == lj.BAD_REQUEST
+        assert exc.reason.replace("_", "").isalpha()
+        return
+    if isinstance(msg, lj.DataMessage):
+        orjson.loads(msg.body)
+        assert lj.is_valid_app_env(msg.app_env.encode())
+        assert lj.is_valid_topic(msg.topic.encode())
+        assert len(msg.body) <= 4096
+    else:
+        assert frames[0] == lj.PING
+
+
+def test_fuzz_generator_reaches_valid_messages():
+    """The fuzz input above is not all rejects: some decode to data messages and pings."""
+    kinds = set()
+    for i in range(3000):
+        data = bytes((i * 7 + k * 13 + (i >> 3) * k) % 256 for k in range(60))
+        try:
+            kinds.add(
+                type(lj.parse_message(_frames_from(data), max_body=4096, max_decompressed=4096))
+            )
+        except LogjamError as exc:
+            kinds.add(exc.reason)
+    assert lj.DataMessage in kinds
+    assert {"bad_meta_tag", "bad_frame_count", "bad_body"} <= kinds
+
+
+@settings(max_examples=fuzz_examples(1_000, 100_000), database=None)
+@given(
+    st.sampled_from(list(Compression)),
+    st.integers(0, 0xFFFF),
+    st.integers(0, (1 << 64) - 1),
+    st.integers(0, (1 << 64) - 1),
+    st.sampled_from([22, 24]),
+    st.binary(max_size=300),
+)
+def test_fuzz_meta_round_trip(method, device, created, seq, size, data):
+    frame = lj.encode_meta(method, device, created, seq, size=size)
+    m = lj.parse_meta(frame)
+    assert (m.compression, m.device, m.created_ms, m.sequence, m.size) == (
+        method,
+        device,
+        created,
+        seq,
+        size,
+    )
+    assert lj.decompress(method, lj.compress(method, data), 300) == data
