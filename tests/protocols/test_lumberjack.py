@@ -1,0 +1,431 @@
+"""The sans-I/O Lumberjack core: framing, windows and acks, mapping, malformed input, fuzz."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taproom.protocols.lumberjack import (
+    AckFrame,
+    ClientSession,
+    CompressedFrame,
+    DataFrame,
+    JsonFrame,
+    Limits,
+    LumberjackError,
+    LumberjackLimit,
+    ServerConnection,
+    Version,
+    Window,
+    WindowSizeFrame,
+    encode_ack,
+    next_seq,
+    seq_after,
+)
+from taproom.records import BatchBuilder, decode_batch
+from tests.support import fuzz_examples
+
+V1, V2 = Version.V1, Version.V2
+
+
+def W(size: int, v: Version = V2) -> bytes:
+    return WindowSizeFrame(size, v).serialize()
+
+
+def J(seq: int, obj: object, v: Version = V2) -> bytes:
+    return JsonFrame(seq, orjson.dumps(obj), v).serialize()
+
+
+def D(seq: int, pairs: dict[str, str], v: Version = V1) -> bytes:
+    return DataFrame.from_mapping(seq, pairs, v).serialize()
+
+
+def C(frames: bytes, v: Version = V2, level: int = 6) -> bytes:
+    return CompressedFrame.compress(frames, level, v)
+
+
+def feed(conn: ServerConnection, data: bytes, chunks: list[int] | None = None) -> list[Window]:
+    out: list[Window] = []
+    if chunks is None:
+        return conn.receive_data(data, 7)
+    pos = 0
+    for size in chunks:
+        out += conn.receive_data(data[pos : pos + size], 7)
+        pos += size
+    out += conn.receive_data(data[pos:], 7)
+    return out
+
+
+def summary(windows: list[Window]) -> list[tuple[int | None, int, list[tuple[int, bytes, str]]]]:
+    return [
+        (
+            w.ack_seq,
+            w.version,
+            [(r.seq, r.payload, r.content_type) for r in decode_batch(w.batch.body, 0)],
+        )
+        for w in windows
+    ]
+
+
+MIXED = b"".join(
+    [
+        W(2, V1),
+        D(1, {"line": "a", "type": "syslog"}),
+        D(2, {"line": "b\u00e9"}),
+        W(3),
+        J(7, {"message": "x", "fields": {"app": "web"}}),
+        C(J(8, {"m": 1}) + C(J(9, {"m": [1, 2]}))),  # nested C
+        W(0),
+        W(1, V1),
+        C(D(5, {"k": "v"}, V1), V1),
+    ]
+)
+
+
+class TestFraming:
+    """Seed "Framing": the same windows whatever the TCP segmentation."""
+
+    def test_whole(self) -> None:
+        got = summary(feed(ServerConnection("p"), MIXED))
+        assert [(a, v, [s for s, _, _ in recs]) for a, v, recs in got] == [
+            (2, V1, [1, 2]),
+            (9, V2, [7, 8, 9]),
+            (0, V2, []),
+            (5, V1, [5]),
+        ]
+        assert got[0][2][1] == (2, orjson.dumps({"line": "b\u00e9"}), "kv")
+        assert got[1][2][2] == (9, b'{"m":[1,2]}', "json")
+
+    def test_every_split_point(self) -> None:
+        expected = summary(feed(ServerConnection("p"), MIXED))
+        for cut in range(1, len(MIXED)):
+            assert summary(feed(ServerConnection("p"), MIXED, [cut])) == expected, cut
+
+    def test_byte_by_byte(self) -> None:
+        expected = summary(feed(ServerConnection("p"), MIXED))
+        conn = ServerConnection("p")
+        got: list[Window] = []
+        for i in range(len(MIXED)):
+            got += conn.receive_data(MIXED[i : i + 1], 7)
+        assert summary(got) == expected
+        assert conn.buffered_bytes == 0
+
+    @given(st.lists(st.integers(1, 64), max_size=40))
+    @settings(max_examples=200)
+    def test_random_segmentation(self, chunks: list[int]) -> None:
+        expected = summary(feed(ServerConnection("p"), MIXED))
+        assert summary(feed(ServerConnection("p"), MIXED, chunks)) == expected
+
+
+class TestRecords:
+    """Data frames become journal records identical to what BatchBuilder would encode."""
+
+    def test_bytes_match_batchbuilder(self) -> None:
+        payload = orjson.dumps({"message": "m", "fields": {"app": "shop"}, "type": "access"})
+        conn = ServerConnection("10.0.0.1:5000")
+        (window,) = conn.receive_data(W(1) + JsonFrame(42, payload).serialize(), 123)
+        ref = BatchBuilder(received_ns=123)
+        ref.add(
+            "lumberjack",
+            payload,
+            stream="shop",
+            topic="access",
+            producer="10.0.0.1:5000",
+            seq=42,
+            content_type="json",
+            attrs={"v": "2"},
+        )
+        assert window.batch == ref.build()
+
+    def test_kv_mapping(self) -> None:
+        conn = ServerConnection("cn=x", stream_fields=("app",), topic_fields=("type",))
+        (window,) = conn.receive_data(
+            W(1, V1) + D(3, {"app": "billing", "type": "syslog", "line": "hi"}), 5
+        )
+        (rec,) = decode_batch(window.batch.body, 10)
+        assert (rec.stream, rec.topic, rec.producer, rec.seq) == ("billing", "syslog", "cn=x", 3)
+        assert (rec.content_type, rec.attrs, rec.received_ns) == ("kv", {"v": "1"}, 5)
+        assert orjson.loads(rec.payload) == {"app": "billing", "type": "syslog", "line": "hi"}
+
+    @pytest.mark.parametrize(
+        ("doc", "stream", "topic"),
+        [
+            ({"fields": {"app": "a", "type": "t2"}, "beat": {"name": "b"}}, "a", "t2"),
+            ({"beat": {"name": "b"}, "type": "t"}, "b", "t"),
+            ({"agent": {"name": "host1"}, "fields": {"app": 7}}, "host1", ""),
+            ({"fields": "notamap", "type": ""}, "", ""),
+            ({"fields": {"app": "x" * 300}}, "", ""),
+        ],
+    )
+    def test_default_field_paths(self, doc: dict[str, object], stream: str, topic: str) -> None:
+        (window,) = ServerConnection("p").receive_data(W(1) + J(1, doc), 1)
+        (rec,) = decode_batch(window.batch.body, 0)
+        assert (rec.stream, rec.topic) == (stream, topic)
+        assert rec.payload == orjson.dumps(doc)
+
+    def test_invalid_utf8_in_d_becomes_replacement_char(self) -> None:
+        frame = struct.pack(">BBII", V1, 0x44, 1, 1) + b"\0\0\0\x01k\0\0\0\x02\xff\xfe"
+        (window,) = ServerConnection("p").receive_data(W(1, V1) + frame, 1)
+        (rec,) = decode_batch(window.batch.body, 0)
+        assert orjson.loads(rec.payload) == {"k": "\ufffd\ufffd"}
+
+
+class TestAcks:
+    """Seed "'ack' frame type": ack the highest sequence number received, never a count."""
+
+    def test_counting_across_windows_pylogbeat_style(self) -> None:
+        conn = ServerConnection("p")
+        first = conn.receive_data(W(3) + C(b"".join(J(s, {"s": s}) for s in (1, 2, 3))), 1)
+        second = conn.receive_data(W(2) + C(b"".join(J(s, {"s": s}) for s in (4, 5))), 1)
+        assert [w.ack_seq for w in first + second] == [3, 5]
+
+    def test_restart_at_one_per_window_go_lumber_style(self) -> None:
+        data = b"".join(W(2) + C(J(1, {}) + J(2, {})) for _ in range(3))
+        assert [w.ack_seq for w in ServerConnection("p").receive_data(data, 1)] == [2, 2, 2]
+
+    def test_rollover(self) -> None:
+        seqs = [0xFFFFFFFE, 0xFFFFFFFF, 0, 1]
+        data = W(4) + b"".join(J(s, {}) for s in seqs)
+        (window,) = ServerConnection("p").receive_data(data, 1)
+        assert window.ack_seq == 1
+        assert [r.seq for r in decode_batch(window.batch.body, 0)] == seqs
+
+    def test_highest_not_last(self) -> None:
+        (window,) = ServerConnection("p").receive_data(W(3) + J(5, {}) + J(9, {}) + J(7, {}), 1)
+        assert window.ack_seq == 9
+
+    def test_window_zero_acked_with_zero(self) -> None:
+        (window,) = ServerConnection("p").receive_data(W(0, V1), 1)
+        assert (window.ack_seq, window.batch.count, window.version) == (0, 0, V1)
+        assert encode_ack(window.version, 0) == b"1A\0\0\0\0"
+
+    def test_streaming_v1_flush_on_idle(self) -> None:
+        conn = ServerConnection("p")
+        assert conn.receive_data(W(1000, V1) + D(1, {"a": "1"}) + D(2, {"a": "2"}), 1) == []
+        assert conn.pending_events == 2
+        window = conn.flush()
+        assert window is not None and window.ack_seq == 2 and window.batch.count == 2
+        assert conn.flush() is None
+        # The stream goes on without another W: windows keep closing every 1000 frames.
+        frames = b"".join(D(s, {"a": "x"}) for s in range(3, 1003))
+        (full,) = conn.receive_data(frames, 1)
+        assert (full.ack_seq, full.batch.count) == (1002, 1000)
+
+    def test_new_window_closes_open_one(self) -> None:
+        windows = ServerConnection("p").receive_data(W(5) + J(1, {}) + W(1) + J(2, {}), 1)
+        assert [(w.ack_seq, w.batch.count) for w in windows] == [(1, 1), (2, 1)]
+
+    def test_large_window_split_ack_on_last_part(self) -> None:
+        conn = ServerConnection("p", limits=Limits(max_batch_bytes=64 * 1024))
+        doc = {"m": "x" * 1000}
+        windows = conn.receive_data(W(200) + b"".join(J(s, doc) for s in range(1, 201)), 1)
+        assert len(windows) > 1
+        assert all(w.ack_seq is None for w in windows[:-1]) and windows[-1].ack_seq == 200
+        assert sum(w.batch.count for w in windows) == 200
+
+    def test_ack_frame_bytes(self) -> None:
+        assert AckFrame(513, V2).serialize() == b"2A\x00\x00\x02\x01"
+        assert encode_ack(V1, 1 << 32) == b"1A\0\0\0\0"
+
+
+def _bomb(inflated: int) -> bytes:
+    comp = zlib.compressobj(9)
+    block = bytes(1 << 20)
+    out = [comp.compress(block) for _ in range(inflated >> 20)]
+    return b"".join(out) + comp.flush()
+
+
+MAL = [
+    (b"3W\0\0\0\1", "bad_version", LumberjackError),
+    (b"2X\0\0\0\1", "bad_frame_type", LumberjackError),
+    (b"2A\0\0\0\1", "unexpected_ack", LumberjackError),
+    (b"2J\0\0\0\1\0\0\0\0", "empty_json", LumberjackError),
+    (JsonFrame(1, b"{nope").serialize(), "bad_json", LumberjackError),
+    (JsonFrame(1, b'{"a":1}x').serialize(), "bad_json", LumberjackError),
+    (JsonFrame(1, b'"just a string"').serialize(), "json_not_object", LumberjackError),
+    (b"1D\0\0\0\1\0\0\0\0", "empty_data", LumberjackError),
+    (b"1D\0\0\0\1\0\0\x10\x01", "too_many_pairs", LumberjackLimit),
+    (b"2W\0\0\x27\x11", "window_too_large", LumberjackLimit),
+    (b"2J\0\0\0\1\x01\0\0\x01", "frame_too_large", LumberjackLimit),
+    (b"2C\x01\0\0\x01", "frame_too_large", LumberjackLimit),
+    (b"1D\0\0\0\1\0\0\0\1\x01\0\0\x01", "frame_too_large", LumberjackLimit),
+    (b"2C\0\0\0\4abcd", "bad_compressed", LumberjackError),
+    (b"2C\0\0\0\0", "bad_compressed", LumberjackError),
+    (CompressedFrame(zlib.compress(J(1, {}))[:-3]).serialize(), "bad_compressed", LumberjackError),
+    (
+        CompressedFrame(zlib.compress(J(1, {})) + b"xx").serialize(),
+        "bad_compressed",
+        LumberjackError,
+    ),
+    (
+        CompressedFrame(zlib.compress(J(1, {})[:-1])).serialize(),
+        "truncated_compressed",
+        LumberjackError,
+    ),
+    (C(C(C(C(J(1, {}))))), "nesting_too_deep", LumberjackLimit),
+    (
+        CompressedFrame(zlib.compress(bytes(2 << 20))).serialize(),
+        "decompressed_too_large",
+        LumberjackLimit,
+    ),
+    (CompressedFrame(_bomb(64 << 20)).serialize(), "decompressed_too_large", LumberjackLimit),
+]
+
+
+class TestMalformed:
+    """Every malformed case gets its documented reason; nothing before it is lost."""
+
+    LIMITS = Limits(max_frame_bytes=1 << 20, max_decompressed_bytes=1 << 20, max_pairs=4096)
+
+    @pytest.mark.parametrize(("data", "reason", "kind"), MAL, ids=[m[1] for m in MAL])
+    def test_rejected(self, data: bytes, reason: str, kind: type[Exception]) -> None:
+        conn = ServerConnection("p", limits=self.LIMITS)
+        before = W(1) + J(1, {"ok": True})
+        with pytest.raises(kind) as info:
+            conn.receive_data(before + data, 1)
+        assert info.value.reason == reason  # type: ignore[attr-defined]
+        # The window completed before the bad frame is handed over for commit and ack.
+        (window,) = info.value.windows  # type: ignore[attr-defined]
+        assert window.ack_seq == 1 and window.batch.count == 1
+
+    @pytest.mark.parametrize(("data", "reason", "kind"), MAL, ids=[m[1] for m in MAL])
+    def test_rejected_byte_by_byte(self, data: bytes, reason: str, kind: type[Exception]) -> None:
+        if len(data) > 4096:
+            data = data[:4096]  # the head decides for the length checks; keep it quick
+            if reason in ("decompressed_too_large",):
+                return
+        conn = ServerConnection("p", limits=self.LIMITS)
+        with pytest.raises(kind) as info:
+            for i in range(len(data)):
+                conn.receive_data(data[i : i + 1], 1)
+        assert info.value.reason == reason  # type: ignore[attr-defined]
+
+    def test_nesting_within_bound_is_fine(self) -> None:
+        conn = ServerConnection("p", limits=Limits(max_nesting=3))
+        (window,) = conn.receive_data(W(1) + C(C(C(J(1, {})))), 1)
+        assert window.ack_seq == 1
+
+
+# Building frames inside hypothesis is slow; the fuzz picks from prebuilt pieces instead
+# (valid frames of every type, truncated and oversized ones) and adds random bytes and flips.
+_PIECES = [
+    W(0),
+    W(2, V1),
+    W(20_000),
+    D(1, {"line": "a", "type": "t"}),
+    D(0xFFFFFFFF, {"": ""}, V2),
+    J(2, {"a": 1}),
+    J(0, {"fields": {"app": "x"}}, V1),
+    JsonFrame(3, b"[1]").serialize(),
+    JsonFrame(3, b"\xff").serialize(),
+    C(J(1, {}) + D(2, {"k": "v"})),
+    C(C(J(1, {}))),
+    C(bytes(10_000)),
+    b"2C\0\0\0\x05x\x9c\x03\0\0",
+    b"2J\0\0\0\1\xff\xff\xff\xff",
+    b"1D\0\0\0\1\0\0\0\2\0\0\0\1k",
+    b"2A\0\0\0\0",
+]
+
+
+def _fuzz_once(data: bytes, cut: int) -> None:
+    conn = ServerConnection(
+        "p", limits=Limits(max_window=1000, max_frame_bytes=4096, max_decompressed_bytes=8192)
+    )
+    try:
+        conn.receive_data(data[:cut], 1)
+        conn.receive_data(data[cut:], 1)
+        conn.flush()
+    except (LumberjackError, LumberjackLimit):
+        pass
+
+
+class TestFuzz:
+    """Random input gives windows or a documented protocol error, never a crash or a hang."""
+
+    @given(st.binary(min_size=3, max_size=24))
+    @settings(max_examples=fuzz_examples(20_000, 1_000_000), deadline=None)
+    def test_decoder(self, choice: bytes) -> None:
+        # One cheap strategy drives everything: bytes 0-2 pick the cut, the flip and whether
+        # to wrap in C; each further byte with the top bit set picks a piece, others are junk.
+        cut, flip_at, wrap = choice[0], choice[1], choice[2] & 1
+        data = bytearray()
+        for b in choice[3:]:
+            if b & 0x80:
+                data += _PIECES[b % len(_PIECES)]
+            else:
+                data.append(b)
+        if data and flip_at < 200:
+            data[flip_at % len(data)] ^= 1 << (flip_at % 8)
+        body = bytes(data)
+        if wrap:
+            body = CompressedFrame(zlib.compress(body, 1)).serialize()
+        _fuzz_once(body, cut)
+
+    @given(st.binary(max_size=40), st.integers(0, 40))
+    @settings(max_examples=fuzz_examples(2_000, 100_000), deadline=None)
+    def test_random_bytes(self, data: bytes, cut: int) -> None:
+        _fuzz_once(data, cut)
+
+
+class TestClientSession:
+    """The sender's bookkeeping: windows, bulk acks, keepalives, roll-over, resend."""
+
+    def test_windows_and_bulk_ack(self) -> None:
+        session = ClientSession(Version.V2, compression_level=0)
+        a = session.encode_window([{"n": 1}, {"n": 2}])
+        b = session.encode_window([{"n": 3}])
+        assert (a.first_seq, a.last_seq, b.first_seq, b.last_seq) == (1, 2, 3, 3)
+        assert a.data.startswith(W(2) + J(1, {"n": 1}))
+        assert session.receive_data(encode_ack(V2, 0) + encode_ack(V2, 1)) == []
+        assert session.keepalives == 1
+        assert session.receive_data(encode_ack(V2, 3)) == [a, b]
+        assert session.acked_events == 3
+
+    def test_rollover_skips_zero(self) -> None:
+        assert next_seq(0xFFFFFFFF) == 1 and next_seq(5) == 6
+        assert seq_after(1, 0xFFFFFFFF) and not seq_after(0xFFFFFFFF, 1)
+        session = ClientSession(Version.V1)
+        session.next_seq = 0xFFFFFFFE
+        window = session.encode_window([{"a": "b"}] * 3)
+        assert (window.first_seq, window.last_seq) == (0xFFFFFFFE, 1)
+        assert session.receive_data(encode_ack(V1, 0xFFFFFFFF)) == []
+        assert session.receive_data(encode_ack(V1, 1)) == [window]
+
+    def test_reconnected_reencodes_unacked(self) -> None:
+        session = ClientSession(Version.V2)
+        session.encode_window([{"n": 1}])
+        session.encode_window([{"n": 2}])
+        session.receive_data(encode_ack(V2, 1))
+        (data,) = session.reconnected()
+        windows = ServerConnection("p").receive_data(data, 1)
+        assert windows[0].ack_seq == 1
+        assert decode_batch(windows[0].batch.body, 0)[0].payload == b'{"n":2}'
+
+    def test_server_sending_data_is_an_error(self) -> None:
+        with pytest.raises(LumberjackError):
+            ClientSession().receive_data(W(1))
+
+    @given(
+        st.lists(
+            st.dictionaries(st.text(max_size=8), st.text(max_size=8), min_size=1, max_size=4),
+            min_size=1,
+            max_size=30,
+        ),
+        st.integers(0, 9),
+        st.sampled_from([V1, V2]),
+    )
+    @settings(max_examples=300)
+    def test_round_trip(self, events: list[dict[str, str]], level: int, version: Version) -> None:
+        session = ClientSession(version, compression_level=level)
+        window = session.encode_window(events)
+        (got,) = ServerConnection("p").receive_data(window.data, 1)
+        assert got.ack_seq == window.last_seq
+        records = decode_batch(got.batch.body, 0)
+        assert [orjson.loads(r.payload) for r in records] == events
+        assert {r.content_type for r in records} == {"kv" if version == V1 else "json"}
