@@ -442,6 +442,11 @@ class LogjamService:
             elif msg[:1] == b"\x00":
                 self.subscriptions = max(0, self.subscriptions - 1)
 
+    def subscriber_count(self) -> int:
+        """Live SUB subscriptions (prefixes) the XPUB has seen, after reading pending ones."""
+        self._drain_subscriptions()
+        return self.subscriptions
+
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
         topic = self.pub_endpoint.encode()
