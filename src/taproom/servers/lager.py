@@ -27,8 +27,10 @@ import errno
 import functools
 import logging
 import os
+import struct
 import time
 import uuid as uuid_module
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,15 +249,15 @@ class LagerService:
         self._fwd_in_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_in.underlying)
         self._fwd_out_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_out.underlying)
         self._last_publish = time.monotonic()
-        for coro in (
-            self._collector_loop(),
-            self._snapshot_loop(),
-            self._hugz_loop(),
-            self._data_loop(),
-            self._hello_loop(),
-            self._checkpoint_loop(),
+        for loop in (
+            self._collector_loop,
+            self._snapshot_loop,
+            self._hugz_loop,
+            self._data_loop,
+            self._hello_loop,
+            self._checkpoint_loop,
         ):
-            self._tasks.append(asyncio.create_task(coro))
+            self._tasks.append(asyncio.create_task(self._guard(loop)))
         host = cfg.host
         return {
             "lager_registrar_snapshot": f"{host}:{reg_base}",
@@ -280,6 +282,21 @@ class LagerService:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+    async def _guard(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Keep a socket loop running: a bug is logged and counted, never a dead socket."""
+        while not self._closing:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except HubStopped:
+                return
+            except Exception:
+                log.exception("lager: %s failed; restarting it", loop.__name__)
+                self.hub.metrics.rejected("lager", "internal_error")
+                await asyncio.sleep(0.1)
 
     # --- bookkeeping ----------------------------------------------------------------------
 
@@ -551,15 +568,20 @@ class LagerService:
                     attrs = self._attrs[(msg.version, msg.flags)] = orjson.dumps(
                         {"version": msg.version.hex(), "flags": str(msg.flags)}
                     )
-                builder.add(
-                    "lager",
-                    msg.payload,
-                    stream=reg.key,
-                    producer=self._uuid_str(msg.uuid),
-                    ts_ns=msg.ts_ns,
-                    content_type=DATA_CONTENT_TYPE,
-                    attrs=attrs,
-                )
+                try:
+                    builder.add(
+                        "lager",
+                        msg.payload,
+                        stream=reg.key,
+                        producer=self._uuid_str(msg.uuid),
+                        ts_ns=msg.ts_ns,
+                        content_type=DATA_CONTENT_TYPE,
+                        attrs=attrs,
+                    )
+                except (ProtocolError, struct.error, ValueError) as exc:
+                    # One bad row costs only itself, never the rows already in this batch.
+                    self._reject("bad_record", str(exc))
+                    continue
                 if len(frames) == 5 and len(frames[2]) == 2 and len(frames[1]) == 2:
                     forwards.append(frames)
                 else:  # nasa/lager framing: forward in the seed's 5-frame form
