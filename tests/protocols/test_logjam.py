@@ -468,23 +468,48 @@ def _frames_from(data: bytes) -> list[bytes]:
     return [_APP_ENVS[rest[9] % len(_APP_ENVS)], _TOPICS[rest[10] % len(_TOPICS)], body, meta_frame]
 
 
+_PARSER = lj.IngestParser(max_body=4096, max_decompressed=4096)
+
+
 @settings(max_examples=fuzz_examples(20_000, 1_000_000), database=None)
 @given(st.binary(max_size=120))
 def test_fuzz_frame_decoder_never_crashes(data):
+    """Random frames give a message or a documented LogjamError; the server's hot path
+    (IngestParser) agrees with parse_message on every input, reason for reason."""
     frames = _frames_from(data)
+    builder = BatchBuilder(received_ns=1)
     try:
         msg = lj.parse_message(frames, max_body=4096, max_decompressed=4096)
     except LogjamError as exc:
         assert exc.reply == lj.BAD_REQUEST
         assert exc.reason.replace("_", "").isalpha()
+        with pytest.raises(LogjamError) as info:
+            _PARSER.add(builder, frames)
+        assert info.value.reason == exc.reason
+        assert len(builder) == 0
         return
+    ping = _PARSER.add(builder, frames)
     if isinstance(msg, lj.DataMessage):
         orjson.loads(msg.body)
         assert lj.is_valid_app_env(msg.app_env.encode())
         assert lj.is_valid_topic(msg.topic.encode())
         assert len(msg.body) <= 4096
+        assert ping is None
+        expected = BatchBuilder(received_ns=1)
+        msg.add_to(expected)
+        assert builder.build() == expected.build()
     else:
         assert frames[0] == lj.PING
+        assert ping == msg and len(builder) == 0
+
+
+def test_created_ms_beyond_i64_nanoseconds_is_stored_as_unknown():
+    frames = [b"app-prod", b"logs", b"{}", lj.encode_meta(0, 1, (1 << 64) - 1, 1)]
+    builder = BatchBuilder()
+    _PARSER.add(builder, frames)
+    parse(frames).add_to(builder)
+    assert [r.ts_ns for r in decode_batch(builder.build().body, 0)] == [0, 0]
+    assert lj.created_ns(1_700_000_000_000) == 1_700_000_000_000_000_000
 
 
 def test_fuzz_generator_reaches_valid_messages():

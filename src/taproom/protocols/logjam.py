@@ -37,6 +37,7 @@ __all__ = [
     "PING_OK",
     "Compression",
     "DataMessage",
+    "IngestParser",
     "LogjamError",
     "LogjamLimit",
     "Meta",
@@ -47,6 +48,7 @@ __all__ = [
     "RouterMessage",
     "compress",
     "compression_by_name",
+    "created_ns",
     "decompress",
     "encode_message",
     "encode_meta",
@@ -310,9 +312,18 @@ class DataMessage:
             topic=self.topic,
             producer=str(self.meta.device),
             seq=self.meta.sequence,
-            ts_ns=self.meta.created_ms * 1_000_000,
+            ts_ns=created_ns(self.meta.created_ms),
             content_type="json",
         )
+
+
+# Event times are stored as i64 nanoseconds; a created-ms beyond that (year 2262) is garbage
+# from the sender and is stored as 0, "unknown", rather than refusing the message.
+_MAX_CREATED_MS = ((1 << 63) - 1) // 1_000_000
+
+
+def created_ns(created_ms: int) -> int:
+    return created_ms * 1_000_000 if created_ms <= _MAX_CREATED_MS else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +373,90 @@ def parse_message(
             raise LogjamError("body is not JSON", reason="bad_json") from None
     # The grammar guarantees ASCII, so decoding cannot fail.
     return DataMessage(app_env.decode("ascii"), topic.decode("ascii"), data, meta)
+
+
+class IngestParser:
+    """The ingest hot path: validates four frames and appends the record to a builder.
+
+    Same rules and errors as :func:`parse_message`, without building :class:`DataMessage`
+    objects, and with the grammar checks of app-envs and topics already seen cached (bounded).
+    """
+
+    __slots__ = ("_app_envs", "_producers", "_topics", "max_body", "max_decompressed", "relaxed")
+
+    _CACHE = 4096  # distinct app-envs/topics remembered; beyond it they are checked each time
+
+    def __init__(self, *, max_body: int, max_decompressed: int, relaxed: bool = False) -> None:
+        self.max_body = max_body
+        self.max_decompressed = max_decompressed
+        self.relaxed = relaxed
+        self._app_envs: dict[bytes, str] = {}
+        self._topics: dict[bytes, str] = {}
+        self._producers: dict[int, str] = {}
+
+    def add(self, builder: BatchBuilder, frames: Sequence[bytes]) -> PingMessage | None:
+        """Append one data message to ``builder``; a ping is returned, not stored."""
+        if len(frames) != 4:
+            raise LogjamError(f"{len(frames)} frames, expected 4", reason="bad_frame_count")
+        app_env, topic, body, meta_frame = frames
+        size = len(meta_frame)
+        if size == 24:
+            tag, method, version, device, created, seq = _META24.unpack(meta_frame)
+        elif size == 22:
+            tag, method, version, device, created, seq = _META22.unpack(meta_frame)
+        else:
+            tag = 0
+        if tag != META_TAG or version != META_VERSION or method > 3:
+            meta = parse_meta(meta_frame)  # the byte-swapped form, or the precise error
+            method, device, created, seq = (
+                meta.compression,
+                meta.device,
+                meta.created_ms,
+                meta.sequence,
+            )
+        if app_env == PING:  # rare: the full decode is fine here
+            return PingMessage(topic.decode("ascii", "replace")[:255], parse_meta(meta_frame))
+        stream = self._app_envs.get(app_env)
+        if stream is None:
+            if not is_valid_app_env(app_env, relaxed=self.relaxed):
+                raise LogjamError("app-env does not match the grammar", reason="bad_app_env")
+            stream = app_env.decode("ascii")
+            if len(self._app_envs) < self._CACHE:
+                self._app_envs[app_env] = stream
+        topic_str = self._topics.get(topic)
+        if topic_str is None:
+            if not is_valid_topic(topic, relaxed=self.relaxed):
+                raise LogjamError("topic does not match the grammar", reason="bad_topic")
+            topic_str = topic.decode("ascii")
+            if len(self._topics) < self._CACHE:
+                self._topics[topic] = topic_str
+        if len(body) > self.max_body:
+            raise LogjamLimit(
+                f"body is {len(body)} bytes, at most {self.max_body}", reason="body_too_large"
+            )
+        data = decompress(method, body, self.max_decompressed) if method else body
+        if not method and len(data) > self.max_decompressed:
+            raise LogjamLimit("body over the decompressed bound", reason="decompressed_too_large")
+        try:
+            orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise LogjamError("body is not JSON", reason="bad_json") from None
+        producer = self._producers.get(device)
+        if producer is None:
+            producer = str(device)
+            if len(self._producers) < self._CACHE:
+                self._producers[device] = producer
+        builder.add(
+            "logjam",
+            data,
+            stream=stream,
+            topic=topic_str,
+            producer=producer,
+            seq=seq,
+            ts_ns=created * 1_000_000 if created <= _MAX_CREATED_MS else 0,
+            content_type="json",
+        )
+        return None
 
 
 def parse_router_frames(frames: Sequence[bytes]) -> RouterMessage:

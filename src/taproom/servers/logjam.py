@@ -289,58 +289,69 @@ class LogjamService:
     async def _ingest_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket, router: bool) -> None:
         cfg = self.config
         hub = self.hub
-        parse = lj.parse_message
-        max_body = cfg.max_message_bytes
-        max_inflated = cfg.max_decompressed_bytes
-        relaxed = self.relaxed
+        parser = lj.IngestParser(
+            max_body=cfg.max_message_bytes,
+            max_decompressed=cfg.max_decompressed_bytes,
+            relaxed=self.relaxed,
+        )
+        add = parser.add
+        recv = sock.recv
+        burst = cfg.burst_messages
         while True:
             await hub.wait_capacity()
             await self._readable(asock, sock)
             builder = BatchBuilder()
             acks: list[list[bytes]] = []
-            for _ in range(cfg.burst_messages):
+            for _ in range(burst):
+                # One multipart message without blocking; frames past the bound are read and
+                # dropped (a message is delivered whole, so the rest is already here).
                 try:
-                    frames, overflow = self._recv(sock)
+                    frame = recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                frames = [frame]
+                overflow = False
+                while sock.rcvmore:
+                    frame = recv()
+                    if len(frames) < _MAX_FRAMES:
+                        frames.append(frame)
+                    else:
+                        overflow = True
                 wants_reply = False
-                routing_id = b""
-                first = b""
+                routing_id = first = b""
+                content: Sequence[bytes] = frames
                 try:
                     if router:
-                        msg = lj.parse_router_frames(frames)
-                        routing_id, wants_reply, content = (
-                            msg.routing_id,
-                            msg.wants_reply,
-                            msg.frames,
-                        )
-                    else:
-                        content = frames
-                    first = content[0] if content and len(content[0]) <= 255 else b""
+                        if len(frames) > 1 and frames[1] == b"":
+                            routing_id, wants_reply, content = frames[0], True, frames[2:]
+                        else:
+                            routing_id, content = frames[0], frames[1:]
+                    if content and len(content[0]) <= 255:
+                        first = content[0]
                     if overflow:
                         raise lj.LogjamError("too many frames", reason="bad_frame_count")
-                    parsed = parse(
-                        content, max_body=max_body, max_decompressed=max_inflated, relaxed=relaxed
+                    ping = add(builder, content)
+                except ProtocolError as exc:
+                    self._refuse(
+                        sock, exc.reason, str(exc), routing_id if wants_reply else None, first
                     )
-                    if isinstance(parsed, lj.PingMessage):
-                        self._m_pings.inc()
-                        if wants_reply:
+                    continue
+                except Exception:  # a bug must not stop ingest; nothing of this one is stored
+                    log.exception("logjam: internal error on a message")
+                    self._refuse(
+                        sock, "internal_error", "", routing_id if wants_reply else None, first
+                    )
+                    continue
+                if ping is not None:
+                    self._m_pings.inc()
+                    if wants_reply:
+                        with contextlib.suppress(zmq.ZMQError):
                             sock.send_multipart(
                                 lj.reply_frames(routing_id, lj.PING, lj.PING_OK, self.hostname),
                                 zmq.NOBLOCK,
                             )
-                        continue
-                    parsed.add_to(builder)
-                except ProtocolError as exc:
-                    self._reject(exc.reason, str(exc))
-                    if wants_reply:
-                        with contextlib.suppress(zmq.ZMQError):
-                            sock.send_multipart(
-                                lj.reply_frames(routing_id, first, lj.BAD_REQUEST), zmq.NOBLOCK
-                            )
-                    continue
-                if wants_reply:
-                    acks.append(lj.reply_frames(routing_id, first, lj.ACCEPTED))
+                elif wants_reply:
+                    acks.append([routing_id, b"", first, lj.ACCEPTED])
             if not len(builder):
                 continue
             batch = builder.build()
@@ -349,14 +360,22 @@ class LogjamService:
             except HubStopped:
                 return
             hub.metrics.accepted("logjam", batch.count)
+            self._pending.add(future)
             if acks:
                 # 202s go out only once the batch is durable; reading the next burst overlaps
                 # with this commit's fsync (hub.wait_capacity bounds what is in flight).
-                self._pending.add(future)
                 future.add_done_callback(functools.partial(self._send_acks, sock, acks))
             else:
-                self._pending.add(future)
                 future.add_done_callback(self._pending.discard)
+
+    def _refuse(
+        self, sock: zmq.Socket, reason: str, detail: str, reply_to: bytes | None, first: bytes
+    ) -> None:
+        """Count and log a bad message; DEALERs that asked get ``400 Bad Request``."""
+        self._reject(reason, detail)
+        if reply_to is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart(lj.reply_frames(reply_to, first, lj.BAD_REQUEST), zmq.NOBLOCK)
 
     def _send_acks(
         self, sock: zmq.Socket, acks: list[list[bytes]], future: asyncio.Future[Any]
