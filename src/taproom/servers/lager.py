@@ -156,7 +156,8 @@ def _recv_bounded(sock: zmq.Socket[bytes], max_frames: int) -> list[bytes] | Non
     """One whole message (NOBLOCK; raises zmq.Again); None if it had more than ``max_frames``
     frames (the rest is read and discarded so the next message starts clean)."""
     frames = [sock.recv(zmq.NOBLOCK)]
-    while sock.getsockopt(zmq.RCVMORE):
+    more = sock.get  # ``get`` skips getsockopt's wrapper: this runs once per frame
+    while more(zmq.RCVMORE):
         frame = sock.recv()
         if len(frames) < max_frames:
             frames.append(frame)
@@ -192,7 +193,7 @@ class LagerService:
         self._dirty = False
         self._last_publish = 0.0
         self._closing = False
-        self._attrs: dict[tuple[bytes, int], bytes] = {}
+        self._attrs: dict[tuple[bytes, bytes], bytes] = {}
         self._uuid_text: dict[bytes, str] = {}
         self._last_log: dict[str, float] = {}
         m = hub.metrics
@@ -547,34 +548,52 @@ class LagerService:
                 if frames is None:
                     self._reject("frame_count", f"data message over {max_frames} frames")
                     continue
-                try:
-                    msg = parse_data_message(frames, max_frames=max_frames)
-                except ProtocolError as exc:
-                    self._reject(exc.reason, str(exc))
-                    continue
-                reg = by_uuid.get(msg.uuid)
+                if (
+                    len(frames) == 5
+                    and len(frames[0]) == 16
+                    and len(frames[1]) == 2
+                    and len(frames[2]) == 2
+                    and len(frames[3]) == 8
+                    and frames[3][0] < 0x80
+                ):
+                    # The seed's framing: checked inline, no message object on the hot path.
+                    raw_uuid, version, flags, ts, payload = frames
+                    ts_ns = int.from_bytes(ts, "big")
+                    forward = frames
+                else:
+                    try:
+                        msg = parse_data_message(frames, max_frames=max_frames)
+                    except ProtocolError as exc:
+                        self._reject(exc.reason, str(exc))
+                        continue
+                    raw_uuid, payload, version = msg.uuid, msg.payload, msg.version
+                    flags = msg.flags.to_bytes(2, "big")
+                    ts_ns = msg.ts_ns
+                    # nasa/lager framing (version string, 1-byte flags, a frame per item):
+                    # forwarded in the seed's 5-frame form.
+                    forward = [raw_uuid, MESSAGE_VERSION, flags, frames[3], payload]
+                reg = by_uuid.get(raw_uuid)
                 if reg is None:
-                    self._reject("unknown_tap", f"data from unregistered uuid {msg.uuid.hex()}")
+                    self._reject("unknown_tap", f"data from unregistered uuid {raw_uuid.hex()}")
                     continue
-                if len(msg.payload) != reg.format.row_size:
+                if len(payload) != reg.format.row_size:
                     self._reject(
                         "payload_size",
-                        f"{reg.key}: row of {len(msg.payload)} bytes, format has "
-                        f"{reg.format.row_size}",
+                        f"{reg.key}: row of {len(payload)} bytes, format has {reg.format.row_size}",
                     )
                     continue
-                attrs = self._attrs.get((msg.version, msg.flags))
+                attrs = self._attrs.get((version, flags))
                 if attrs is None:
-                    attrs = self._attrs[(msg.version, msg.flags)] = orjson.dumps(
-                        {"version": msg.version.hex(), "flags": str(msg.flags)}
+                    attrs = self._attrs[(version, flags)] = orjson.dumps(
+                        {"version": version.hex(), "flags": str(int.from_bytes(flags, "big"))}
                     )
                 try:
                     builder.add(
                         "lager",
-                        msg.payload,
+                        payload,
                         stream=reg.key,
-                        producer=self._uuid_str(msg.uuid),
-                        ts_ns=msg.ts_ns,
+                        producer=self._uuid_str(raw_uuid),
+                        ts_ns=ts_ns,
                         content_type=DATA_CONTENT_TYPE,
                         attrs=attrs,
                     )
@@ -582,13 +601,7 @@ class LagerService:
                     # One bad row costs only itself, never the rows already in this batch.
                     self._reject("bad_record", str(exc))
                     continue
-                if len(frames) == 5 and len(frames[2]) == 2 and len(frames[1]) == 2:
-                    forwards.append(frames)
-                else:  # nasa/lager framing: forward in the seed's 5-frame form
-                    forwards.append(
-                        [msg.uuid, MESSAGE_VERSION, msg.flags.to_bytes(2, "big"), frames[3],
-                         msg.payload]
-                    )  # fmt: skip
+                forwards.append(forward)
             if not forwards:
                 continue
             hub.metrics.accepted("lager", len(forwards))

@@ -1,0 +1,233 @@
+"""Lager figures (issue 7): tap -> bartender (journal, fsync=always) -> mug rows/s with 32-byte
+rows; keg write and read rows/s; registrar snapshot time for 10,000 taps.
+
+The bartender is a child process (``taproom serve``, one core); the tap is another child
+process and the mug runs here, so the three do not share a GIL.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import zmq
+
+from taproom.clients.lager import Mug, Tap
+from taproom.protocols.lager.chp import parse_update, registration_frames
+from taproom.protocols.lager.formats import parse_format_xml
+from taproom.protocols.lager.keg import KegFileWriter, read_keg
+
+from .common import Figure
+
+# 32-byte row: 4 doubles.
+XML = (
+    '<format version="BEERR01">'
+    + "".join(f'<item name="v{i}" type="double" size="8" offset="{8 * i}"/>' for i in range(4))
+    + "</format>"
+)
+FORMAT = parse_format_xml(XML)
+_CTX = multiprocessing.get_context("spawn")
+
+
+class _Serve:
+    def __init__(self, tmp: Path) -> None:
+        cfg = tmp / "taproom.toml"
+        cfg.write_text(
+            f'[journal]\ndir = "{tmp / "journal"}"\nfsync = "always"\n'
+            "[web]\nport = 0\n"
+            "[lumberjack]\nenabled = false\n[logtk]\nenabled = false\n"
+            "[eventbus]\nenabled = false\n[logjam]\nenabled = false\n"
+            "[lager]\nenabled = true\nregistrar_port = 0\nforwarder_port = 0\n"
+            "max_taps = 20000\n"
+        )
+        ready = tmp / "ready.json"
+        self.log = tmp / "serve.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "taproom", "serve", "-c", str(cfg), "--ready-file", str(ready)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "wb"),  # noqa: SIM115
+        )
+        deadline = time.monotonic() + 30
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(self.log.read_text()[-2000:])
+            time.sleep(0.05)
+        a = orjson.loads(ready.read_bytes())["listeners"]
+        self.registrar = a["lager_registrar_snapshot"]
+        self.forwarder = a["lager_forwarder_in"]
+        self.collector = a["lager_registrar_collector"]
+        self.publisher = a["lager_registrar_publisher"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def _tap_process(registrar: str, forwarder: str, n: int, go: Any, done: Any) -> None:
+    tap = Tap("/Bench/Tap/", XML, registrar=registrar, forwarder=forwarder, watch=False,
+              send_hwm=1_000_000).register()  # fmt: skip
+    row = FORMAT.encode_row({f"v{i}": float(i) for i in range(4)})
+    go.wait(60)
+    log = tap.log_row
+    for i in range(n):
+        while not log(row, i):
+            time.sleep(0.0005)  # the bartender pushes back: wait, never drop
+    done.set()
+    time.sleep(1.0)
+    tap.close()
+
+
+def _pipeline(tmp: Path, n: int) -> list[Figure]:
+    serve = _Serve(tmp)
+    try:
+        go, done = _CTX.Event(), _CTX.Event()
+        proc = _CTX.Process(
+            target=_tap_process, args=(serve.registrar, serve.forwarder, n, go, done)
+        )
+        proc.start()
+        mug = Mug(registrar=serve.registrar, forwarder=serve.forwarder)
+        deadline = time.monotonic() + 30
+        while "/Bench/Tap/" not in mug.taps and time.monotonic() < deadline:
+            mug.sync() if not mug.taps else mug.poll_registrar()
+            time.sleep(0.05)
+        mug.subscribe("/Bench/Tap/")
+        go.set()
+        received = 0
+        first = last = 0.0
+        recv = mug._data.recv_multipart
+        poll = mug._data.poll
+        while received < n:
+            if not poll(10_000):
+                break
+            recv()
+            if received == 0:
+                first = time.perf_counter()
+            received += 1
+            last = time.perf_counter()
+        proc.join(30)
+        mug.close()
+        rate = (received - 1) / (last - first) if received > 1 and last > first else 0.0
+        return [
+            Figure("tap -> bartender (fsync=always) -> mug, 32 B rows", rate, "rows/s",
+                   ">= 200000"),
+            Figure("  rows delivered to the mug", received, f"of {n}"),
+        ]  # fmt: skip
+    finally:
+        serve.stop()
+
+
+def _keg(tmp: Path, n: int) -> list[Figure]:
+    path = tmp / "bench.lgr"
+    u1, u2 = uuid.uuid4(), uuid.uuid4()
+    rows = np.random.default_rng(1).random((n, 4)).astype(">f8").tobytes()
+    row = rows[:32]
+    ts = np.arange(n, dtype=np.uint64)
+    figures = []
+    # Per-record writes (what a keg writer does with live rows).
+    t0 = time.perf_counter()
+    with KegFileWriter(path, {str(u1): FORMAT, str(u2): FORMAT}, fsync=True) as w:
+        write = w.write
+        b1 = u1.bytes
+        for i in range(n):
+            write(b1, i, row)
+    figures.append(Figure("keg write, one record per call", n / (time.perf_counter() - t0),
+                          "rows/s", ">= 1000000"))  # fmt: skip
+    t0 = time.perf_counter()
+    with KegFileWriter(path, {str(u1): FORMAT, str(u2): FORMAT}, fsync=True) as w:
+        chunk = 65536
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            w.write_many(u1.bytes, ts[start:end], rows[start * 32 : end * 32])
+    figures.append(Figure("keg write, write_many batches", n / (time.perf_counter() - t0),
+                          "rows/s", ">= 1000000"))  # fmt: skip
+    t0 = time.perf_counter()
+    keg = read_keg(path)
+    table = keg.table(str(u1))
+    elapsed = time.perf_counter() - t0
+    assert len(table["v0"]) == n
+    figures.append(Figure("keg read + decode to columns", n / elapsed, "rows/s", ">= 1000000"))
+    # Mixed row sizes: the record walk cannot use a fixed stride.
+    other = parse_format_xml('<format version="BEERR01"><item name="a" type="uint8" size="1" '
+                             'offset="0"/></format>')  # fmt: skip
+    with KegFileWriter(path, {str(u1): FORMAT, str(u2): other}, fsync=False) as w:
+        half = n // 2
+        w.write_many(u1.bytes, ts[:half], rows[: half * 32])
+        w.write_many(u2.bytes, ts[:half], b"\x01" * half)
+    t0 = time.perf_counter()
+    keg = read_keg(path)
+    keg.table(str(u1))
+    keg.table(str(u2))
+    figures.append(Figure("keg read, two taps of different row sizes",
+                          keg.record_count / (time.perf_counter() - t0), "rows/s", ">= 1000000"))  # fmt: skip
+    return figures
+
+
+def _snapshot(tmp: Path, taps: int) -> list[Figure]:
+    serve = _Serve(tmp)
+    ctx = zmq.Context()
+    try:
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.connect(f"tcp://{serve.collector}")
+        pub.recv()  # the collector's subscription: the path is up
+        updates = ctx.socket(zmq.SUB)
+        updates.setsockopt(zmq.SUBSCRIBE, b"/")
+        updates.setsockopt(zmq.RCVHWM, 0)
+        updates.connect(f"tcp://{serve.publisher}")
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        for i in range(taps):
+            pub.send_multipart(
+                registration_frames(f"/Fleet{i % 100}/Tap{i}/", uuid.uuid4().bytes, XML)
+            )
+        seen = 0
+        while seen < taps and updates.poll(20_000):
+            updates.recv_multipart()
+            seen += 1
+        register_rate = seen / (time.perf_counter() - t0)
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(f"tcp://{serve.registrar}")
+        t0 = time.perf_counter()
+        dealer.send_multipart([b"ICANHAZ?", b""])
+        got = 0
+        while True:
+            frames = dealer.recv_multipart()
+            update = parse_update(frames)
+            if update.registration is None:
+                break
+            got += 1
+        elapsed = time.perf_counter() - t0
+        return [
+            Figure(f"registrar snapshot of {got} taps (received + parsed)", elapsed, "s", "< 1"),
+            Figure("registrations committed + published", register_rate, "taps/s"),
+        ]
+    finally:
+        ctx.destroy(linger=0)
+        serve.stop()
+
+
+def run(quick: bool) -> list[Figure]:
+    root = Path(tempfile.mkdtemp(prefix="taproom-bench-lager-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        figures = []
+        for name, fn, arg in (
+            ("pipe", _pipeline, 100_000 if quick else 2_000_000),
+            ("keg", _keg, 300_000 if quick else 5_000_000),
+            ("snap", _snapshot, 2_000 if quick else 10_000),
+        ):
+            sub = root / name
+            sub.mkdir()
+            figures += fn(sub, arg)
+        return figures
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
