@@ -1,0 +1,416 @@
+"""Journal segments to Arrow record batches, without a Python object per field.
+
+The Spark source spends its time here, so this module decodes the record layout documented in
+:mod:`taproom.records` column-wise: one tight loop finds where each record starts (the only
+per-record Python work), numpy gathers the fixed headers of all records at once, and every
+variable-length field becomes an Arrow *view* array pointing into the batch body, which Arrow's
+C++ cast then compacts into an ordinary string/binary column. ``attrs`` is the exception: it is
+JSON and parsed per record, but only for records that carry any (most carry none).
+
+Reading segments (:func:`iter_chunks`) follows :class:`taproom.journal.JournalReader`'s rules:
+frames are CRC-checked; in the last segment a frame that does not verify yet is "still being
+written" and reading stops there; in a sealed segment it is corruption and raises
+:class:`~taproom.errors.CorruptSegment`. Planning (:func:`scan_frames`) reads frame headers
+only, so splitting a journal into partitions costs one small ``pread`` per batch.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import orjson
+import pyarrow as pa
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ..errors import CorruptSegment
+from ..journal.segments import FRAME, SEGMENT_HEADER, crc_of, iter_frames, read_segment_header
+
+__all__ = [
+    "ARROW_SCHEMA",
+    "FrameRef",
+    "decode_records",
+    "iter_chunks",
+    "journal_start",
+    "scan_frames",
+    "segment_bases",
+]
+
+# The record header of taproom.records: "<IqqQBBHHHHII", 46 bytes, little-endian, unpadded.
+_HEAD_FIELDS = (
+    ("length", "<u4", 0),
+    ("received_ns", "<i8", 4),
+    ("ts_ns", "<i8", 12),
+    ("seq", "<u8", 20),
+    ("lp", "u1", 28),
+    ("lc", "u1", 29),
+    ("ls", "<u2", 30),
+    ("lt", "<u2", 32),
+    ("lr", "<u2", 34),
+    ("le", "<u2", 36),
+    ("la", "<u4", 38),
+    ("ll", "<u4", 42),
+)
+_HEAD_DTYPE = np.dtype(
+    {
+        "names": [f[0] for f in _HEAD_FIELDS],
+        "formats": [f[1] for f in _HEAD_FIELDS],
+        "offsets": [f[2] for f in _HEAD_FIELDS],
+        "itemsize": 46,
+    }
+)
+_HEAD_SIZE = 46
+_HEAD_AFTER_LEN = _HEAD_SIZE - 4
+_U32 = struct.Struct("<I")
+# Chunks handed to Arrow stay well under 2 GiB: view offsets are int32.
+_MAX_CHUNK_BYTES = 1 << 30
+
+ATTRS_TYPE = pa.map_(pa.string(), pa.string())
+ARROW_SCHEMA = pa.schema(
+    [
+        pa.field("journal", pa.string(), False),
+        pa.field("offset", pa.int64(), False),
+        pa.field("received", pa.timestamp("us", tz="UTC"), False),
+        pa.field("protocol", pa.string(), False),
+        pa.field("stream", pa.string(), False),
+        pa.field("topic", pa.string(), False),
+        pa.field("producer", pa.string(), False),
+        pa.field("seq", pa.int64(), False),
+        pa.field("event_id", pa.string(), False),
+        pa.field("ts", pa.timestamp("us", tz="UTC"), True),
+        pa.field("content_type", pa.string(), False),
+        pa.field("payload", pa.binary(), False),
+        pa.field("attrs", ATTRS_TYPE, False),
+    ]
+)
+
+
+def _record_starts(body: bytes) -> np.ndarray:
+    """Start position of every record: the one loop that has to touch each record."""
+    starts: list[int] = []
+    append = starts.append
+    unpack = _U32.unpack_from
+    pos = 0
+    end = len(body)
+    limit = end - _HEAD_SIZE
+    while pos < end:
+        if pos > limit:
+            raise ValueError("truncated record header")
+        append(pos)
+        pos += 4 + unpack(body, pos)[0]
+    if pos != end:
+        raise ValueError("record length mismatch")
+    return np.asarray(starts, dtype=np.int64)
+
+
+def _views(buf: np.ndarray, positions: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Arrow binary-view structs (16 bytes each) for values at ``positions`` in ``buf``.
+
+    Values of at most 12 bytes are stored inline, longer ones as prefix +
+    buffer 0 + offset, exactly as the Arrow columnar format defines views.
+    """
+    n = len(positions)
+    out = np.empty((n, 16), dtype=np.uint8)
+    if n == 0:
+        return out
+    # Inline values keep whatever bytes follow them instead of zero padding: every view
+    # array here is cast to a plain string/binary column at once, and the cast copies only
+    # ``length`` bytes of each value.
+    out[:, 4:16] = sliding_window_view(buf, 12)[positions]
+    words = out.view("<i4")
+    words[:, 0] = lengths
+    long_rows = lengths > 12
+    if long_rows.any():
+        words[long_rows, 2] = 0
+        words[long_rows, 3] = positions[long_rows]
+    return out
+
+
+def _column(
+    buf: np.ndarray, data: pa.Buffer, positions: np.ndarray, lengths: np.ndarray, text: bool
+) -> pa.Array:
+    views = _views(buf, positions, lengths)
+    typ = pa.string_view() if text else pa.binary_view()
+    arr = pa.Array.from_buffers(typ, len(positions), [None, pa.py_buffer(views), data])
+    if not text:
+        return arr.cast(pa.binary())
+    try:
+        return arr.cast(pa.string())
+    except pa.ArrowInvalid:
+        # Fields are stored with surrogateescape; bytes that are not UTF-8 are shown with
+        # U+FFFD here rather than failing the whole batch.
+        raw = arr.cast(pa.binary()).to_pylist()
+        return pa.array([v.decode("utf-8", "replace") for v in raw], pa.string())
+
+
+def _attrs(body: bytes, positions: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    n = len(positions)
+    present = np.flatnonzero(lengths)
+    if len(present) == 0:
+        offsets = pa.array(np.zeros(n + 1, dtype=np.int32))
+        return pa.MapArray.from_arrays(
+            offsets, pa.array([], pa.string()), pa.array([], pa.string())
+        )
+    sizes = np.zeros(n, dtype=np.int32)
+    keys: list[str] = []
+    items: list[str] = []
+    for i in present.tolist():
+        p = int(positions[i])
+        try:
+            obj = orjson.loads(body[p : p + int(lengths[i])])
+        except orjson.JSONDecodeError:
+            obj = {}
+        if isinstance(obj, dict):
+            sizes[i] = len(obj)
+            for k, v in obj.items():
+                keys.append(str(k))
+                items.append(v if isinstance(v, str) else str(v))
+    offsets = np.zeros(n + 1, dtype=np.int32)
+    np.cumsum(sizes, out=offsets[1:])
+    return pa.MapArray.from_arrays(
+        pa.array(offsets), pa.array(keys, pa.string()), pa.array(items, pa.string())
+    )
+
+
+def decode_records(
+    body: bytes, first_offset: int, lo: int, hi: int, journal: str
+) -> pa.RecordBatch | None:
+    """Records of ``body`` (one or more batch bodies back to back, offsets from
+    ``first_offset``) whose offsets fall in ``[lo, hi)``, as one Arrow record batch."""
+    if len(body) >= _MAX_CHUNK_BYTES:
+        raise ValueError("chunk too large for one Arrow batch")
+    starts = _record_starts(body)
+    total = len(starts)
+    keep_from = max(0, lo - first_offset)
+    keep_to = min(total, hi - first_offset)
+    if keep_to <= keep_from:
+        return None
+    starts = starts[keep_from:keep_to]
+    n = len(starts)
+    # Padding lets the fixed-width gathers run past the last record without a bounds check.
+    padded = body + bytes(_HEAD_SIZE + 16)
+    buf = np.frombuffer(padded, dtype=np.uint8)
+    data = pa.py_buffer(padded)
+    head = sliding_window_view(buf, _HEAD_SIZE)[starts].view(_HEAD_DTYPE).reshape(n)
+    names = ("lp", "lc", "ls", "lt", "lr", "le", "la", "ll")
+    lengths = [head[name].astype(np.int64) for name in names]
+    if not np.array_equal(head["length"].astype(np.int64), _HEAD_AFTER_LEN + sum(lengths)):
+        raise ValueError("record length mismatch")
+    positions = []
+    pos = starts + _HEAD_SIZE
+    for length in lengths:
+        positions.append(pos)
+        pos = pos + length
+    protocol, content_type, stream, topic, producer, event_id = (
+        _column(buf, data, positions[k], lengths[k], True) for k in range(6)
+    )
+    payload = _column(buf, data, positions[7], lengths[7], False)
+    attrs = _attrs(body, positions[6], lengths[6])
+    offsets = np.arange(first_offset + keep_from, first_offset + keep_to, dtype=np.int64)
+    received = pa.array(head["received_ns"] // 1000, pa.int64()).cast(ARROW_SCHEMA.field(2).type)
+    ts_us = head["ts_ns"] // 1000
+    ts = pa.array(ts_us, pa.int64(), mask=head["ts_ns"] == 0).cast(ARROW_SCHEMA.field(9).type)
+    seq = pa.array(head["seq"].view(np.int64), pa.int64())
+    journal_col = pa.repeat(pa.scalar(journal, pa.string()), n)
+    return pa.RecordBatch.from_arrays(
+        [
+            journal_col,
+            pa.array(offsets),
+            received,
+            protocol,
+            stream,
+            topic,
+            producer,
+            seq,
+            event_id,
+            ts,
+            content_type,
+            payload,
+            attrs,
+        ],
+        schema=ARROW_SCHEMA,
+    )
+
+
+# --- segments ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FrameRef:
+    """Where one batch frame sits: enough to start reading there without scanning."""
+
+    segment: int  # base offset of the segment file
+    position: int  # file position of the frame header
+    base_offset: int
+    count: int
+    length: int  # body length
+
+
+def segment_bases(path: str) -> list[int]:
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
+        return []
+    return sorted(int(n[:-4]) for n in names if n.endswith(".seg") and n[:-4].isdigit())
+
+
+def _segment_path(path: str, base: int) -> str:
+    return os.path.join(path, f"{base:020d}.seg")
+
+
+def journal_start(path: str) -> int:
+    """First offset still on disk (retention may have deleted older segments)."""
+    bases = segment_bases(path)
+    return bases[0] if bases else 0
+
+
+def scan_frames(path: str, lo: int = 0, hi: int | None = None) -> list[FrameRef]:
+    """Frame headers overlapping ``[lo, hi)``; stops at the first frame that does not fit.
+
+    Only headers are read; bodies are CRC-checked by :func:`iter_chunks` when read. A frame
+    header that is torn or runs past the end of the last segment ends the list there (it is
+    being written); the same in a sealed segment raises :class:`CorruptSegment`.
+    """
+    bases = segment_bases(path)
+    frames: list[FrameRef] = []
+    for i, base in enumerate(bases):
+        nxt = bases[i + 1] if i + 1 < len(bases) else None
+        if hi is not None and base >= hi:
+            break
+        if nxt is not None and nxt <= lo:
+            continue
+        last = nxt is None
+        try:
+            fd = os.open(_segment_path(path, base), os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            if read_segment_header(fd) != base:
+                if last:
+                    break
+                raise CorruptSegment(
+                    f"segment {base}: bad header", segment=_segment_path(path, base)
+                )
+            size = os.fstat(fd).st_size
+            for info, _body, problem in iter_frames(
+                fd, SEGMENT_HEADER.size, base, size, verify=False
+            ):
+                if problem is not None:
+                    if last:
+                        break
+                    raise CorruptSegment(
+                        f"segment {base}: {problem} at {info.position}",
+                        segment=_segment_path(path, base),
+                        position=info.position,
+                    )
+                if hi is not None and info.base_offset >= hi:
+                    break
+                if info.base_offset + info.count <= lo:
+                    continue
+                frames.append(
+                    FrameRef(base, info.position, info.base_offset, info.count, info.body_length)
+                )
+        finally:
+            os.close(fd)
+    return frames
+
+
+def verified_end(path: str, frames: list[FrameRef]) -> int:
+    """End offset of the longest prefix of ``frames`` whose bodies pass their CRC.
+
+    The planner of a streaming micro-batch promises these offsets to Spark, so it checks the
+    frames it has not promised before (a body may still be in flight in the last segment).
+    """
+    if not frames:
+        return -1
+    end = frames[0].base_offset
+    fd = -1
+    current = -1
+    try:
+        for frame in frames:
+            if frame.segment != current:
+                if fd >= 0:
+                    os.close(fd)
+                fd = os.open(_segment_path(path, frame.segment), os.O_RDONLY)
+                current = frame.segment
+            raw = os.pread(fd, FRAME.size + frame.length, frame.position)
+            length, crc, base, count = FRAME.unpack_from(raw)
+            body = raw[FRAME.size :]
+            if len(body) != length or crc_of(base, count, body) != crc:
+                break
+            end = base + count
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return end
+
+
+def iter_chunks(
+    path: str, start: FrameRef, hi: int, chunk_bytes: int = 16 << 20
+) -> Iterator[tuple[bytes, int]]:
+    """Verified batch bodies from frame ``start`` on, joined into chunks of about
+    ``chunk_bytes``: yields ``(joined bodies, offset of their first record)`` until ``hi``.
+
+    Record encoding is self-delimiting and frames of one segment continue each other's
+    offsets, so bodies can be decoded as one long body.
+    """
+    bases = segment_bases(path)
+    parts: list[bytes] = []
+    size = 0
+    first = start.base_offset
+    expected = start.base_offset
+    seg_index = bases.index(start.segment) if start.segment in bases else -1
+    if seg_index < 0:
+        raise CorruptSegment(f"segment {start.segment} vanished", segment=path)
+    position = start.position
+    while seg_index < len(bases) and expected < hi:
+        base = bases[seg_index]
+        last = seg_index == len(bases) - 1
+        seg_path = _segment_path(path, base)
+        fd = os.open(seg_path, os.O_RDONLY)
+        try:
+            if position == 0:
+                if read_segment_header(fd) != base:
+                    if last:
+                        break
+                    raise CorruptSegment(f"segment {base}: bad header", segment=seg_path)
+                position = SEGMENT_HEADER.size
+            file_size = os.fstat(fd).st_size
+            for info, body, problem in iter_frames(fd, position, expected, file_size, verify=True):
+                if problem is not None:
+                    if last:
+                        expected = hi  # still being written: stop like JournalReader
+                        break
+                    raise CorruptSegment(
+                        f"segment {base}: {problem} at {info.position}",
+                        segment=seg_path,
+                        position=info.position,
+                    )
+                if info.base_offset >= hi:
+                    break
+                assert body is not None
+                parts.append(body)
+                size += len(body)
+                expected = info.base_offset + info.count
+                if size >= chunk_bytes:
+                    yield b"".join(parts), first
+                    parts, size, first = [], 0, expected
+                if expected >= hi:
+                    break
+        finally:
+            os.close(fd)
+        seg_index += 1
+        position = 0
+        if seg_index < len(bases) and bases[seg_index] != expected and expected < hi:
+            # A gap between segments (retention or a foreign file): the next segment's
+            # offsets are authoritative, and chunks must not join across the gap.
+            if parts:
+                yield b"".join(parts), first
+                parts, size = [], 0
+            expected = bases[seg_index]
+            first = expected
+    if parts:
+        yield b"".join(parts), first

@@ -1,0 +1,119 @@
+"""``taproom spark rollup | stream | kegs | report``: the command-line face of the jobs.
+
+This module is imported by ``taproom`` for every command, so it must not import pyspark: the
+hub runs without the Spark extra. Everything Spark happens inside the command functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import time
+from typing import Any
+
+__all__ = ["register_commands"]
+
+
+def _when(text: str) -> dt.datetime:
+    try:
+        value = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO date/time: {text!r}") from None
+    return value
+
+
+def _session(args: argparse.Namespace, name: str) -> Any:
+    try:
+        from .jobs.session import get_session
+    except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
+        raise SystemExit(
+            f"taproom spark needs the Spark extra (pip install 'taproom[spark]'): {exc}"
+        ) from None
+    return get_session(f"taproom-{name}", args.master)
+
+
+def cmd_rollup(args: argparse.Namespace) -> int:
+    from .jobs.rollup import run_rollup
+
+    spark = _session(args, "rollup")
+    started = time.monotonic()
+    run_rollup(spark, args.journal, args.out, args.since, args.until, progress=not args.quiet)
+    print(f"rollup: wrote {args.out} in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    return 0
+
+
+def cmd_stream(args: argparse.Namespace) -> int:
+    from .jobs.stream import run_stream
+
+    spark = _session(args, "stream")
+    return run_stream(
+        spark,
+        args.journal,
+        args.out,
+        args.checkpoint,
+        watermark=args.watermark,
+        trigger_seconds=args.trigger_seconds,
+        available_now=args.available_now,
+        max_records=args.max_records_per_trigger,
+    )
+
+
+def cmd_kegs(args: argparse.Namespace) -> int:
+    from .jobs.kegs import run_kegs
+
+    spark = _session(args, "kegs")
+    uuids = run_kegs(spark, args.source, args.out, args.window)
+    print(f"kegs: {len(uuids)} formats written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .jobs.report import report_text
+
+    spark = _session(args, "report")
+    print(report_text(spark, args.source, args.top))
+    return 0
+
+
+def register_commands(subparsers: Any) -> None:
+    spark = subparsers.add_parser("spark", help="Spark jobs over journals and kegs")
+    sub = spark.add_subparsers(dest="spark_command", required=True, metavar="JOB")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--master", metavar="URL", help="Spark master (default local[2]; spark-submit's)"
+        )
+
+    p = sub.add_parser("rollup", help="batch rollups of journals to Parquet (by date)")
+    p.add_argument("--journal", action="append", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--since", type=_when, metavar="T", help="ISO time; widened to the UTC day")
+    p.add_argument("--until", type=_when, metavar="T", help="ISO time; widened to the UTC day")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    common(p)
+    p.set_defaults(func=cmd_rollup)
+
+    p = sub.add_parser("stream", help="the rollups as an exactly-once streaming query")
+    p.add_argument("--journal", action="append", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--checkpoint", required=True, metavar="DIR")
+    p.add_argument("--watermark", default="10 minutes", help="event-time lateness allowed")
+    p.add_argument("--trigger-seconds", type=float, default=10.0, metavar="S")
+    p.add_argument("--available-now", action="store_true", help="process what is there, then exit")
+    p.add_argument("--max-records-per-trigger", type=int, metavar="N")
+    common(p)
+    p.set_defaults(func=cmd_stream)
+
+    p = sub.add_parser("kegs", help="Lager kegs to Parquet per format, plus telemetry rollup")
+    p.add_argument("--in", dest="source", required=True, metavar="DIR")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.add_argument("--window", default="1 minute", help="telemetry rollup window")
+    common(p)
+    p.set_defaults(func=cmd_kegs)
+
+    p = sub.add_parser("report", help="top slow actions, error rates and apdex per app")
+    p.add_argument("--in", dest="source", required=True, metavar="DIR")
+    p.add_argument("--top", type=int, default=10)
+    common(p)
+    p.set_defaults(func=cmd_report)

@@ -1,0 +1,154 @@
+"""Explicit Spark schemas: the event record, logjam request payloads, and the rollup tables.
+
+Every DataFrame the pipeline reads or writes has its schema spelled out here, so a change in
+a producer's JSON shows up as a reviewed diff rather than as silently inferred columns.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    DoubleType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+__all__ = [
+    "EVENT_SCHEMA",
+    "EXCEPTION_ROLLUP_SCHEMA",
+    "KEG_LONG_SCHEMA",
+    "LOGJAM_REQUEST_SCHEMA",
+    "LOG_ROLLUP_SCHEMA",
+    "REQUEST_ROLLUP_SCHEMA",
+    "TELEMETRY_ROLLUP_SCHEMA",
+]
+
+# One row per journal record (records.Record), plus the journal it came from: offsets are
+# unique per journal, so (journal, offset) identifies an event across many hubs.
+EVENT_SCHEMA = StructType(
+    [
+        StructField("journal", StringType(), False),
+        StructField("offset", LongType(), False),
+        StructField("received", TimestampType(), False),
+        StructField("protocol", StringType(), False),
+        StructField("stream", StringType(), False),
+        StructField("topic", StringType(), False),
+        StructField("producer", StringType(), False),
+        StructField("seq", LongType(), False),
+        StructField("event_id", StringType(), False),
+        StructField("ts", TimestampType(), True),
+        StructField("content_type", StringType(), False),
+        StructField("payload", BinaryType(), False),
+        StructField("attrs", MapType(StringType(), StringType(), True), False),
+    ]
+)
+
+# The fields of a logjam request payload the rollups use (logjam_agent's request JSON).
+# Anything else in the payload is ignored; a field of another type becomes null and then
+# takes the importer's default.
+LOGJAM_REQUEST_SCHEMA = StructType(
+    [
+        StructField("action", StringType()),
+        StructField("started_at", StringType()),
+        StructField("started_ms", LongType()),
+        StructField("total_time", DoubleType()),
+        StructField("code", LongType()),
+        StructField("severity", LongType()),
+        StructField("lines", ArrayType(ArrayType(StringType()))),
+        StructField("exceptions", ArrayType(StringType())),
+    ]
+)
+
+_DIMENSIONS = [
+    StructField("minute", TimestampType(), False),
+    StructField("app", StringType(), False),
+    StructField("env", StringType(), False),
+    StructField("action", StringType(), False),
+    StructField("module", StringType(), False),
+]
+
+REQUEST_ROLLUP_SCHEMA = StructType(
+    [
+        *_DIMENSIONS,
+        StructField("date", StringType(), False),
+        StructField("frontend", LongType(), False),
+        StructField("count", LongType(), False),
+        StructField("total_time_sum", DoubleType(), False),
+        StructField("total_time_max", DoubleType(), False),
+        StructField("total_time_p50", DoubleType(), True),
+        StructField("total_time_p90", DoubleType(), True),
+        StructField("total_time_p95", DoubleType(), True),
+        StructField("total_time_p99", DoubleType(), True),
+        StructField("apdex_happy", LongType(), False),
+        StructField("apdex_satisfied", LongType(), False),
+        StructField("apdex_tolerating", LongType(), False),
+        StructField("apdex_frustrated", LongType(), False),
+        StructField("apdex", DoubleType(), False),
+        StructField("status_1xx", LongType(), False),
+        StructField("status_2xx", LongType(), False),
+        StructField("status_3xx", LongType(), False),
+        StructField("status_4xx", LongType(), False),
+        StructField("status_5xx", LongType(), False),
+        StructField("status_other", LongType(), False),
+        StructField("severity_debug", LongType(), False),
+        StructField("severity_info", LongType(), False),
+        StructField("severity_warn", LongType(), False),
+        StructField("severity_error", LongType(), False),
+        StructField("severity_fatal", LongType(), False),
+        StructField("severity_unknown", LongType(), False),
+        StructField("exceptions", LongType(), False),
+        StructField("requests_with_exceptions", LongType(), False),
+    ]
+)
+
+EXCEPTION_ROLLUP_SCHEMA = StructType(
+    [
+        *_DIMENSIONS,
+        StructField("date", StringType(), False),
+        StructField("exception", StringType(), False),
+        StructField("count", LongType(), False),
+    ]
+)
+
+LOG_ROLLUP_SCHEMA = StructType(
+    [
+        StructField("minute", TimestampType(), False),
+        StructField("date", StringType(), False),
+        StructField("protocol", StringType(), False),
+        StructField("stream", StringType(), False),
+        StructField("level", StringType(), False),
+        StructField("count", LongType(), False),
+        StructField("bytes", LongType(), False),
+    ]
+)
+
+# The long form of keg data: one row per (sample, item).
+KEG_LONG_SCHEMA = StructType(
+    [
+        StructField("keg", StringType(), False),
+        StructField("tap", StringType(), False),
+        StructField("ts", TimestampType(), False),
+        StructField("ts_ns", LongType(), False),
+        StructField("item", StringType(), False),
+        StructField("value", DoubleType(), True),
+    ]
+)
+
+TELEMETRY_ROLLUP_SCHEMA = StructType(
+    [
+        StructField("window_start", TimestampType(), False),
+        StructField("window_end", TimestampType(), False),
+        StructField("tap", StringType(), False),
+        StructField("item", StringType(), False),
+        StructField("count", LongType(), False),
+        StructField("min", DoubleType(), True),
+        StructField("max", DoubleType(), True),
+        StructField("mean", DoubleType(), True),
+        StructField("last", DoubleType(), True),
+    ]
+)

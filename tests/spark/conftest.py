@@ -1,0 +1,55 @@
+"""One local SparkSession for every Spark test (local[2], 2 shuffle partitions, UI off)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "pyspark", reason="the Spark tests need the spark extra (make test installs it)"
+)
+
+from .generate import GeneratedEvent, generate_events, write_journal
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    # Python workers must run this interpreter so they can import taproom.
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    # collect() turns timestamps into naive datetimes in the local zone: make that UTC.
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    from pyspark.sql import SparkSession
+
+    from taproom.spark.jobs.session import SESSION_CONF, configure
+
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .appName("taproom-tests")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=ERROR")
+    )
+    for key, value in SESSION_CONF.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    configure(session)
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def logjam_events() -> list[GeneratedEvent]:
+    return generate_events(3000, seed=11)
+
+
+@pytest.fixture(scope="session")
+def logjam_journal(tmp_path_factory: pytest.TempPathFactory, logjam_events: Any) -> Path:
+    return write_journal(tmp_path_factory.mktemp("journal") / "j", logjam_events)

@@ -1,0 +1,147 @@
+"""Every transform against an independent pure-Python computation over the same events."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from taproom.spark import transforms as T
+
+from .generate import reference_exceptions, reference_logs, reference_requests
+
+pytestmark = pytest.mark.spark
+
+KEY = ("minute", "app", "env", "action", "module", "frontend")
+
+
+def _rank_ok(times: list[float], value: float, q: float, accuracy: int) -> bool:
+    """``value`` is an element whose rank is within the documented error of ``q``."""
+    n = len(times)
+    below = sum(t < value for t in times)
+    at_or_below = sum(t <= value for t in times)
+    if at_or_below == below:  # not a data value at all
+        return False
+    slack = 1 / accuracy + 1 / n
+    return below / n - slack <= q <= at_or_below / n + slack
+
+
+@pytest.fixture(scope="module")
+def events_df(spark: Any, logjam_journal: Any) -> Any:
+    return spark.read.format("taproom").load(str(logjam_journal))
+
+
+def test_request_rollup_matches_reference(events_df: Any, logjam_events: Any) -> None:
+    expected = reference_requests(logjam_events)
+    rows = events_df.transform(T.logjam_requests).transform(T.request_rollup).collect()
+    got = {tuple(r[k] for k in KEY): r.asDict() for r in rows}
+    assert set(got) == set(expected)
+    assert sum(r["count"] for r in got.values()) == sum(e["count"] for e in expected.values())
+    exact = [
+        "count",
+        "apdex_happy",
+        "apdex_satisfied",
+        "apdex_tolerating",
+        "apdex_frustrated",
+        *[f"status_{c}xx" for c in range(1, 6)],
+        "status_other",
+        *[f"severity_{s}" for s in T.SEVERITY_NAMES],
+        "exceptions",
+        "requests_with_exceptions",
+    ]
+    for key, want in expected.items():
+        row = got[key]
+        for name in exact:
+            assert row[name] == want[name], (key, name)
+        assert math.isclose(row["total_time_sum"], want["total_time_sum"], rel_tol=1e-9)
+        assert row["total_time_max"] == want["total_time_max"]
+        assert math.isclose(row["apdex"], want["apdex"], rel_tol=1e-12)
+        assert row["date"] == key[0].strftime("%Y-%m-%d")
+        for q, name in ((0.5, "p50"), (0.9, "p90"), (0.95, "p95"), (0.99, "p99")):
+            value = row[f"total_time_{name}"]
+            assert _rank_ok(want["times"], value, q, T.PERCENTILE_ACCURACY), (key, name, value)
+
+
+def test_request_defaults_follow_the_importer(spark: Any) -> None:
+    """Missing fields take logjam's defaults; broken JSON still counts as one request."""
+    from pyspark.sql import functions as F
+
+    from taproom.spark.schemas import EVENT_SCHEMA
+
+    rows = [
+        ("j", 0, "app-env", "logs.app.env", b"{}"),
+        ("j", 1, "app-env", "logs.app.env", b"{not json"),
+        ("j", 2, "app-env", "frontend.page", b'{"total_time": 600, "lines": [[3, "t", "m"]]}'),
+        ("j", 3, "app-env", "events.app.env", b'{"total_time": 5}'),
+    ]
+    df = spark.createDataFrame(
+        [
+            (
+                j,
+                o,
+                __import__("datetime").datetime(2026, 1, 2, 3, 4, 5),
+                "logjam",
+                s,
+                t,
+                "",
+                0,
+                "",
+                None,
+                "json",
+                p,
+                {},
+            )
+            for j, o, s, t, p in rows
+        ],
+        EVENT_SCHEMA,
+    )
+    out = {
+        r["offset"]: r
+        for r in df.transform(T.logjam_requests)
+        .select(
+            "offset",
+            "action",
+            "code",
+            "total_time",
+            "severity",
+            "module",
+            "frontend",
+            F.date_format("minute", "HH:mm").alias("m"),
+        )
+        .collect()
+    }
+    assert set(out) == {0, 1, 2}  # events.* is not a request topic
+    for offset in (0, 1):
+        r = out[offset]
+        assert (r["action"], r["code"], r["total_time"], r["severity"], r["module"]) == (
+            T.DEFAULT_ACTION,
+            500,
+            1.0,
+            1,
+            "Others",
+        )
+        assert r["m"] == "03:04"  # no started_at: receive time
+    assert out[2]["severity"] == 3 and out[2]["frontend"] is True
+    # 600 ms is tolerating on the backend but satisfied (not happy) on the frontend.
+    rollup = df.transform(T.logjam_requests).transform(T.request_rollup).collect()
+    front = next(r for r in rollup if r["frontend"])
+    assert (front["apdex_happy"], front["apdex_satisfied"], front["apdex"]) == (0, 1, 1.0)
+
+
+def test_exception_rollup_matches_reference(events_df: Any, logjam_events: Any) -> None:
+    expected = reference_exceptions(logjam_events)
+    rows = events_df.transform(T.logjam_requests).transform(T.exception_rollup).collect()
+    got = {(*(r[k] for k in KEY), r["exception"]): r["count"] for r in rows}
+    assert expected and got == expected
+
+
+def test_log_rollup_matches_reference(events_df: Any, logjam_events: Any) -> None:
+    expected = reference_logs(logjam_events)
+    rows = events_df.transform(T.log_rollup).collect()
+    got = {
+        (r["minute"], r["protocol"], r["stream"], r["level"]): (r["count"], r["bytes"])
+        for r in rows
+    }
+    assert got == expected
+    assert {k[1] for k in got} == {"logjam", "lumberjack", "logtk"}
