@@ -1,0 +1,263 @@
+"""LogTK figures (issue 4): events/s over TCP and over WebSocket with 16 connections, 256
+unacked data frames in flight each, 200-byte payloads, ``fsync = always``; then ack latency
+p50/p99 at half that load.
+
+The hub runs as a child process (``taproom serve`` with a ready file) pinned to one core; this
+process is the load generator (pinned to another core when there is one). The generator keeps
+pre-encoded frames and counts acks by their fixed 7-byte size, so it stays cheap next to the
+hub it measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+
+from taproom.protocols.logtk import Data, FrameDecoder, Init, encode_frame
+
+from .common import Figure, percentile, rss_of_pid_kib
+
+TOKEN = hashlib.sha512(b"taproom bench logtk").digest()  # 64 bytes
+PAYLOAD = b'{"level":"info","msg":"' + b"x" * 170 + b'"}'  # 200 bytes
+CONNECTIONS = 16
+WINDOW = 256
+ACK_SIZE = 7
+_IDEM = struct.Struct(">I")
+
+
+def _start_hub(root: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    cfg = Path(root) / "taproom.toml"
+    cfg.write_text(
+        f'[journal]\ndir = "{root}/journal"\nfsync = "always"\n'
+        "[web]\nenabled = false\n"
+        '[hub]\nlog_level = "WARNING"\n'
+        "[lumberjack]\nenabled = false\n[logjam]\nenabled = false\n"
+        "[eventbus]\nenabled = false\n[lager]\nenabled = false\n"
+        "[logtk]\nenabled = true\nws_port = 0\ntcp_port = 0\nping_enabled = false\n"
+        f'[logtk.apps.bench]\ntoken_sha256 = "{hashlib.sha256(TOKEN).hexdigest()}"\n'
+    )
+    ready = Path(root) / "ready.json"
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, {cpus[0]})
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "taproom",
+            "serve",
+            "--config",
+            str(cfg),
+            "--ready-file",
+            str(ready),
+        ],
+        preexec_fn=pin,
+        stdout=subprocess.DEVNULL,
+        stderr=open(Path(root) / "hub.log", "wb"),  # noqa: SIM115 -- owned by the child
+    )
+    if len(cpus) > 1:
+        os.sched_setaffinity(0, set(cpus[1:]))
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError((Path(root) / "hub.log").read_text()[-3000:])
+        time.sleep(0.05)
+    return proc, orjson.loads(ready.read_bytes())["listeners"]
+
+
+class _Link:
+    """One connection: handshake done, then ``write`` bytes / ``read`` bytes."""
+
+    async def open(self, transport: str, address: str, client_id: int) -> None:
+        host, port = address.rsplit(":", 1)
+        init = encode_frame(Init("json", client_id, None, False))
+        if transport == "tcp":
+            self.reader, self.writer = await asyncio.open_connection(host, int(port))
+            self.writer.write(b"\x01\x01" + TOKEN + b"\x00" + init)
+            decoder = FrameDecoder()
+            got: list[object] = []
+            while len(got) < 2:  # auth status, init answer
+                got += decoder.feed(await self.reader.read(1024))
+            self.ws = None
+        else:
+            from websockets.asyncio.client import connect
+
+            self.ws = await connect(
+                f"ws://{host}:{port}/logging/bench",
+                subprotocols=["logtk"],  # type: ignore[list-item]
+                additional_headers={"X-LogTK-Auth": base64.b64encode(TOKEN).decode()},
+                max_size=None,
+            )
+            await self.ws.send(init)
+            await self.ws.recv()
+
+    async def write(self, data: bytes) -> None:
+        if self.ws is None:
+            self.writer.write(data)
+            await self.writer.drain()
+        else:
+            await self.ws.send(data)
+
+    async def read(self) -> bytes:
+        if self.ws is None:
+            return await self.reader.read(1 << 20)
+        message = await self.ws.recv()
+        return message if isinstance(message, bytes) else message.encode()
+
+    async def close(self) -> None:
+        if self.ws is None:
+            self.writer.close()
+        else:
+            await self.ws.close()
+
+
+async def _throughput(transport: str, address: str, seconds: float, base_id: int) -> float:
+    """Every connection keeps WINDOW frames unacked; events acked per second."""
+    links = [_Link() for _ in range(CONNECTIONS)]
+    await asyncio.gather(
+        *(link.open(transport, address, base_id + i) for i, link in enumerate(links))
+    )
+    acked = 0
+    stop = False
+
+    async def drive(link: _Link, conn: int) -> None:
+        nonlocal acked
+        idem = conn << 24
+        frames = [encode_frame(Data(PAYLOAD, (idem + i) & 0xFFFFFFFF)) for i in range(WINDOW)]
+        await link.write(b"".join(frames))
+        idem += WINDOW
+        leftover = 0
+        while not stop:
+            data = await link.read()
+            if not data:
+                return
+            total = leftover + len(data)
+            n, leftover = divmod(total, ACK_SIZE)
+            acked += n
+            if n and not stop:
+                out = [encode_frame(Data(PAYLOAD, (idem + i) & 0xFFFFFFFF)) for i in range(n)]
+                idem += n
+                await link.write(b"".join(out))
+
+    tasks = [asyncio.create_task(drive(link, i)) for i, link in enumerate(links)]
+    await asyncio.sleep(0.5)  # warm-up
+    start_acked, t0 = acked, time.perf_counter()
+    await asyncio.sleep(seconds)
+    rate = (acked - start_acked) / (time.perf_counter() - t0)
+    stop = True
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+    return rate
+
+
+async def _latency(
+    transport: str, address: str, rate: float, seconds: float, base_id: int
+) -> list[float]:
+    """Paced sends at ``rate`` events/s in total; ack latency of each event (seconds)."""
+    links = [_Link() for _ in range(CONNECTIONS)]
+    await asyncio.gather(
+        *(link.open(transport, address, base_id + i) for i, link in enumerate(links))
+    )
+    latencies: list[float] = []
+    per_conn = rate / CONNECTIONS
+    tick = 0.005
+    stop = False
+
+    async def drive(link: _Link, conn: int) -> None:
+        sent: dict[int, float] = {}
+        idem = conn << 24
+
+        async def reader() -> None:
+            buf = b""
+            while True:
+                data = await link.read()
+                if not data:
+                    return
+                buf += data
+                now = time.perf_counter()
+                usable = len(buf) - len(buf) % ACK_SIZE
+                for pos in range(0, usable, ACK_SIZE):
+                    t = sent.pop(_IDEM.unpack_from(buf, pos + 2)[0], None)
+                    if t is not None:
+                        latencies.append(now - t)
+                buf = buf[usable:]
+
+        read_task = asyncio.create_task(reader())
+        owed = 0.0
+        while not stop:
+            owed += per_conn * tick
+            n = int(owed)
+            owed -= n
+            if n and len(sent) < WINDOW:
+                now = time.perf_counter()
+                frames = []
+                for _ in range(n):
+                    idem = (idem + 1) & 0xFFFFFFFF
+                    sent[idem] = now
+                    frames.append(encode_frame(Data(PAYLOAD, idem)))
+                await link.write(b"".join(frames))
+            await asyncio.sleep(tick)
+        await asyncio.sleep(0.5)
+        read_task.cancel()
+
+    tasks = [asyncio.create_task(drive(link, i)) for i, link in enumerate(links)]
+    await asyncio.sleep(seconds)
+    stop = True
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+    return sorted(latencies)
+
+
+def run(quick: bool) -> list[Figure]:
+    seconds = 2.0 if quick else 12.0
+    root = tempfile.mkdtemp(prefix="taproom-bench-logtk-", dir=os.environ.get("BENCH_DIR"))
+    figures: list[Figure] = []
+    proc, listeners = _start_hub(root)
+    try:
+        for k, transport in enumerate(("tcp", "ws")):
+            address = listeners[f"logtk_{transport}"]
+            rate = asyncio.run(_throughput(transport, address, seconds, 1000 * (k + 1)))
+            figures.append(
+                Figure(
+                    f"{transport}: 16 conns x 256 in flight, 200 B, fsync=always",
+                    rate,
+                    "events/s",
+                    ">= 100,000",
+                )
+            )
+            lat = asyncio.run(_latency(transport, address, rate / 2, seconds, 1000 * (k + 3)))
+            figures.append(
+                Figure(
+                    f"{transport}: ack latency p50 at half load", percentile(lat, 50) * 1000, "ms"
+                )
+            )
+            figures.append(
+                Figure(
+                    f"{transport}: ack latency p99 at half load", percentile(lat, 99) * 1000, "ms"
+                )
+            )
+        figures.append(Figure("hub RSS after the runs", rss_of_pid_kib(proc.pid) / 1024, "MiB"))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    return figures
