@@ -17,7 +17,7 @@ from taproom.protocols.logtk import (
     Init,
     encode_frame,
 )
-from taproom.servers.logtk import hash_token
+from taproom.servers.logtk import DedupIndex, hash_token, parse_event_id
 from tests.support import running_app
 
 TOKEN = bytes(range(64))
@@ -258,3 +258,28 @@ async def test_dedup_survives_restart(tmp_path):
         assert frames[2] == Ack(4242)
         writer.close()
         assert len(records(app)) == 1 and duplicates(app) == 1
+
+
+class TestDedupIndex:
+    def test_window_expiry_and_slots(self):
+        index = DedupIndex(window_s=160, max_entries=1000)
+        a, b = index.slot("app", 1), index.slot("app", 2)
+        assert a != b and index.slot("app", 1) == a and index.slot("other", 1) not in (a, b)
+        index.add(a | 5, when=1000.0)
+        assert a | 5 in index and b | 5 not in index
+        index.add(b | 5, when=1100.0)
+        index.expire(1150.0)
+        assert a | 5 in index and len(index) == 2
+        index.expire(1000.0 + 160 + 10 + 1)  # the window plus one bucket
+        assert a | 5 not in index and b | 5 in index and len(index) == 1
+
+    def test_bounded_by_max_entries(self):
+        index = DedupIndex(window_s=16, max_entries=1000)
+        for i in range(5000):
+            index.add(i, when=float(i // 100))  # 100 keys per one-second bucket
+        assert len(index) <= 1000 and index.evicted == 5000 - len(index)
+        assert 4999 in index and 0 not in index
+
+    def test_event_id_round_trip(self):
+        assert parse_event_id("my:app:285db4ad:3a7bd946") == ("my:app", 0x285DB4AD, 0x3A7BD946)
+        assert parse_event_id("garbage") is None and parse_event_id("a:zz:01") is None

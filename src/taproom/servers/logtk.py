@@ -171,9 +171,9 @@ def hash_token(token: bytes) -> str:
 class DedupIndex:
     """Committed (app, client id, idem) keys seen within ``window_s``.
 
-    Keys are ints (``slot << 32 | idem``, one slot per app and client id) held in time
-    buckets: lookups check every bucket, expiry drops whole buckets, and over
-    ``max_entries`` the oldest bucket is dropped early (counted by the caller).
+    Keys are ints (``slot << 32 | idem``, one slot per app and client id) in one set for
+    lookups, and listed in time buckets for expiry: a whole bucket expires at once, and over
+    ``max_entries`` the oldest bucket is dropped early (``evicted`` counts those keys).
     """
 
     BUCKETS = 16
@@ -182,13 +182,13 @@ class DedupIndex:
         self.window_s = window_s
         self.max_entries = max_entries
         self._bucket_s = window_s / self.BUCKETS
-        self._buckets: deque[tuple[float, set[int]]] = deque()
+        self._keys: set[int] = set()
+        self._buckets: deque[tuple[float, list[int]]] = deque()
         self._slots: dict[tuple[str, int], int] = {}
-        self._size = 0
         self.evicted = 0
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._keys)
 
     def slot(self, app: str, client_id: int) -> int:
         """The key prefix of one (app, client id): ``slot << 32``."""
@@ -199,27 +199,29 @@ class DedupIndex:
         return slot << 32
 
     def __contains__(self, key: int) -> bool:
-        return any(key in keys for _, keys in self._buckets)
+        return key in self._keys
 
     def add(self, key: int, when: float) -> None:
         """Remember ``key`` as committed at wall-clock ``when`` (seconds)."""
+        if key in self._keys:
+            return
         start = when - when % self._bucket_s
         if not self._buckets or self._buckets[-1][0] < start:
-            self._buckets.append((start, set()))
-        keys = self._buckets[-1][1]
-        if key not in keys:
-            keys.add(key)
-            self._size += 1
-        while self._size > self.max_entries and len(self._buckets) > 1:
-            _, dropped = self._buckets.popleft()
-            self._size -= len(dropped)
-            self.evicted += len(dropped)
+            self._buckets.append((start, []))
+        self._buckets[-1][1].append(key)
+        self._keys.add(key)
+        while len(self._keys) > self.max_entries and len(self._buckets) > 1:
+            self.evicted += self._drop_oldest()
+
+    def _drop_oldest(self) -> int:
+        _, dropped = self._buckets.popleft()
+        self._keys.difference_update(dropped)
+        return len(dropped)
 
     def expire(self, now: float) -> None:
         cutoff = now - self.window_s - self._bucket_s
         while self._buckets and self._buckets[0][0] < cutoff:
-            _, dropped = self._buckets.popleft()
-            self._size -= len(dropped)
+            self._drop_oldest()
 
 
 def parse_event_id(event_id: str) -> tuple[str, int, int] | None:
@@ -489,6 +491,13 @@ class LogTKService:
             "logtk", "auth_failed", "attempts", "Failed authentications (rate-limited included)"
         )
         m.gauge_fn("logtk", "dedup_index", "entries", "Idempotency keys remembered", self._size)
+        m.gauge_fn(
+            "logtk",
+            "dedup_evicted",
+            "entries",
+            "Idempotency keys dropped before their window ended (dedup_max_entries)",
+            lambda: float(self.dedup.evicted),
+        )
         self._gauges = {name: m.connections("logtk", name) for name in ("logtk_ws", "logtk_tcp")}
 
     def _size(self) -> float:
