@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+import zmq.backend
 
 from ..errors import ProtocolError, TaproomError
 from ..protocols.lager.chp import (
@@ -61,6 +62,10 @@ __all__ = [
 # Must match taproom.servers.lager.HELLO_PREFIX (clients do not import the server).
 HELLO_PREFIX = b"\x00taproom-lager-hello/"
 _TS_BYTES = 8
+# Plain ints and the backend send: pyzmq's wrappers cost more than the send itself.
+_SNDMORE = int(zmq.SNDMORE)
+_MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_raw_send = zmq.backend.Socket.send
 
 
 class LagerClientError(TaproomError):
@@ -164,6 +169,9 @@ class Tap:
         self._data = ctx.socket(zmq.XPUB)
         self._data.setsockopt(zmq.LINGER, 2000)
         self._data.setsockopt(zmq.SNDHWM, self._send_hwm)
+        # At the HWM a send fails (log() returns False and counts it) instead of ZeroMQ
+        # silently dropping the row, as PUB would.
+        self._data.setsockopt(zmq.XPUB_NODROP, 1)
         self._data.connect(_tcp(self._fwd_host, self._fwd_port))
         _wait_subscription(self._collector, deadline, "collector")
         frames = registration_frames(self.key, self.uuid, self.xml)
@@ -232,12 +240,14 @@ class Tap:
         if sock is None:
             raise LagerClientError("register() first")
         ts = time.time_ns() if ts_ns is None else ts_ns
+        send = _raw_send
         try:
-            sock.send(self.uuid, zmq.SNDMORE | zmq.NOBLOCK)
-            sock.send(b"\x01\x00", zmq.SNDMORE)
-            sock.send(b"\x00\x00", zmq.SNDMORE)
-            sock.send(ts.to_bytes(_TS_BYTES, "big"), zmq.SNDMORE)
-            sock.send(row)
+            # NOBLOCK on the first frame only: ZeroMQ queues a message whole or not at all.
+            send(sock, self.uuid, _MORE_NOBLOCK)
+            send(sock, b"\x01\x00", _SNDMORE)
+            send(sock, b"\x00\x00", _SNDMORE)
+            send(sock, ts.to_bytes(_TS_BYTES, "big"), _SNDMORE)
+            send(sock, row, 0)
         except zmq.Again:
             self.dropped += 1
             return False

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 import zmq
 import zmq.asyncio
+import zmq.backend
 
 from ..config import config_section, setting
 from ..errors import HubStopped, ProtocolError
@@ -152,13 +153,23 @@ def _bind_range(sockets: list[zmq.asyncio.Socket], host: str, port: int, retries
     raise OSError(errno.EADDRINUSE, f"no {len(sockets)} consecutive free ports: {last}")
 
 
+# Hot paths call the backend socket methods with plain ints: pyzmq's Python-level wrappers and
+# its IntFlag constants cost more than the ZeroMQ call itself (measured ~2x per frame).
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_MORE_NOBLOCK = _NOBLOCK | _SNDMORE
+_raw_recv = zmq.backend.Socket.recv
+_raw_send = zmq.backend.Socket.send
+_raw_get = zmq.backend.Socket.get
+
+
 def _recv_bounded(sock: zmq.Socket[bytes], max_frames: int) -> list[bytes] | None:
     """One whole message (NOBLOCK; raises zmq.Again); None if it had more than ``max_frames``
     frames (the rest is read and discarded so the next message starts clean)."""
-    frames = [sock.recv(zmq.NOBLOCK)]
-    more = sock.get  # ``get`` skips getsockopt's wrapper: this runs once per frame
-    while more(zmq.RCVMORE):
-        frame = sock.recv()
+    frames = [_raw_recv(sock, _NOBLOCK)]
+    while _raw_get(sock, _RCVMORE):
+        frame = _raw_recv(sock, 0)
         if len(frames) < max_frames:
             frames.append(frame)
         else:
@@ -617,15 +628,15 @@ class LagerService:
         if future.cancelled() or future.exception() is not None or self._closing:
             return
         raw = self._fwd_out_raw
-        send = raw.send
-        more = zmq.NOBLOCK | zmq.SNDMORE
+        send = _raw_send
+        more = _MORE_NOBLOCK
         try:
             for f0, f1, f2, f3, f4 in forwards:
-                send(f0, more)
-                send(f1, more)
-                send(f2, more)
-                send(f3, more)
-                send(f4, zmq.NOBLOCK)
+                send(raw, f0, more)
+                send(raw, f1, more)
+                send(raw, f2, more)
+                send(raw, f3, more)
+                send(raw, f4, _NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("lager: forwarding stopped: %s", exc)
         self._m_forwarded.inc(len(forwards))
