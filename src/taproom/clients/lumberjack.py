@@ -78,6 +78,7 @@ class _Base:
         )
         self.resent_events = 0
         self.reconnects = 0
+        self._failures = 0
 
     @property
     def acked_events(self) -> int:
@@ -143,7 +144,8 @@ class LumberjackClient(_Base):
         data = self._sock.recv(65536)
         if not data:
             raise ConnectionResetError("server closed the connection")
-        self.session.receive_data(data)
+        if self.session.receive_data(data):
+            self._failures = 0
 
     def _with_retry(self, op: Any) -> None:
         """Run ``op``; on a broken connection reconnect and resend every unacked window.
@@ -156,6 +158,11 @@ class LumberjackClient(_Base):
             return
         except (OSError, LumberjackError):
             self.close()
+            # Failures without an ack in between are bounded: a server that accepts the
+            # connection but always drops it (bad client certificate) must not loop forever.
+            self._failures += 1
+            if self._failures > self.reconnect_attempts:
+                raise
         for attempt in range(self.reconnect_attempts + 1):
             time.sleep(self.reconnect_delay)
             try:
@@ -238,8 +245,13 @@ class AsyncLumberjackClient(_Base):
             data = await asyncio.wait_for(self._reader.read(65536), self.timeout)
             if not data:
                 raise ConnectionResetError("server closed the connection")
-            self.session.receive_data(data)
+            if self.session.receive_data(data):
+                self._failures = 0
         except (OSError, LumberjackError, TimeoutError):
+            self._failures += 1
+            if self._failures > self.reconnect_attempts:
+                await self.close()
+                raise
             await self._reconnect()
 
     async def _reconnect(self) -> None:
