@@ -19,7 +19,7 @@ from taproom.cli import main as taproom_main
 from taproom.clients.lager import DuplicateTap, KegWriter, Mug, Tap
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.keg import read_keg, sidecar_path
-from tests.support import running_app
+from tests.support import fuzz_examples, running_app
 
 FORMATS = {
     "/RobotA/Motion/": (
@@ -277,33 +277,61 @@ class TestKegCrash:
         assert table["x"].tolist() == [i / 2 for i in range(n)]
 
     async def test_sigkill_mid_stream_keeps_every_whole_record(self, tmp_path: Path) -> None:
-        key = "/Crash/Busy/"
         fmt = parse_format_xml(FORMATS["/RobotA/Arm/"])
         async with running_app(tmp_path, enable=["lager"]) as app:
             where = addresses(app)
-            tap = await asyncio.to_thread(lambda: Tap(key, fmt, **where).register())
-            proc, ready = self._record(tmp_path, where)
-            try:
-                await self._wait_ready(proc, ready)
-                i = 0
-                killed_at = time.monotonic() + 0.5
-                while time.monotonic() < killed_at:
-                    tap.log(ts_ns=i, ok=True, joints=(1.0, 2.0, 3.0), n=i)
-                    i += 1
-                    if i % 100 == 0:
-                        await asyncio.sleep(0)
-                proc.send_signal(signal.SIGKILL)  # while rows are still arriving
-                proc.wait(10)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-                tap.close()
-        keg = read_keg(tmp_path / "crash.lgr")
-        assert keg.recovered_unfinished
-        assert keg.dropped_bytes < 24 + fmt.row_size
-        got = keg.table(tap.uuid_str)["n"].tolist()
-        assert got == list(range(len(got))) and len(got) > 0  # an in-order prefix, no holes
+            for cycle in range(fuzz_examples(1, 30)):  # `make soak`: a crash loop
+                cycle_dir = tmp_path / f"cycle{cycle}"
+                cycle_dir.mkdir()
+                key = f"/Crash/Busy{cycle}/"
+                tap = await asyncio.to_thread(lambda k=key: Tap(k, fmt, **where).register())
+                proc, ready = self._record(cycle_dir, where)
+                try:
+                    await self._wait_ready(proc, ready)
+                    i = 0
+                    kill_at = time.monotonic() + 0.5
+                    while time.monotonic() < kill_at:
+                        tap.log(ts_ns=i, ok=True, joints=(1.0, 2.0, 3.0), n=i)
+                        i += 1
+                        if i % 100 == 0:
+                            await asyncio.sleep(0)
+                    proc.send_signal(signal.SIGKILL)  # while rows are still arriving
+                    proc.wait(10)
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait()
+                    tap.close()
+                keg = read_keg(cycle_dir / "crash.lgr")
+                assert keg.recovered_unfinished
+                assert keg.dropped_bytes < 24 + fmt.row_size
+                got = keg.table(tap.uuid_str)["n"].tolist()
+                assert got == list(range(len(got))) and len(got) > 0  # an in-order prefix
+
+    async def test_keg_writer_follows_taps_registered_later(self, tmp_path: Path) -> None:
+        async with running_app(tmp_path, enable=["lager"]) as app:
+            where = addresses(app)
+
+            def scenario() -> tuple[str, str]:
+                outside = Tap("/Other/T/", FORMATS["/RobotA/Motion/"], **where).register()
+                writer = KegWriter(tmp_path / "late.lgr", subtree="/Late/", **where).start()
+                late = Tap("/Late/T/", FORMATS["/RobotB/Status/"], **where).register()
+                for i in range(200):
+                    late.log(ts_ns=i, n=i, state="go")
+                    outside.log(ts_ns=i, x=0.0, n=i)
+                deadline = time.monotonic() + 10
+                while writer.records < 200 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                writer.stop()
+                late.close()
+                outside.close()
+                return late.uuid_str, outside.uuid_str
+
+            late_uuid, outside_uuid = await asyncio.to_thread(scenario)
+        keg = read_keg(tmp_path / "late.lgr")
+        assert keg.counts() == {late_uuid: 200}
+        assert outside_uuid not in keg.formats
+        assert keg.table(late_uuid)["state"].tolist() == ["go"] * 200
 
 
 class TestKegCommand:

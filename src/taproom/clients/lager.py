@@ -434,6 +434,16 @@ class Mug:
         finally:
             self._data.setsockopt(zmq.UNSUBSCRIBE, token)
 
+    def lookup(self, raw_uuid: bytes) -> Registration | None:
+        """The registration for a data message's uuid. Updates and data travel on different
+        connections, so a new tap's first row can overtake its update: read pending updates
+        once before giving up."""
+        reg = self.by_uuid.get(raw_uuid)
+        if reg is None:
+            self.poll_registrar()
+            reg = self.by_uuid.get(raw_uuid)
+        return reg
+
     def recv_message(self, timeout: float | None = None) -> DataMessage | None:
         """The next data message (undecoded), or None after ``timeout`` seconds."""
         early = getattr(self, "_early", None)
@@ -464,7 +474,7 @@ class Mug:
             msg = self.recv_message(timeout)
             if msg is None:
                 return None
-            reg = self.by_uuid.get(msg.uuid)
+            reg = self.lookup(msg.uuid)
             if reg is None or len(msg.payload) != reg.format.row_size:
                 continue  # a tap this mug has no (current) format for
             return Sample(reg.key, msg.uuid, msg.ts_ns, reg.format.decode_row(msg.payload))
@@ -573,7 +583,7 @@ class KegWriter:
             while not self._stop.is_set():
                 msg = mug.recv_message(timeout=0.05)
                 while msg is not None:
-                    reg = mug.by_uuid.get(msg.uuid)
+                    reg = mug.lookup(msg.uuid)
                     if reg is not None and len(msg.payload) == reg.format.row_size:
                         if not keg.has(msg.uuid):
                             keg.add_format(reg.uuid_str, reg.format)

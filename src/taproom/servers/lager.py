@@ -204,6 +204,7 @@ class LagerService:
         self._dirty = False
         self._last_publish = 0.0
         self._closing = False
+        self._inflight: set[asyncio.Future[Any]] = set()
         self._attrs: dict[tuple[bytes, bytes], bytes] = {}
         self._uuid_text: dict[bytes, str] = {}
         self._last_log: dict[str, float] = {}
@@ -280,13 +281,15 @@ class LagerService:
         }
 
     async def stop(self) -> None:
-        self._closing = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks.clear()
+        if self._inflight:  # rows already accepted: let their commits land and forward them
+            await asyncio.wait(set(self._inflight), timeout=self.hub.config.hub.grace_period_s)
+        self._closing = True
         if self._dirty:
             await asyncio.to_thread(self._checkpoint)
         for sock in (self.snapshot, self.publisher, self.collector, self.fwd_in, self.fwd_out):
@@ -620,11 +623,13 @@ class LagerService:
                 future = hub.submit(builder.build())
             except HubStopped:
                 return
+            self._inflight.add(future)
             future.add_done_callback(functools.partial(self._forward, forwards))
             await asyncio.sleep(0)  # let commits resolve and forwards go out between bursts
 
     def _forward(self, forwards: list[list[bytes]], future: asyncio.Future[Any]) -> None:
         """Runs once the batch is durable: fan out to mugs (committed data only)."""
+        self._inflight.discard(future)
         if future.cancelled() or future.exception() is not None or self._closing:
             return
         raw = self._fwd_out_raw
