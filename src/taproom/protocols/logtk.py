@@ -313,6 +313,17 @@ def _parse_frame(buf: bytes, pos: int, end: int, max_data: int) -> tuple[Frame, 
     ftype = buf[pos]
     p = pos + 1
     if ftype == 0x03:  # data: the hot path
+        # Canonical layout first (data then idem, length in 1-2 bytes), as every client sends.
+        if p + 2 < end and buf[p] == 1:
+            b0 = buf[p + 1]
+            if b0 < 0x80:
+                n, q = b0, p + 2
+            else:
+                b1 = buf[p + 2]
+                n, q = ((b0 & 0x7F) << 7 | b1, p + 3) if b1 < 0x80 else (-1, 0)
+            e = q + n
+            if 0 <= n <= max_data and e + 6 <= end and buf[e] == 2 and buf[e + 5] == 0:
+                return Data(buf[q:e], _U32.unpack_from(buf, e + 1)[0]), e + 6
         data: bytes | None = None
         idem: int | None = None
         while True:

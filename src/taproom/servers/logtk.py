@@ -213,6 +213,24 @@ class DedupIndex:
         while len(self._keys) > self.max_entries and len(self._buckets) > 1:
             self.evicted += self._drop_oldest()
 
+    def add_many(self, keys: list[int], when: float) -> None:
+        """:meth:`add` for a commit's worth of keys."""
+        before = len(self._keys)
+        self._keys.update(keys)
+        if len(self._keys) - before != len(keys):
+            # Some were known already (a rebuild racing a resend): keep one entry per key.
+            self._keys.difference_update(keys)
+            self._keys.update(keys)
+            for key in keys:
+                self.add(key, when)
+            return
+        start = when - when % self._bucket_s
+        if not self._buckets or self._buckets[-1][0] < start:
+            self._buckets.append((start, []))
+        self._buckets[-1][1].extend(keys)
+        while len(self._keys) > self.max_entries and len(self._buckets) > 1:
+            self.evicted += self._drop_oldest()
+
     def _drop_oldest(self) -> int:
         _, dropped = self._buckets.popleft()
         self._keys.difference_update(dropped)
@@ -387,12 +405,11 @@ class _Session:
             ok = not fut.cancelled() and fut.exception() is None
             svc = self.service
             if keys:
-                now = time.time()
+                pop = svc.pending.pop
                 for key in keys:
-                    if svc.pending.get(key) is fut:
-                        del svc.pending[key]
-                    if ok:
-                        svc.dedup.add(key, now)
+                    pop(key, None)
+                if ok:
+                    svc.dedup.add_many(keys, time.time())
             if ok:
                 self.ack(idems)
             else:
