@@ -221,8 +221,8 @@ def run(quick: bool) -> list[Figure]:
     try:
         figures = []
         for name, fn, arg in (
-            ("pipe", _pipeline, 100_000 if quick else 2_000_000),
-            ("keg", _keg, 300_000 if quick else 5_000_000),
+            ("pipe", _pipeline, 100_000 if quick else 1_000_000),
+            ("keg", _keg, 300_000 if quick else 3_000_000),
             ("snap", _snapshot, 2_000 if quick else 10_000),
         ):
             sub = root / name

@@ -397,9 +397,10 @@ class Mug:
     # --- data -----------------------------------------------------------------------------
 
     def subscribe(self, *taps: str | bytes | Registration, everything: bool = False,
-                  timeout: float = 10.0) -> None:  # fmt: skip
+                  timeout: float = 10.0, confirm: bool = True) -> None:  # fmt: skip
         """Subscribe to taps (keys, uuids or registrations; ``everything`` for all) and
-        return once the bartender has the subscriptions (see the module docstring)."""
+        return once the bartender has the subscriptions (see the module docstring).
+        ``confirm=False`` skips that handshake (a bartender other than taproom)."""
         topics: list[bytes] = []
         if everything:
             topics.append(b"")
@@ -417,6 +418,8 @@ class Mug:
             if topic not in self._subscribed:
                 self._data.setsockopt(zmq.SUBSCRIBE, topic)
                 self._subscribed.add(topic)
+        if not confirm:
+            return
         token = HELLO_PREFIX + secrets.token_hex(8).encode()
         self._data.setsockopt(zmq.SUBSCRIBE, token)
         deadline = time.monotonic() + timeout
