@@ -120,6 +120,10 @@ class LogTKConfig:
     ws_ping_interval_s: float = setting(
         20.0, "WebSocket-level keepalive (websockets' default); 0 disables", min=0
     )
+    ws_compression: bool = setting(
+        False,
+        "permessage-deflate costs CPU on the hub's one core; LogTK entries are compact binary",
+    )
     dedup_window_s: float = setting(
         3600.0,
         "idempotency tokens remembered this long: covers 1 s resends and cache replays after "
@@ -564,6 +568,7 @@ class LogTKService:
             subprotocols=["logtk"],  # type: ignore[list-item]
             max_size=c.max_frame_bytes,
             ping_interval=c.ws_ping_interval_s or None,
+            compression="deflate" if c.ws_compression else None,
             open_timeout=c.handshake_timeout_s,
             close_timeout=2,
         )
