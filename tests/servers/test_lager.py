@@ -17,6 +17,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from taproom.app import App
+from taproom.config import load_config
 from taproom.errors import ProtocolError
 from taproom.protocols.lager.chp import (
     parse_registration,
@@ -414,3 +416,21 @@ class TestPersistence:
         assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Crash/A/", u1), (b"/Crash/B/", u2)]
         state = orjson.loads((tmp_path / "journal" / "lager-registrar.json").read_bytes())
         assert [t["key"] for t in state["taps"]] == ["/Crash/A/", "/Crash/B/"]
+
+
+async def test_fixed_ports_in_use_fail_cleanly(tmp_path: Path) -> None:
+    """A fixed registrar port whose P+1 is taken: start() fails with the bind error."""
+    ctx = zmq.Context()
+    blocker = ctx.socket(zmq.PUB)
+    base = blocker.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
+    app = App(
+        load_config(
+            write_config(tmp_path, enable=["lager"], lager={"registrar_port": base - 1}), env={}
+        )
+    )
+    try:
+        with pytest.raises(zmq.ZMQError):
+            await app.start()
+    finally:
+        await app.stop()
+        ctx.destroy(linger=0)

@@ -246,15 +246,20 @@ class LagerService:
         self.fwd_in.setsockopt(zmq.SUBSCRIBE, b"")
         self.fwd_out.setsockopt(zmq.SNDHWM, cfg.forward_hwm)
         self.fwd_out.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
-        reg_base = _bind_range(
-            [self.snapshot, self.publisher, self.collector],
-            cfg.host,
-            cfg.registrar_port,
-            cfg.port_retries,
-        )
-        fwd_base = _bind_range(
-            [self.fwd_in, self.fwd_out], cfg.host, cfg.forwarder_port, cfg.port_retries
-        )
+        try:
+            reg_base = _bind_range(
+                [self.snapshot, self.publisher, self.collector],
+                cfg.host,
+                cfg.registrar_port,
+                cfg.port_retries,
+            )
+            fwd_base = _bind_range(
+                [self.fwd_in, self.fwd_out], cfg.host, cfg.forwarder_port, cfg.port_retries
+            )
+        except (zmq.ZMQError, OSError):
+            ctx.destroy(linger=0)  # the app never calls stop() for a service that failed
+            self._ctx = None
+            raise
         # Synchronous shadows of the same sockets for NOBLOCK bursts (DESIGN.md decision 3).
         self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.snapshot.underlying)
         self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.publisher.underlying)
