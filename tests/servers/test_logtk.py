@@ -283,3 +283,71 @@ class TestDedupIndex:
     def test_event_id_round_trip(self):
         assert parse_event_id("my:app:285db4ad:3a7bd946") == ("my:app", 0x285DB4AD, 0x3A7BD946)
         assert parse_event_id("garbage") is None and parse_event_id("a:zz:01") is None
+
+
+class TestPingsAndLimits:
+    async def _raw_tcp(self, app, init):
+        reader, writer = await asyncio.open_connection(*addr(app, "logtk_tcp"))
+        writer.write(b"\x01\x01" + TOKEN + b"\x00" + init)
+        return reader, writer
+
+    async def _frames_until_eof(self, reader):
+        decoder = FrameDecoder()
+        frames: list[object] = []
+        while True:
+            chunk = await asyncio.wait_for(reader.read(4096), 5)
+            if not chunk:
+                return frames
+            frames += decoder.feed(chunk)
+
+    async def test_pong_policy_always_drops_a_client_that_never_pongs(self, tmp_path):
+        cfg = {**APPS, "ping_min_delta_ms": 100, "pong_policy": "always"}
+        async with running_app(tmp_path, enable=["logtk"], logtk=cfg) as app:
+            reader, writer = await self._raw_tcp(app, encode_frame(Init("json", 1, 100, True)))
+            frames = await self._frames_until_eof(reader)
+            writer.close()
+            pings = [f for f in frames if type(f).__name__ == "Ping"]
+            assert len(pings) == 2 and frames[-1] == Close(0xFB, "ping timeout")
+            assert rejected(app, "ping_timeout") == 1
+
+    async def test_default_policy_tolerates_the_reference_client(self, tmp_path):
+        cfg = {**APPS, "ping_min_delta_ms": 100}
+        async with running_app(tmp_path, enable=["logtk"], logtk=cfg) as app:
+            reader, writer = await self._raw_tcp(app, encode_frame(Init("json", 1, 100, True)))
+            await asyncio.sleep(1.2)  # many ping intervals, never answered
+            writer.write(encode_frame(Data(b"{}", 3)))
+            decoder = FrameDecoder()
+            frames: list[object] = []
+            while Ack(3) not in frames:
+                frames += decoder.feed(await asyncio.wait_for(reader.read(4096), 5))
+            # More than the two unanswered pings that would close a ponging client.
+            assert sum(type(f).__name__ == "Ping" for f in frames) >= 4
+            writer.close()
+
+    async def test_connection_limit(self, tmp_path):
+        async with running_app(
+            tmp_path, enable=["logtk"], logtk={**APPS, "max_connections": 1}
+        ) as app:
+            first = await ws_open(app)
+            with pytest.raises(InvalidStatus) as info:
+                await ws_open(app)
+            assert info.value.response.status_code == 503
+            _first_tcp, writer = await asyncio.open_connection(*addr(app, "logtk_tcp"))
+            busy = await self._raw_tcp(app, INIT)
+            try:  # over the limit: closed at once (a reset when our bytes were unread)
+                got = await asyncio.wait_for(busy[0].read(100), 5)
+            except ConnectionResetError:
+                got = b""
+            assert got == b""
+            busy[1].close()
+            writer.close()
+            await first.close()
+            assert rejected(app, "too_many_connections") == 2
+
+    async def test_oversized_data_closes_with_limit(self, tmp_path):
+        cfg = {**APPS, "max_data_bytes": 100}
+        async with running_app(tmp_path, enable=["logtk"], logtk=cfg) as app:
+            reader, writer = await self._raw_tcp(app, INIT + encode_frame(Data(bytes(101), 1)))
+            frames = await self._frames_until_eof(reader)
+            writer.close()
+            assert frames[-1] == Close(0xFC, "limit exceeded") and records(app) == []
