@@ -76,6 +76,22 @@ class TestLayout:
         assert keg.table(str(U1))["x"].tolist() == list(map(float, range(5000)))
         assert keg.table(str(U2))["timestamp_ns"].tolist() == [9]
 
+    def test_same_row_size_different_layouts(self, tmp_path: Path) -> None:
+        pair = parse_format_xml(
+            '<format version="BEERR01"><item name="hi" type="uint32" size="4" offset="0"/>'
+            '<item name="lo" type="int32" size="4" offset="4"/></format>'
+        )
+        path = tmp_path / "s.lgr"
+        with KegFileWriter(path, {str(U1): F8, str(U2): pair}, fsync=False) as w:
+            for i in range(50):
+                w.write(U1.bytes, i, F8.encode_row({"x": i + 0.5}))
+                w.write(U2.bytes, 100 + i, pair.encode_row({"hi": i, "lo": -i}))
+        keg = read_keg(path)
+        assert keg.table(str(U1))["x"].tolist() == [i + 0.5 for i in range(50)]
+        t2 = keg.table(str(U2))
+        assert t2["lo"].tolist() == [-i for i in range(50)]
+        assert t2["timestamp_ns"].tolist() == list(range(100, 150))
+
     def test_wrong_row_size_refused(self, tmp_path: Path) -> None:
         w = KegFileWriter(tmp_path / "w.lgr", {str(U1): F8}, fsync=False)
         with pytest.raises(Exception, match="8"):

@@ -252,15 +252,21 @@ class KegContents:
         text = str(uuid_module.UUID(uuid))
         fmt = self.formats[text]
         mask = self.uuids == np.frombuffer(uuid_module.UUID(text).bytes, dtype="V16")[0]
-        starts = self.starts[mask]
         size = fmt.row_size
-        if len(starts):
-            view = np.frombuffer(self.data, dtype=np.uint8)
-            index = starts[:, None] + np.arange(size, dtype=np.int64)[None, :]
-            buffer = view[index].tobytes()
-        else:
-            buffer = b""
         columns: dict[str, np.ndarray[Any, Any]] = {"timestamp_ns": self.timestamps[mask]}
+        n = len(self.timestamps)
+        if n and {f.row_size for f in self.formats.values()} == {size}:
+            # Fixed stride: view the records in place with this format's row dtype.
+            records = np.frombuffer(
+                self.data,
+                dtype=np.dtype([("u", "V16"), ("t", ">u8"), ("p", fmt.numpy_dtype)]),
+                count=n,
+                offset=HEADER_SIZE,
+            )
+            columns.update(fmt.columns(records["p"][mask]))
+            return columns
+        data = self.data
+        buffer = b"".join([data[s : s + size] for s in self.starts[mask].tolist()])
         columns.update(fmt.decode_buffer(buffer))
         return columns
 
