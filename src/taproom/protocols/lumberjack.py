@@ -335,18 +335,13 @@ class ServerConnection:
                 buf += data
                 if len(buf) < self._need:
                     return events
-                view = memoryview(buf)
-                try:
-                    pos = self._parse(view, 0, len(buf), 0)
-                finally:
-                    view.release()
-                del buf[:pos]
-            else:
-                view = memoryview(data)
-                pos = self._parse(view, 0, len(data), 0)
-                if pos < len(data):
-                    self._buf += view[pos:]
-                view.release()
+                # One copy per completed frame run; parsing bytes (not a memoryview) is
+                # markedly faster for the many small slices of D and J frames.
+                data = bytes(buf)
+                self._buf = bytearray()
+            pos = self._parse(data, 0, len(data), 0)
+            if pos < len(data):
+                self._buf = bytearray(data[pos:])
         except (LumberjackError, LumberjackLimit) as exc:
             exc.windows = events
             self._buf = bytearray()
@@ -363,7 +358,7 @@ class ServerConnection:
 
     # -- parsing ------------------------------------------------------------------------------
 
-    def _parse(self, view: memoryview, pos: int, end: int, depth: int) -> int:
+    def _parse(self, view: bytes, pos: int, end: int, depth: int) -> int:
         """Handle complete frames in ``view[pos:end]``; return where an incomplete one starts."""
         unpack2 = _U32X2.unpack_from
         unpack1 = _U32.unpack_from
@@ -391,7 +386,7 @@ class ServerConnection:
                 if fend > end:
                     self._need = fend - pos
                     return pos
-                payload = view[pos + 10 : fend].tobytes()
+                payload = view[pos + 10 : fend]
                 try:
                     obj = loads(payload)
                 except _JSONDecodeError:
@@ -464,13 +459,9 @@ class ServerConnection:
                         f"C frames nested deeper than {limits.max_nesting}",
                         reason="nesting_too_deep",
                     )
-                inner = _inflate(view[pos + 6 : fend], limits.max_decompressed_bytes)
+                inner = _inflate(memoryview(view)[pos + 6 : fend], limits.max_decompressed_bytes)
                 self._version = version
-                inner_view = memoryview(inner)
-                try:
-                    stop = self._parse(inner_view, 0, len(inner), depth + 1)
-                finally:
-                    inner_view.release()
+                stop = self._parse(inner, 0, len(inner), depth + 1)
                 if stop != len(inner):
                     raise LumberjackError(
                         "C content ends inside a frame", reason="truncated_compressed"
@@ -483,7 +474,7 @@ class ServerConnection:
         self._need = 2
         return pos
 
-    def _data_frame(self, view: memoryview, pos: int, end: int, version: int) -> int:
+    def _data_frame(self, view: bytes, pos: int, end: int, version: int) -> int:
         """One ``D`` frame; returns the next position, or ``-(pos + 1)`` if incomplete."""
         if end - pos < 10:
             self._need = 10
@@ -519,8 +510,8 @@ class ServerConnection:
                 self._need = vend - pos
                 return -pos - 1
             # Invalid UTF-8 becomes U+FFFD: the payload must be JSON (documented).
-            obj[str(view[q + 4 : kend], "utf-8", "replace")] = str(
-                view[kend + 4 : vend], "utf-8", "replace"
+            obj[view[q + 4 : kend].decode("utf-8", "replace")] = view[kend + 4 : vend].decode(
+                "utf-8", "replace"
             )
             q = vend
         stream = ""

@@ -1,0 +1,283 @@
+"""Lumberjack figures (issue 3): v2 and v1 ingest rates, ack latency, idle-connection cost.
+
+The hub runs as a child process (``taproom serve``, ``fsync = "always"``) pinned to one core;
+this process is the load generator, pinned to another. Windows are pre-encoded the way
+Filebeat sends them (``W 2048`` + one zlib level-3 ``C``, sequence numbers restarting at 1), so
+the generator costs little; the same generator against a socket drain that parses nothing gives
+the ceiling the hub is compared with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+import orjson
+
+from taproom.config import known_sections
+from taproom.protocols.lumberjack import ClientSession, Version
+from taproom.servers import SERVICE_MODULES
+
+from .common import Figure, percentile, rss_of_pid_kib
+
+WINDOW = 2048
+CONNECTIONS = 4
+PIPELINE = 2
+
+
+def _raise_nofile() -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _pin(core: int) -> None:
+    with contextlib.suppress(AttributeError, OSError):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[core % len(cores)]})
+
+
+def _hub_preexec() -> None:
+    _raise_nofile()
+    _pin(0)
+
+
+def _event(i: int) -> dict[str, object]:
+    # ~300 bytes of JSON, shaped like a Filebeat log event.
+    return {
+        "@timestamp": "2026-01-01T00:00:00.000Z",
+        "message": f"GET /api/items/{i} 200 {i % 977} ms user={i % 131} "
+        + "lorem ipsum dolor sit amet " * 3,
+        "host": {"name": f"web-{i % 7}"},
+        "fields": {"app": "shop"},
+        "type": "access",
+        "offset": i * 311,
+    }
+
+
+def _window_bytes(version: int) -> bytes:
+    session = ClientSession(Version.V2 if version == 2 else Version.V1, compression_level=3)
+    if version == 2:
+        events: list[object] = [_event(i) for i in range(WINDOW)]
+    else:
+        events = [
+            {k: str(v) for k, v in _event(i).items() if k not in ("host", "fields")}
+            | {"host": f"web-{i % 7}", "app": "shop"}
+            for i in range(WINDOW)
+        ]
+    return session.encode_window(events).data
+
+
+class Hub:
+    """``taproom serve`` in a child process on one core."""
+
+    def __init__(self, workdir: Path, max_connections: int = 12_000) -> None:
+        self.workdir = workdir
+        sections = known_sections()
+        lines = [
+            "[journal]",
+            f'dir = "{workdir / "journal"}"',
+            'fsync = "always"',
+            "[web]",
+            "enabled = false",
+            "[lumberjack]",
+            "enabled = true",
+            "port = 0",
+            f"max_connections = {max_connections}",
+            "idle_timeout_s = 600.0",
+        ]
+        for name in SERVICE_MODULES:
+            if name != "lumberjack" and name in sections:
+                lines += [f"[{name}]", "enabled = false"]
+        self.config = workdir / "bench.toml"
+        self.config.write_text("\n".join(lines) + "\n")
+        ready = workdir / "ready.json"
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                *("-m", "taproom", "serve"),
+                *("--config", str(self.config), "--ready-file", str(ready)),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / "hub.log", "ab"),  # noqa: SIM115 -- the child owns it
+            preexec_fn=_hub_preexec,
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((workdir / "hub.log").read_text()[-3000:])
+            time.sleep(0.05)
+        host, port = orjson.loads(ready.read_bytes())["listeners"]["lumberjack"].rsplit(":", 1)
+        self.address = (host, int(port))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _drive(
+    address: tuple[str, int],
+    window: bytes,
+    seconds: float,
+    *,
+    connections: int = CONNECTIONS,
+    rate: float | None = None,
+) -> tuple[float, list[float]]:
+    """Send ``window`` over ``connections`` for ``seconds``; (acked events/s, ack latencies)."""
+    counts = [0] * connections
+    latencies: list[float] = []
+    stop_at = time.monotonic() + seconds
+    interval = connections / (rate / WINDOW) if rate else 0.0
+
+    def one(index: int) -> None:
+        with socket.create_connection(address) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sent: deque[float] = deque()
+            next_send = time.monotonic()
+            while True:
+                now = time.monotonic()
+                if now >= stop_at and not sent:
+                    return
+                can_send = len(sent) < PIPELINE and now < stop_at and now >= next_send
+                if can_send:
+                    sock.sendall(window)
+                    sent.append(time.perf_counter())
+                    next_send = (next_send + interval) if rate else now
+                    continue
+                if not sent:
+                    time.sleep(max(0.0, min(next_send - now, 0.01)))
+                    continue
+                data = b""
+                while len(data) < 6:
+                    chunk = sock.recv(6 - len(data))
+                    if not chunk:
+                        raise ConnectionError("hub closed the connection")
+                    data += chunk
+                if data[2:] == b"\0\0\0\0":
+                    continue  # keepalive
+                t0 = sent.popleft()
+                if now < stop_at:
+                    latencies.append(time.perf_counter() - t0)
+                    counts[index] += WINDOW
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(connections)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Only acks received before the deadline are counted, so the rate is over ``seconds``.
+    assert time.perf_counter() - started >= seconds
+    return sum(counts) / seconds, latencies
+
+
+def _drain_server(window_len: int) -> tuple[subprocess.Popen[bytes], tuple[str, int]]:
+    """A server that parses nothing: it counts bytes and acks once per window's worth."""
+    code = (
+        "import socket,sys,threading\n"
+        "n=int(sys.argv[1]);ack=b'2A\\0\\0\\x08\\0'\n"
+        "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+        "s.bind(('127.0.0.1',0));s.listen(64);print(s.getsockname()[1],flush=True)\n"
+        "def d(c):\n"
+        "  got=0\n"
+        "  while True:\n"
+        "    b=c.recv(1<<20)\n"
+        "    if not b:return\n"
+        "    got+=len(b)\n"
+        "    if got>=n:\n"
+        "      k,got=divmod(got,n);c.sendall(ack*k)\n"
+        "while True:\n"
+        "  c,_=s.accept();threading.Thread(target=d,args=(c,),daemon=True).start()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(window_len)],
+        stdout=subprocess.PIPE,
+        preexec_fn=_hub_preexec,
+    )
+    assert proc.stdout is not None
+    port = int(proc.stdout.readline())
+    return proc, ("127.0.0.1", port)
+
+
+def _idle_connections(hub: Hub, count: int) -> float:
+    """KiB of hub RSS per idle connection (each sent one W frame and went quiet)."""
+    before = rss_of_pid_kib(hub.proc.pid)
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.create_connection(hub.address)
+            s.sendall(b"2W\0\0\0\x01")
+            socks.append(s)
+        time.sleep(2.0)
+        after = rss_of_pid_kib(hub.proc.pid)
+    finally:
+        for s in socks:
+            s.close()
+    return (after - before) / count
+
+
+def run(quick: bool) -> list[Figure]:
+    _raise_nofile()
+    _pin(1)
+    seconds = 3.0 if quick else 15.0
+    idle = 1000 if quick else 10_000
+    figures: list[Figure] = []
+    v2 = _window_bytes(2)
+    v1 = _window_bytes(1)
+    with tempfile.TemporaryDirectory(prefix="bench-lj-") as tmp:
+        hub = Hub(Path(tmp))
+        try:
+            _drive(hub.address, v2, 1.0, connections=1)  # warm-up, then idle cost on a clean heap
+            per_conn = _idle_connections(hub, idle)
+            _drive(hub.address, v2, 1.0)
+            rate2, lat2 = _drive(hub.address, v2, seconds)
+            figures.append(
+                Figure(
+                    "v2 events/s (2048/window, zlib 3, 4 conns, fsync always)",
+                    rate2,
+                    "ev/s",
+                    ">= 300000",
+                )
+            )
+            rate1, _ = _drive(hub.address, v1, seconds)
+            figures.append(Figure("v1 D-frame events/s (same shape)", rate1, "ev/s", ">= 150000"))
+            _, lat = _drive(hub.address, v2, seconds * 2 / 3, rate=rate2 / 2)
+            lat.sort()
+            figures.append(
+                Figure("v2 ack latency p50 at half peak", percentile(lat, 50) * 1e3, "ms")
+            )
+            figures.append(
+                Figure("v2 ack latency p99 at half peak", percentile(lat, 99) * 1e3, "ms")
+            )
+            lat2.sort()
+            figures.append(Figure("v2 ack latency p99 at peak", percentile(lat2, 99) * 1e3, "ms"))
+            figures.append(
+                Figure(f"hub RSS per idle connection ({idle:,} held)", per_conn, "KiB", "<= 20")
+            )
+            figures.append(Figure("hub RSS at the end", rss_of_pid_kib(hub.proc.pid) / 1024, "MiB"))
+        finally:
+            hub.stop()
+        drain, address = _drain_server(len(v2))
+        try:
+            ceiling, _ = _drive(address, v2, seconds / 2)
+        finally:
+            drain.kill()
+            drain.wait()
+        figures.append(Figure("same client against a socket drain (ceiling)", ceiling, "ev/s"))
+        figures.append(Figure("v2 rate / ceiling", rate2 / ceiling if ceiling else 0.0, "ratio"))
+    return figures
