@@ -16,6 +16,7 @@ from taproom.cli import main as cli_main
 from taproom.clients.logtk import LogTKClient, LogTKHandler, load_token
 from taproom.journal.reader import JournalReader
 from taproom.payloads import decode_payload
+from taproom.protocols.logtk import Data, ServerConnection, ServerSettings
 from taproom.servers.logtk import hash_token
 from tests.support import HubProcess, running_app, write_config
 
@@ -46,6 +47,43 @@ async def test_client_sends_and_every_event_is_acked_once(tmp_path, transport):
         assert sorted(orjson.loads(r.payload)["n"] for r in stored) == list(range(2000))
         assert len({r.event_id for r in stored}) == 2000
         assert all(r.producer == "00000007" for r in stored)
+
+
+async def test_unacked_data_is_resent_every_second_with_the_same_idem():
+    """A peer that swallows the first copy of every data frame: the client resends it after
+    the resend interval with the same idem, and stops once acked."""
+    seen: list[tuple[int, bytes]] = []
+
+    async def swallowing_server(reader, writer):
+        conn = ServerConnection(ServerSettings(), now=0, authenticate={TOKEN: "myapp"}.get)
+        while not conn.closed:
+            data = await reader.read(65536)
+            if not data:
+                break
+            acks = []
+            for event in conn.receive_data(data, now=0):
+                if isinstance(event, Data):
+                    if any(idem == event.idem for idem, _ in seen):
+                        acks.append(event.idem)
+                    seen.append((event.idem, event.data))
+            conn.ack(acks)
+            writer.write(conn.data_to_send())
+        writer.close()
+
+    server = await asyncio.start_server(swallowing_server, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        client = LogTKClient("tcp", "127.0.0.1", port, token=TOKEN, resend_interval=0.5)
+        async with client:
+            started = asyncio.get_running_loop().time()
+            idems = [await client.send(b"event-%d" % i) for i in range(5)]
+            await client.flush(10)
+            elapsed = asyncio.get_running_loop().time() - started
+        assert elapsed >= 0.5 and client.acked == 5
+        assert sorted(seen) == sorted([(i, b"event-%d" % n) for n, i in enumerate(idems)] * 2)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_disk_cache_replayed_after_restart_with_same_tokens(tmp_path):
@@ -131,7 +169,8 @@ def _free_ports(n):
     return ports
 
 
-async def test_exactly_once_across_two_sigkills(tmp_path):
+@pytest.mark.parametrize("transport", ["tcp", "ws"])
+async def test_exactly_once_across_two_sigkills(tmp_path, transport):
     """10,000 events; the hub is SIGKILLed and restarted twice mid-stream (same ports); the
     journal holds every event exactly once."""
     ws_port, tcp_port = _free_ports(2)
@@ -144,8 +183,9 @@ async def test_exactly_once_across_two_sigkills(tmp_path):
     await asyncio.to_thread(hub.start)
     total = 10_000
     try:
+        port = tcp_port if transport == "tcp" else ws_port
         client = LogTKClient(
-            "tcp", "127.0.0.1", tcp_port, token=TOKEN, client_id=99, max_in_flight=512
+            transport, "127.0.0.1", port, token=TOKEN, app="myapp", client_id=99, max_in_flight=512
         )
         await client.start()
 
