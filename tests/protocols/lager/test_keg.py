@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from taproom.protocols.lager.formats import parse_format_xml
+from taproom.protocols.lager.formats import FormatError, parse_format_xml
 from taproom.protocols.lager.keg import (
     HEADER_SIZE,
     KegError,
@@ -98,6 +98,8 @@ class TestLayout:
             w.write(U1.bytes, 1, b"1234")
         with pytest.raises(KegError):
             w.write(U2.bytes, 1, b"12345678")
+        with pytest.raises(FormatError, match="u64"):
+            w.write(U1.bytes, -1, b"12345678")
         w.close()
 
 

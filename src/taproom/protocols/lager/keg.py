@@ -94,6 +94,7 @@ class KegFileWriter:
         self.fsync = fsync
         self.formats: dict[str, DataFormat] = {}
         self._sizes: dict[bytes, int] = {}
+        self._packers: dict[bytes, Any] = {}
         self.metadata = dict(metadata or {})
         self.records = 0
         self.closed = False
@@ -109,6 +110,8 @@ class KegFileWriter:
         key = uuid_module.UUID(uuid)
         self.formats[str(key)] = fmt
         self._sizes[key.bytes] = fmt.row_size
+        # One struct per row size packs a whole record in one call (~4x a concatenation).
+        self._packers[key.bytes] = struct.Struct(f">16sQ{fmt.row_size}s").pack
 
     def _write_sidecar(self) -> None:
         _write_atomically(sidecar_path(self.path), keg_xml(self.formats, self.metadata).encode())
@@ -132,11 +135,15 @@ class KegFileWriter:
         size = self._sizes.get(uuid)
         if size is None:
             raise KegError(f"tap {_uuid_str(uuid)} has no format in this keg")
-        if len(payload) != size:
+        if len(payload) != size:  # struct's "s" would pad or cut silently: check first
             raise FormatError(
                 f"row is {len(payload)} bytes, the format needs {size}", reason="payload_size"
             )
-        self._file.write(uuid + _TS.pack(ts_ns) + payload)
+        try:
+            record = self._packers[uuid](uuid, ts_ns, payload)
+        except struct.error:
+            raise FormatError(f"timestamp {ts_ns} is not a u64", reason="bad_value") from None
+        self._file.write(record)
         self.records += 1
 
     def write_many(self, uuid: bytes, ts_ns: Any, rows: bytes | memoryview) -> None:
