@@ -9,6 +9,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from taproom.config import load_config
+from taproom.errors import ConfigError
 from taproom.protocols.logtk import (
     Ack,
     Close,
@@ -351,3 +353,24 @@ class TestPingsAndLimits:
             frames = await self._frames_until_eof(reader)
             writer.close()
             assert frames[-1] == Close(0xFC, "limit exceeded") and records(app) == []
+
+
+class TestConfig:
+    def test_apps_table_of_tables(self):
+        config = load_config(
+            text=f'[logtk.apps.shop]\ntoken_sha256 = "{hash_token(TOKEN)}"\n', env={}
+        )
+        assert config.logtk.apps["shop"].token_sha256 == hash_token(TOKEN)
+
+    @pytest.mark.parametrize(
+        ("text", "key"),
+        [
+            ('[logtk.apps.shop]\ntoken_sha256 = "abc"\n', "logtk.apps.shop.token_sha256"),
+            ('[logtk.apps."a b"]\ntoken_sha256 = "' + "0" * 64 + '"\n', "logtk.apps.a b"),
+            ('[logtk]\npong_policy = "sometimes"\n', "logtk.pong_policy"),
+        ],
+    )
+    def test_bad_settings_name_their_key(self, text, key):
+        with pytest.raises(ConfigError) as info:
+            load_config(text=text, env={})
+        assert info.value.key == key

@@ -105,9 +105,7 @@ class LogTKConfig:
     idle_timeout_s: float = setting(
         600.0, "the reference client never pongs: silence this long ends a connection", min=1
     )
-    ping_enabled: bool = setting(
-        True, "the server's ping_recv: LogTK pings find dead TCP peers", choices=(True, False)
-    )
+    ping_enabled: bool = setting(True, "the server's ping_recv: LogTK pings find dead TCP peers")
     ping_min_delta_ms: int = setting(
         1000, "the server's side of max(client, server)/2 (the seed's example value)", min=1
     )
