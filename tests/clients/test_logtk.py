@@ -4,6 +4,7 @@ exactly-once delivery while the hub is SIGKILLed and restarted."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import socket
@@ -18,7 +19,7 @@ from taproom.journal.reader import JournalReader
 from taproom.payloads import decode_payload
 from taproom.protocols.logtk import Data, ServerConnection, ServerSettings
 from taproom.servers.logtk import hash_token
-from tests.support import HubProcess, running_app, write_config
+from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
 TOKEN = bytes(range(100, 164))
 APPS = {"apps": {"myapp": {"token_sha256": hash_token(TOKEN)}}}
@@ -181,7 +182,9 @@ async def test_exactly_once_across_two_sigkills(tmp_path, transport):
     )
     hub = HubProcess(config)
     await asyncio.to_thread(hub.start)
-    total = 10_000
+    # `make test`: 10,000 events, two kills; `make soak`: 200,000 events, ten kills.
+    total = fuzz_examples(10_000, 200_000)
+    kills = fuzz_examples(2, 10)
     try:
         port = tcp_port if transport == "tcp" else ws_port
         client = LogTKClient(
@@ -190,24 +193,26 @@ async def test_exactly_once_across_two_sigkills(tmp_path, transport):
         await client.start()
 
         async def killer():
-            for threshold in (3000, 6500):
+            for k in range(kills):
+                threshold = total * (2 * k + 1) // (2 * kills + 1)
                 while client.acked < threshold:
                     await asyncio.sleep(0.005)
                 await asyncio.to_thread(hub.restart)
 
-        kills = asyncio.create_task(killer())
+        killing = asyncio.create_task(killer())
         for i in range(total):
             await client.send(b'{"n":%d}' % i)
-        await asyncio.wait_for(kills, 60)
+        await asyncio.wait_for(killing, 60 * kills)
         await client.flush(60)
-        assert client.acked == total and client.connects >= 3
+        assert client.acked == total and client.connects >= kills + 1
         await client.close()
     finally:
         hub.kill()
-    assert hub.starts == 3
+    assert hub.starts == kills + 1
     # Each restart rebuilt the idempotency index from what the journal already held.
     rebuilt = [int(n) for n in re.findall(r"rebuilt from (\d+) journal", hub.log_path.read_text())]
-    assert len(rebuilt) == 3 and 0 == rebuilt[0] < rebuilt[1] < rebuilt[2] < total
+    assert len(rebuilt) == kills + 1 and rebuilt[0] == 0 and rebuilt[-1] < total
+    assert all(a < b for a, b in itertools.pairwise(rebuilt))
     counts = Counter(r.payload for r in JournalReader(tmp_path / "journal").read(0))
     assert len(counts) == total
     assert set(counts.values()) == {1}, [p for p, c in counts.items() if c > 1][:5]
