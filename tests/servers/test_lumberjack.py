@@ -518,65 +518,75 @@ class TestZlibBomb:
         assert all(json.dumps(e).encode() in payloads for e in others)
 
 
-class TestCrash:
-    def test_sigkill_mid_stream_acked_events_survive(self, tmp_path: Path) -> None:
-        port = free_port()
-        path = write_config(tmp_path, enable=["lumberjack"], lumberjack={"port": port})
-        total, window = 10_000, 500
-        acked_ids: set[int] = set()
-        unacked_windows: list[range] = []
-        stop_error: list[BaseException] = []
-        first_life = threading.Event()
+def _crash_run(tmp_path: Path, kills: int, total: int) -> None:
+    """pylogbeat streams ``total`` events while the hub is SIGKILLed ``kills`` times."""
+    port = free_port()
+    path = write_config(tmp_path, enable=["lumberjack"], lumberjack={"port": port})
+    window = 500
+    acked_ids: set[int] = set()
+    unacked_windows: list[range] = []
+    stop_error: list[BaseException] = []
 
-        def sender() -> None:
-            try:
-                client: pylogbeat.PyLogBeatClient | None = None
-                start = 0
-                while start < total:
-                    ids = range(start, min(total, start + window))
-                    try:
-                        if client is None:
-                            client = pylogbeat.PyLogBeatClient("127.0.0.1", port, timeout=None)
-                        client.send([{"id": i, "message": f"crash {i}"} for i in ids])
-                    except (OSError, pylogbeat.ConnectionException):
-                        # Killed mid-window: not acked, so resend it after the restart.
-                        if not unacked_windows or unacked_windows[-1] != ids:
-                            unacked_windows.append(ids)
-                        if client is not None:
-                            client.close()
-                        client = None
-                        time.sleep(0.1)
-                        continue
-                    acked_ids.update(ids)
-                    if len(acked_ids) >= 3000:
-                        first_life.set()
-                    start += window
-                if client is not None:
-                    client.close()
-            except BaseException as exc:  # surfaced to the test below
-                stop_error.append(exc)
-                first_life.set()
+    def sender() -> None:
+        try:
+            client: pylogbeat.PyLogBeatClient | None = None
+            start = 0
+            while start < total:
+                ids = range(start, min(total, start + window))
+                try:
+                    if client is None:
+                        client = pylogbeat.PyLogBeatClient("127.0.0.1", port, timeout=None)
+                    client.send([{"id": i, "message": f"crash {i}"} for i in ids])
+                except (OSError, pylogbeat.ConnectionException):
+                    # Killed mid-window: not acked, so resend it after the restart.
+                    if not unacked_windows or unacked_windows[-1] != ids:
+                        unacked_windows.append(ids)
+                    if client is not None:
+                        client.close()
+                    client = None
+                    time.sleep(0.1)
+                    continue
+                acked_ids.update(ids)
+                start += window
+            if client is not None:
+                client.close()
+        except BaseException as exc:  # surfaced to the test below
+            stop_error.append(exc)
 
-        with HubProcess(path) as hub:
-            assert hub.address("lumberjack")[1] == port
-            t = threading.Thread(target=sender)
-            t.start()
-            assert first_life.wait(60)
+    with HubProcess(path) as hub:
+        assert hub.address("lumberjack")[1] == port
+        t = threading.Thread(target=sender)
+        t.start()
+        for k in range(1, kills + 1):
+            deadline = time.monotonic() + 60
+            while len(acked_ids) < k * total // (kills + 1) and time.monotonic() < deadline:
+                if stop_error:
+                    break
+                time.sleep(0.005)
             hub.kill()  # SIGKILL while pylogbeat is streaming
             hub.start()
-            t.join(120)
-            assert not t.is_alive() and not stop_error, stop_error
-        ids = [orjson.loads(r.payload)["id"] for r in JournalReader(tmp_path / "journal").read(0)]
-        assert acked_ids == set(range(total)) and acked_ids <= set(ids)
-        counts: dict[int, int] = {}
-        for i in ids:
-            counts[i] = counts.get(i, 0) + 1
-        duplicates = {i for i, n in counts.items() if n > 1}
-        resent = {i for r in unacked_windows for i in r}
-        assert unacked_windows, "the kill did not hit a window in flight"
-        # Duplicates only from windows that were never acknowledged (committed, then killed).
-        assert duplicates <= resent
-        print(f"unacked windows {len(unacked_windows)}, duplicated events {len(duplicates)}")
+        t.join(120)
+        assert not t.is_alive() and not stop_error, stop_error
+    ids = [orjson.loads(r.payload)["id"] for r in JournalReader(tmp_path / "journal").read(0)]
+    assert acked_ids == set(range(total)) and acked_ids <= set(ids)
+    counts: dict[int, int] = {}
+    for i in ids:
+        counts[i] = counts.get(i, 0) + 1
+    duplicates = {i for i, n in counts.items() if n > 1}
+    resent = {i for r in unacked_windows for i in r}
+    assert unacked_windows, "no kill hit a window in flight"
+    # Duplicates only from windows that were never acknowledged (committed, then killed).
+    assert duplicates <= resent
+    print(f"unacked windows {len(unacked_windows)}, duplicated events {len(duplicates)}")
+
+
+class TestCrash:
+    def test_sigkill_mid_stream_acked_events_survive(self, tmp_path: Path) -> None:
+        _crash_run(tmp_path, kills=1, total=10_000)
+
+    @pytest.mark.soak
+    def test_sigkill_loop_soak(self, tmp_path: Path) -> None:
+        _crash_run(tmp_path, kills=10, total=100_000)
 
 
 def test_stdin_and_count_cli(tmp_path: Path) -> None:
