@@ -320,7 +320,9 @@ class EventBusClient:
                         continue
                     alive_at = time.monotonic()
                     if message.sequence <= self.last_seq:
+                        # Not applied (the seed's rule), but it proves the bus has the event.
                         self.stats["discarded"] += 1
+                        self._confirm(message)
                         continue
                     if message.sequence != self.last_seq + 1:
                         self.stats["gaps"] += 1

@@ -245,6 +245,13 @@ def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def _rearm(sock: zmq.asyncio.Socket) -> None:
+    """After a send on a synchronous shadow: a ZeroMQ FD is edge-triggered and the send may
+    have consumed the edge a pending asyncio receive on the same socket waits for. Reading
+    EVENTS through the asyncio socket makes pyzmq re-check and wake that receive."""
+    sock.get(zmq.EVENTS)
+
+
 def _now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="microseconds")
 
@@ -272,6 +279,9 @@ class EventBusService:
         self._inflight: asyncio.Queue[_Burst] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
+        # The last copied events, and after a takeover those of them not known to be broadcast.
+        self._recent_mirror: deque[Entry] = deque(maxlen=4 * config.max_burst)
+        self._uncertain: dict[str, Entry] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list[zmq.Socket[Any]] = []
         self._reject_log_budget = 0.0
@@ -477,6 +487,7 @@ class EventBusService:
                 continue
             if not self.dedup.add(event.uuid):
                 self._m_duplicates.inc()
+                self._rebroadcast_uncertain(event.uuid)
                 continue
             seq += 1
             if builder is None:
@@ -525,6 +536,8 @@ class EventBusService:
         except zmq.Again:
             self._degraded_until = max(self._degraded_until, events[-1].sequence)
             return False
+        finally:
+            _rearm(self._peer_dealer)
         return self.peer_synced and self.peer_acked >= self._degraded_until
 
     # --- mirror (passive side) ----------------------------------------------------------------
@@ -584,6 +597,7 @@ class EventBusService:
             self.dedup.add(e.uuid)
         self.assigned_seq = fresh[-1].sequence
         self._m_replicated.inc(len(fresh))
+        self._recent_mirror.extend(entries)
         future = self.hub.submit(builder.build())
         self._inflight.put_nowait(_Burst(future, entries, False, identity))
 
@@ -692,6 +706,7 @@ class EventBusService:
                 self._collector_raw.send_multipart(
                     [burst.reply_to, *replicated_frames(self.last_seq)], zmq.NOBLOCK
                 )
+            _rearm(self._collector)
 
     async def _wait_peer_ack(self, seq: int) -> None:
         deadline = time.monotonic() + self.config.replicate_timeout_ms / 1000
@@ -820,6 +835,19 @@ class EventBusService:
             await asyncio.sleep(interval)
 
     _peer_state = 0
+    _peer_seq = 0
+
+    def _rebroadcast_uncertain(self, key: str) -> None:
+        """A retried PUB of an event copied from the dead active, maybe never broadcast."""
+        entry = self._uncertain.pop(key, None)
+        if entry is None or not self.fsm.active:
+            return
+        frames = entry[1]
+        pub = self._publisher_raw
+        for frame in frames[:5]:
+            pub.send(frame, zmq.SNDMORE)
+        pub.send(frames[5])
+        self._m_broadcast.inc()
 
     async def _peer_hugz_loop(self) -> None:
         while True:
@@ -831,6 +859,7 @@ class EventBusService:
             if not isinstance(beat, Heartbeat):
                 continue
             self._peer_state = beat.state
+            self._peer_seq = beat.sequence
             self.peer_synced = beat.synced
             before = self.fsm.state
             self.fsm.on_peer(beat.state, time.monotonic())
@@ -851,6 +880,14 @@ class EventBusService:
             self.synced = True
             self.peer_synced = False
             self._degraded_until = self.assigned_seq
+            # Copied events the old active may not have broadcast before it died: its last
+            # HUGZ said how far it had got. A producer retrying one of them gets it broadcast.
+            self._uncertain = {
+                frames[4].decode(): (seq, frames)
+                for seq, frames in self._recent_mirror
+                if seq > self._peer_seq
+            }
+            self._recent_mirror.clear()
 
 
 def create_service(hub: Hub, config: EventBusConfig) -> EventBusService:

@@ -1,0 +1,471 @@
+"""Event BUS server over real ZeroMQ sockets: ports, snapshot, collector, restart, failover."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+import uuid
+from pathlib import Path
+
+import msgpack
+import zmq
+import zmq.asyncio
+
+from taproom.clients.eventbus import EventBusClient
+from taproom.journal import JournalReader
+from taproom.protocols.eventbus import (
+    BStarState,
+    Event,
+    Heartbeat,
+    SyncEnd,
+    parse_broadcast,
+    parse_snapshot_reply,
+    syncstart_frames,
+)
+from tests.support import HubProcess, running_app, write_config
+
+TS = "2026-11-22T08:00:00+00:00"
+
+
+def _url(addresses: dict[str, str]) -> str:
+    return "tcp://" + addresses["eventbus_snapshot"]
+
+
+def _pub(topic: str, data: object, event_uuid: str | None = None) -> list[bytes]:
+    return [
+        topic.encode(),
+        struct.pack(">Q", 0),
+        b"raw-producer",
+        TS.encode(),
+        (event_uuid or str(uuid.uuid4())).encode(),
+        msgpack.packb(data),
+    ]
+
+
+def _metric(app: object, name: str, labels: dict[str, str] | None = None) -> float:
+    value = app.hub.metrics.registry.get_sample_value(name, labels or {})  # type: ignore[attr-defined]
+    return value or 0.0
+
+
+async def _snapshot(url: str, subtrees: tuple[str, ...] = (), floor: int = 0) -> tuple[dict, int]:
+    """A raw SYNCSTART: {topic: Event} and the SYNCEND sequence."""
+    ctx = zmq.asyncio.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 0)
+    dealer.connect(url)
+    try:
+        await dealer.send_multipart(syncstart_frames(subtrees, floor))
+        events: dict[str, Event] = {}
+        while True:
+            assert await dealer.poll(10_000), "no snapshot reply"
+            reply = parse_snapshot_reply(await dealer.recv_multipart())
+            if isinstance(reply, SyncEnd):
+                return events, reply.sequence
+            assert reply.topic not in events
+            events[reply.topic] = reply
+    finally:
+        ctx.destroy(0)
+
+
+class Recorder:
+    """Watches one client's updates for sequence regressions."""
+
+    def __init__(self) -> None:
+        self.broadcast: list[int] = []
+        self.topic_seq: dict[str, int] = {}
+        self.regressions: list[str] = []
+        self.seen: dict[int, tuple[str, str]] = {}
+
+    def __call__(self, event: Event, source: str) -> None:
+        previous = self.topic_seq.get(event.topic, 0)
+        if event.sequence < previous:
+            self.regressions.append(f"{event.topic}: {event.sequence} after {previous}")
+        self.topic_seq[event.topic] = event.sequence
+        if source == "broadcast":
+            if self.broadcast and event.sequence <= self.broadcast[-1]:
+                self.regressions.append(f"broadcast {event.sequence} after {self.broadcast[-1]}")
+            self.broadcast.append(event.sequence)
+            self.seen[event.sequence] = (event.topic, event.uuid)
+
+
+async def _until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+class TestPorts:
+    async def test_port_zero_binds_three_consecutive_ports(self, tmp_path: Path) -> None:
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            ports = [
+                int(app.addresses[name].rsplit(":", 1)[1])
+                for name in ("eventbus_snapshot", "eventbus_publisher", "eventbus_collector")
+            ]
+            assert ports[1] == ports[0] + 1 and ports[2] == ports[0] + 2
+            for port in ports:  # each is really bound
+                with socket.socket() as s:
+                    assert s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class TestCollector:
+    """Seed "Client-to-Server Updates": validation, commit before BROADCAST, dedup by UUID."""
+
+    async def test_invalid_pubs_are_dropped_and_counted_valid_ones_broadcast(
+        self, tmp_path: Path
+    ) -> None:
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            ctx = zmq.asyncio.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"/")
+            sub.connect("tcp://" + app.addresses["eventbus_publisher"])
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + app.addresses["eventbus_collector"])
+            await asyncio.sleep(0.2)  # let the SUB's subscription reach the PUB
+            bad = [
+                _pub("/a", 1)[:5],
+                [b"/a", b"\x00\x01", *_pub("/a", 1)[2:]],
+                _pub("/a", 1, event_uuid=str(uuid.uuid1())),
+                [*_pub("/a", 1)[:3], b"last tuesday", *_pub("/a", 1)[4:]],
+                [*_pub("/a", 1)[:5], b"\x92\x01"],
+                _pub("no-slash", 1),
+            ]
+            for frames in bad:
+                await dealer.send_multipart(frames)
+            await dealer.send_multipart(_pub("/a/ok", {"v": 1}))
+            assert await sub.poll(5000)
+            event = parse_broadcast(await sub.recv_multipart())
+            assert isinstance(event, Event) and event.topic == "/a/ok" and event.sequence == 1
+            reasons = ["frame_count", "bad_sequence", "bad_uuid", "bad_timestamp", "bad_msgpack"]
+            for reason in reasons:
+                labels = {"protocol": "eventbus", "reason": reason}
+                assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1, reason
+            labels = {"protocol": "eventbus", "reason": "bad_topic"}
+            assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1
+            # committed before it was broadcast
+            stored = list(app.hub.journal.read(0))
+            assert [(r.topic, r.seq, r.protocol) for r in stored] == [("/a/ok", 1, "eventbus")]
+            ctx.destroy(0)
+
+    async def test_retried_uuid_is_broadcast_once(self, tmp_path: Path) -> None:
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            ctx = zmq.asyncio.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"/")
+            sub.connect("tcp://" + app.addresses["eventbus_publisher"])
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + app.addresses["eventbus_collector"])
+            await asyncio.sleep(0.2)
+            same = str(uuid.uuid4())
+            for _ in range(3):
+                await dealer.send_multipart(_pub("/d/x", "once", event_uuid=same))
+            await dealer.send_multipart(_pub("/d/y", "marker"))
+            topics = []
+            while "/d/y" not in topics:
+                assert await sub.poll(5000)
+                event = parse_broadcast(await sub.recv_multipart())
+                assert isinstance(event, Event)
+                topics.append(event.topic)
+            assert topics == ["/d/x", "/d/y"]
+            assert _metric(app, "taproom_eventbus_duplicates_events_total") == 2
+            ctx.destroy(0)
+
+
+class TestSnapshot:
+    """Seed "State Synchronization": latest event per topic, subtrees, sequence filter."""
+
+    async def test_subtrees_and_sequence_filter(self, tmp_path: Path) -> None:
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            url = _url(app.addresses)
+            async with EventBusClient([url]) as client:
+                seqs = {}
+                for i in range(30):
+                    topic = f"/{'ab'[i % 2]}/{i % 5}"
+                    seqs[topic] = await (await client.publish(topic, i))
+            everything, cut = await _snapshot(url)
+            assert cut == 30
+            assert {t: e.sequence for t, e in everything.items()} == seqs
+            only_a, cut_a = await _snapshot(url, ("/a/",))
+            assert set(only_a) == {t for t in seqs if t.startswith("/a/")}
+            assert cut_a == 30  # the cut, so a client can check contiguity from here
+            newer, _ = await _snapshot(url, ("/a/", "/b/1"), floor=27)
+            assert {t: e.sequence for t, e in newer.items()} == {
+                t: s for t, s in seqs.items() if s > 27 and t.startswith(("/a/", "/b/1"))
+            }
+            assert everything["/a/0"].data == msgpack.packb(20)
+
+    async def test_heartbeat_carries_the_sequence(self, tmp_path: Path) -> None:
+        async with running_app(tmp_path, enable=["eventbus"], eventbus={"heartbeat_ms": 50}) as app:
+            url = _url(app.addresses)
+            async with EventBusClient([url]) as client:
+                await (await client.publish("/h", 1))
+            ctx = zmq.asyncio.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+            sub.connect("tcp://" + app.addresses["eventbus_publisher"])
+            assert await sub.poll(5000)
+            beat = parse_broadcast(await sub.recv_multipart())
+            assert isinstance(beat, Heartbeat)
+            assert beat.sequence == 1 and beat.state == BStarState.ACTIVE
+            ctx.destroy(0)
+
+
+async def _publish_all(client: EventBusClient, events: list[tuple[str, int]]) -> list[int]:
+    futures = [await client.publish(topic, value) for topic, value in events]
+    return list(await asyncio.wait_for(asyncio.gather(*futures), 120))
+
+
+class TestManyClients:
+    async def test_five_subtree_clients_three_publishers_10k_events(self, tmp_path: Path) -> None:
+        config = write_config(tmp_path, enable=["eventbus"], eventbus={"heartbeat_ms": 200})
+        with HubProcess(config) as hub:
+            url = _url(hub.addresses)
+            subtrees = [(), ("/p0/",), ("/p1/", "/p2/x/"), ("/p2/",), ("/p0/x/1", "/p1/y/")]
+            recorders = [Recorder() for _ in subtrees]
+            clients = [
+                await EventBusClient([url], s, on_update=r).start()
+                for s, r in zip(subtrees, recorders, strict=True)
+            ]
+            publishers = [await EventBusClient([url], producer=f"p{k}").start() for k in range(3)]
+            plans = [
+                [(f"/p{k}/{'xy'[i % 2]}/{i % 40}", k * 100_000 + i) for i in range(3334)]
+                for k in range(3)
+            ]
+            plans[2] = plans[2][:3332]  # 10,000 events in all
+            results = await asyncio.gather(
+                *(_publish_all(p, plan) for p, plan in zip(publishers, plans, strict=True))
+            )
+            # Reference, computed from what was published: each topic belongs to one publisher,
+            # whose PUBs travel one connection in order, so its last value is the latest.
+            reference: dict[str, int] = {}
+            for plan in plans:
+                for topic, value in plan:
+                    reference[topic] = value
+            all_seqs = sorted(s for r in results for s in r)
+            assert all_seqs == list(range(1, 10_001))
+            top = all_seqs[-1]
+            await _until(lambda: all(c.last_seq == top for c in clients), 30, "clients")
+            for client, recorder, wanted in zip(clients, recorders, subtrees, strict=True):
+                state = {t: msgpack.unpackb(e.data) for t, e in client.state.items()}
+                expected = {
+                    t: v for t, v in reference.items() if not wanted or t.startswith(wanted)
+                }
+                assert state == expected, wanted
+                assert recorder.regressions == []
+            for c in clients + publishers:
+                await c.stop()
+            # a newcomer's snapshot equals the same reference
+            snapshot, cut = await _snapshot(url)
+            assert cut == top
+            assert {t: msgpack.unpackb(e.data) for t, e in snapshot.items()} == reference
+
+
+class TestRestart:
+    """State survives SIGKILL: the sequence continues, the snapshot is the same."""
+
+    async def test_sigkill_mid_stream(self, tmp_path: Path) -> None:
+        config = write_config(tmp_path, enable=["eventbus"], eventbus={"heartbeat_ms": 100})
+        hub = HubProcess(config).start()
+        try:
+            url = _url(hub.addresses)
+            async with EventBusClient([url], producer="phase1") as client:
+                await _publish_all(client, [(f"/r/{i % 97}", i) for i in range(2000)])
+            before, cut_before = await _snapshot(url)
+            hub.restart()  # SIGKILL, then start again on the same journal
+            url = _url(hub.addresses)
+            after, cut_after = await _snapshot(url)
+            assert cut_after == cut_before == 2000
+            assert after == before  # every frame, timestamps and UUIDs included
+
+            # Phase 2: kill while PUBs stream in; every BROADCAST a client saw must survive.
+            recorder = Recorder()
+            watcher = await EventBusClient([url], on_update=recorder, server_timeout=30).start()
+            producer = await EventBusClient([url], producer="phase2", server_timeout=30).start()
+
+            async def stream() -> None:
+                i = 0
+                while True:
+                    await producer.publish(f"/r/{i % 97}", -i)
+                    i += 1
+                    if i % 200 == 0:
+                        await asyncio.sleep(0.005)
+
+            streaming = asyncio.create_task(stream())
+            await _until(lambda: len(recorder.broadcast) > 1500, 30, "broadcasts")
+            hub.kill()
+            streaming.cancel()
+            seen = dict(recorder.seen)
+            await watcher.stop()
+            await producer.stop()
+            hub.start()
+            url = _url(hub.addresses)
+            final, cut = await _snapshot(url)
+            assert cut >= max(seen)
+            stored = {
+                r.seq: (r.topic, r.event_id)
+                for r in JournalReader(tmp_path / "journal").read(0)
+                if r.protocol == "eventbus"
+            }
+            missing = {s: v for s, v in seen.items() if stored.get(s) != v}
+            assert missing == {}
+            for seq, (topic, _) in seen.items():
+                assert final[topic].sequence >= seq
+            async with EventBusClient([url], producer="phase3") as client:
+                next_seq = await (await client.publish("/r/next", 0))
+            assert next_seq == cut + 1  # the sequence continues where it was
+        finally:
+            hub.kill()
+
+
+def _free_triple() -> int:
+    """Three consecutive free ports for a server that must be configured before it starts."""
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base > 65533:
+                continue
+            try:
+                with socket.socket() as b, socket.socket() as c:
+                    b.bind(("127.0.0.1", base + 1))
+                    c.bind(("127.0.0.1", base + 2))
+                    return base
+            except OSError:
+                continue
+    raise RuntimeError("no three consecutive free ports")
+
+
+async def _wait_synced_passive(publisher: str, timeout: float = 20.0) -> None:
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+    sub.connect("tcp://" + publisher)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if await sub.poll(500):
+                beat = parse_broadcast(await sub.recv_multipart())
+                if isinstance(beat, Heartbeat) and beat.state == BStarState.PASSIVE and beat.synced:
+                    return
+        raise AssertionError("backup never became a synced passive")
+    finally:
+        ctx.destroy(0)
+
+
+class TestFailover:
+    """Seed "Reliability": Binary Star pair; kill the primary under load."""
+
+    async def test_kill_primary_under_load(self, tmp_path: Path) -> None:
+        timing = {"heartbeat_ms": 100, "peer_timeout_ms": 500, "replicate_timeout_ms": 2000}
+        primary_port = _free_triple()
+        (tmp_path / "b").mkdir()
+        (tmp_path / "p").mkdir()
+        backup_cfg = write_config(
+            tmp_path / "b",
+            enable=["eventbus"],
+            eventbus={"role": "backup", "peer": f"127.0.0.1:{primary_port}", **timing},
+        )
+        backup = HubProcess(backup_cfg).start()
+        primary = None
+        try:
+            primary_cfg = write_config(
+                tmp_path / "p",
+                enable=["eventbus"],
+                eventbus={
+                    "role": "primary",
+                    "port": primary_port,
+                    "peer": backup.addresses["eventbus_snapshot"],
+                    **timing,
+                },
+            )
+            primary = HubProcess(primary_cfg).start()
+            await _wait_synced_passive(backup.addresses["eventbus_publisher"])
+            servers = [_url(primary.addresses), _url(backup.addresses)]
+            options = {"server_timeout": 0.6, "snapshot_timeout": 0.5, "retry_interval": 0.5}
+            subtrees = [(), ("/f/0/",), ("/f/1/",)]
+            recorders = [Recorder() for _ in subtrees]
+            watchers = [
+                await EventBusClient(servers, s, on_update=r, **options).start()
+                for s, r in zip(subtrees, recorders, strict=True)
+            ]
+            producers = [
+                await EventBusClient(servers, producer=f"fp{k}", **options).start()
+                for k in range(2)
+            ]
+            published: dict[asyncio.Future[int], tuple[str, int]] = {}
+
+            async def load(k: int, count: int, start: int) -> None:
+                for i in range(start, start + count):
+                    value = k * 1_000_000 + i
+                    future = await producers[k].publish(f"/f/{k}/{i % 50}", value)
+                    published[future] = (f"/f/{k}/{i % 50}", value)
+                    if i % 100 == 0:
+                        await asyncio.sleep(0.01)
+
+            loading = [asyncio.create_task(load(k, 4000, 0)) for k in range(2)]
+            await _until(lambda: len(recorders[0].broadcast) > 1000, 30, "load")
+            primary.kill()
+            killed_at = time.monotonic()
+            before_kill = dict(recorders[0].seen)
+            await _until(
+                lambda: (
+                    all(w.server_index == 1 and w.synced.is_set() for w in watchers)
+                    and all(
+                        len(r.broadcast) and r.broadcast[-1] > max(before_kill)
+                        for r in recorders[:1]
+                    )
+                ),
+                15,
+                "clients on the backup",
+            )
+            moved_after = time.monotonic() - killed_at
+            assert moved_after < 15
+            await asyncio.gather(*loading)
+            try:
+                sequences = await asyncio.wait_for(asyncio.gather(*published), 30)
+            except TimeoutError:
+                stored = {
+                    r.event_id: r.seq
+                    for r in JournalReader(tmp_path / "b" / "journal").read(0)
+                    if r.protocol == "eventbus"
+                }
+                unconfirmed = [k for p in producers for k in p._pending]
+                raise AssertionError(
+                    f"unconfirmed {len(unconfirmed)}: "
+                    f"{[(k, stored.get(k)) for k in unconfirmed[:5]]} "
+                    f"{[p.stats for p in producers]} {[p.server_index for p in producers]}"
+                    f"\nBACKUP\n{backup.log()}\nPRIMARY\n{primary.log()}"
+                ) from None
+            assert len(set(sequences)) == len(sequences)  # each event once
+            reference: dict[str, tuple[int, int]] = {}
+            for future, (topic, value) in published.items():
+                seq = future.result()
+                if topic not in reference or reference[topic][0] < seq:
+                    reference[topic] = (seq, value)
+            top = max(sequences)
+            await _until(lambda: all(w.last_seq >= top for w in watchers), 20, "convergence")
+            for watcher, recorder, wanted in zip(watchers, recorders, subtrees, strict=True):
+                state = {t: msgpack.unpackb(e.data) for t, e in watcher.state.items()}
+                expected = {
+                    t: v for t, (_, v) in reference.items() if not wanted or t.startswith(wanted)
+                }
+                assert state == expected
+                assert recorder.regressions == []
+            for client in watchers + producers:
+                await client.stop()
+            backup.terminate()
+            stored = {
+                r.seq: (r.topic, r.event_id)
+                for r in JournalReader(tmp_path / "b" / "journal").read(0)
+                if r.protocol == "eventbus"
+            }
+            for recorder in recorders:
+                lost = {s: v for s, v in recorder.seen.items() if stored.get(s) != v}
+                assert lost == {}
+        finally:
+            backup.kill()
+            if primary is not None:
+                primary.kill()
