@@ -216,3 +216,18 @@ async def test_exactly_once_across_two_sigkills(tmp_path, transport):
     counts = Counter(r.payload for r in JournalReader(tmp_path / "journal").read(0))
     assert len(counts) == total
     assert set(counts.values()) == {1}, [p for p, c in counts.items() if c > 1][:5]
+
+
+def test_handler_never_blocks_the_application_when_the_hub_is_down():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    handler = LogTKHandler("tcp", "127.0.0.1", dead_port, token=TOKEN, max_in_flight=2)
+    try:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "boom", None, None)
+        for _ in range(100):
+            handler.emit(record)  # returns at once although nothing can be delivered
+        sync = handler.client
+        assert sync.dropped >= 100 - sync.max_queued - 2 and sync.max_queued == 20
+    finally:
+        handler.client.close(timeout=0)

@@ -420,20 +420,51 @@ class SyncLogTKClient:
             return await LogTKClient(*args, **kwargs).start()
 
         self.client = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+        self.max_queued = 10 * self.client.max_in_flight
+        self._queued = 0
+        self.dropped = 0
+        self._lock = threading.Lock()
 
-    def send(self, data: bytes, wait: bool = True) -> None:
+    def send(self, data: bytes, wait: bool = True) -> bool:
+        """Queue ``data``. With ``wait=False`` (the logging handler) never block: while the
+        hub is unreachable and ``max_queued`` entries already wait for room, drop and count
+        (``dropped``) rather than stall the application."""
+        if not wait:
+            with self._lock:
+                if self._queued >= self.max_queued:
+                    self.dropped += 1
+                    return False
+                self._queued += 1
         future = asyncio.run_coroutine_threadsafe(self.client.send(data), self._loop)
         if wait:
             future.result()
+        else:
+            future.add_done_callback(self._sent)
+        return True
+
+    def _sent(self, _future: object) -> None:
+        with self._lock:
+            self._queued -= 1
 
     def flush(self, timeout: float | None = None) -> None:
         asyncio.run_coroutine_threadsafe(self.client.flush(timeout), self._loop).result()
 
     def close(self, timeout: float = 5.0) -> None:
+        async def shutdown() -> None:
+            await self.client.close(timeout)
+            # Sends still waiting for room (the hub was unreachable) are abandoned here: they
+            # never entered the unacked set or the disk cache.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
         with contextlib.suppress(Exception):
-            asyncio.run_coroutine_threadsafe(self.client.close(timeout), self._loop).result()
+            asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 class LogTKHandler(logging.Handler):
