@@ -156,7 +156,9 @@ class TestTap:
                 firsts = []
                 for n in range(15):
                     # A brand-new tap logs one sample right after register(): it must arrive.
-                    tap = Tap(f"/First/T{n}/", FORMATS["/RobotA/Motion/"], **where).register()
+                    # Both confirmation paths: publisher echo (watch) and snapshot (no watch).
+                    tap = Tap(f"/First/T{n}/", FORMATS["/RobotA/Motion/"], watch=n % 2 == 0,
+                              **where).register()  # fmt: skip
                     tap.log(ts_ns=n, x=1.0, n=n)
                     deadline = time.monotonic() + 5
                     while time.monotonic() < deadline:

@@ -111,7 +111,10 @@ class Tap:
     With ``watch`` (default) the tap subscribes to the registrar's publisher: registration
     is confirmed by the echo, a duplicate key raises :class:`DuplicateTap` (and later calls
     ``on_duplicate``), and ``log`` returns whether the bartender was heard from within
-    ``silence_s`` (HUGZ at 1 Hz or updates).
+    ``silence_s`` (HUGZ at 1 Hz or updates). Without ``watch`` the registration is confirmed
+    once through the snapshot socket (``ICANHAZ?`` for the tap's key). Either way
+    ``register`` returns only when the registrar holds the tap, so no row is refused as
+    coming from an unknown tap.
     """
 
     def __init__(
@@ -191,10 +194,40 @@ class Tap:
                 if time.monotonic() >= deadline and not self.registered:
                     raise LagerClientError(f"registrar did not confirm {self.key} in time")
         else:
-            self._collector.send_multipart(frames)
-            self.registered = True
+            self._confirm_by_snapshot(frames, deadline)
         _wait_subscription(self._data, deadline, "forwarder")
         return self
+
+    def _confirm_by_snapshot(self, frames: list[bytes], deadline: float) -> None:
+        """Without a publisher subscription: ask the snapshot socket for our key until the
+        registrar holds it, so data sent after register() is never refused as unknown."""
+        assert self._collector is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(_tcp(self._reg_host, self._reg_port))
+        try:
+            while True:
+                self._collector.send_multipart(frames)
+                dealer.send_multipart(snapshot_request_frames(self.key))
+                holder = None
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not dealer.poll(int(left * 1000) + 1):
+                        raise LagerClientError(f"registrar did not confirm {self.key} in time")
+                    update = parse_update(dealer.recv_multipart())
+                    if update.command is Command.KTHXBAI:
+                        break
+                    if update.registration and update.registration.key == self.key:
+                        holder = update.registration
+                if holder is not None and holder.uuid == self.uuid:
+                    self.registered = True
+                    return
+                if holder is not None:
+                    self.duplicate_of = holder
+                    raise DuplicateTap(f"{self.key} is registered by tap {holder.uuid_str}")
+                time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+        finally:
+            dealer.close()
 
     def _handle_update(self, frames: list[bytes]) -> None:
         self._last_heard = time.monotonic()

@@ -504,6 +504,7 @@ class LagerService:
                 self._dirty = True
             for frames in echoes:
                 self._publish(frames)
+            await asyncio.sleep(0)  # a flood of refused registrations must not starve the loop
 
     async def _snapshot_loop(self) -> None:
         cfg = self.config
@@ -621,16 +622,17 @@ class LagerService:
                     self._reject("bad_record", str(exc))
                     continue
                 forwards.append(forward)
-            if not forwards:
-                continue
-            hub.metrics.accepted("lager", len(forwards))
-            try:
-                future = hub.submit(builder.build())
-            except HubStopped:
-                return
-            self._inflight.add(future)
-            future.add_done_callback(functools.partial(self._forward, forwards))
-            await asyncio.sleep(0)  # let commits resolve and forwards go out between bursts
+            if forwards:
+                hub.metrics.accepted("lager", len(forwards))
+                try:
+                    future = hub.submit(builder.build())
+                except HubStopped:
+                    return
+                self._inflight.add(future)
+                future.add_done_callback(functools.partial(self._forward, forwards))
+            # Yield after every burst, even one that was all rejected: a flood of bad messages
+            # must not starve the registrar, the commit callbacks or the forwards.
+            await asyncio.sleep(0)
 
     def _forward(self, forwards: list[list[bytes]], future: asyncio.Future[Any]) -> None:
         """Runs once the batch is durable: fan out to mugs (committed data only)."""
@@ -668,6 +670,7 @@ class LagerService:
                 if frame[:1] == b"\x01" and frame[1:].startswith(HELLO_PREFIX):
                     with contextlib.suppress(zmq.Again):
                         raw.send(frame[1:], zmq.NOBLOCK)
+            await asyncio.sleep(0)
 
 
 def create_service(hub: Hub, section: LagerConfig) -> LagerService:
