@@ -1,0 +1,238 @@
+"""Event BUS client: discard rule, gap resync, publish retries, watchdog failover, CLI.
+
+The client's reactions to a misbehaving bus are driven by a scripted bus speaking the seed's
+commands over real ZeroMQ sockets; everything else runs against the real taproom server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import msgpack
+import orjson
+import zmq
+import zmq.asyncio
+
+from taproom.cli import build_parser
+from taproom.clients.eventbus import EventBusClient, _tail_handler
+from taproom.protocols.eventbus import (
+    Event,
+    broadcast_frames,
+    hugz_frames,
+    parse_pub,
+    parse_syncstart,
+    sync_frames,
+    syncend_frames,
+)
+from tests.support import HubProcess, running_app, write_config
+
+TS = "2026-11-22T08:00:00+00:00"
+
+
+def _event(topic: str, seq: int, value: object) -> Event:
+    return Event(topic, seq, "script", TS, str(uuid.uuid4()), msgpack.packb(value))
+
+
+class ScriptedBus:
+    """SNAPSHOT/PUBLISHER/COLLECTOR on three consecutive ports, driven by the test."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        for _ in range(50):
+            self.snapshot = self.ctx.socket(zmq.ROUTER)
+            self.snapshot.bind("tcp://127.0.0.1:*")
+            endpoint = self.snapshot.getsockopt(zmq.LAST_ENDPOINT)
+            self.port = int(endpoint.rsplit(b":", 1)[1])
+            try:
+                self.publisher = self.ctx.socket(zmq.PUB)
+                self.publisher.bind(f"tcp://127.0.0.1:{self.port + 1}")
+                self.collector = self.ctx.socket(zmq.ROUTER)
+                self.collector.bind(f"tcp://127.0.0.1:{self.port + 2}")
+                break
+            except zmq.ZMQError:
+                self.ctx.destroy(0)
+                self.ctx = zmq.asyncio.Context()
+        self.url = f"tcp://127.0.0.1:{self.port}"
+
+    async def answer_snapshot(self, events: list[Event], cut: int) -> None:
+        assert await self.snapshot.poll(5000), "no SYNCSTART"
+        identity, *frames = await self.snapshot.recv_multipart()
+        request = parse_syncstart(frames)
+        for event in events:
+            await self.snapshot.send_multipart([identity, *sync_frames(event)])
+        await self.snapshot.send_multipart([identity, *syncend_frames(request.subtrees, cut)])
+
+    async def broadcast(self, event: Event) -> None:
+        await self.publisher.send_multipart(broadcast_frames(event))
+
+    async def hugz(self, seq: int) -> None:
+        await self.publisher.send_multipart(
+            hugz_frames(seq, "script", TS, str(uuid.uuid4()), 3, True)
+        )
+
+    def close(self) -> None:
+        self.ctx.destroy(0)
+
+
+async def _wait(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+class TestServerToClientUpdates:
+    async def test_stale_broadcasts_are_discarded_and_a_gap_resyncs(self) -> None:
+        bus = ScriptedBus()
+        client = EventBusClient([bus.url], server_timeout=5)
+        try:
+            starting = asyncio.create_task(client.start())
+            await bus.answer_snapshot([_event("/a", 5, "five")], cut=5)
+            await starting
+            await asyncio.sleep(0.2)  # the SUB has joined
+            await bus.broadcast(_event("/a", 4, "stale"))
+            await bus.broadcast(_event("/a", 5, "stale too"))
+            await bus.broadcast(_event("/a", 6, "six"))
+            await _wait(lambda: client.last_seq == 6)
+            assert msgpack.unpackb(client.state["/a"].data) == "six"
+            assert client.stats["discarded"] == 2
+            # 8 after 6: a gap, so the client asks for a fresh snapshot
+            await bus.broadcast(_event("/b", 8, "eight"))
+            await bus.answer_snapshot([_event("/a", 6, "six"), _event("/b", 8, "eight")], cut=8)
+            await _wait(lambda: client.stats["snapshots"] == 2)
+            assert client.stats["gaps"] == 1
+            assert client.last_seq == 8 and set(client.state) == {"/a", "/b"}
+        finally:
+            await client.stop()
+            bus.close()
+
+    async def test_heartbeat_ahead_of_the_client_is_a_gap(self) -> None:
+        bus = ScriptedBus()
+        client = EventBusClient([bus.url], server_timeout=5)
+        try:
+            starting = asyncio.create_task(client.start())
+            await bus.answer_snapshot([], cut=3)
+            await starting
+            await asyncio.sleep(0.2)
+            await bus.hugz(3)  # in step: nothing to do
+            await bus.hugz(4)  # the bus broadcast 4 and the client never saw it
+            await bus.answer_snapshot([_event("/x", 4, 1)], cut=4)
+            await _wait(lambda: client.last_seq == 4)
+            assert client.stats["gaps"] == 1
+        finally:
+            await client.stop()
+            bus.close()
+
+
+class TestClientToServerUpdates:
+    async def test_unconfirmed_publish_is_retried_under_the_same_uuid(self) -> None:
+        bus = ScriptedBus()
+        client = EventBusClient([bus.url], server_timeout=5, retry_interval=0.2)
+        try:
+            starting = asyncio.create_task(client.start())
+            await bus.answer_snapshot([], cut=0)
+            await starting
+            confirmed = await client.publish("/p/1", {"n": 1})
+            received = []
+            for _ in range(2):  # the bus "loses" the first PUB and keeps the retry
+                assert await bus.collector.poll(5000)
+                _identity, *frames = await bus.collector.recv_multipart()
+                received.append(parse_pub(frames))
+            assert received[0].uuid == received[1].uuid
+            assert received[0].data == received[1].data
+            await bus.broadcast(
+                Event(
+                    "/p/1",
+                    1,
+                    received[1].producer,
+                    received[1].timestamp,
+                    received[1].uuid,
+                    received[1].data,
+                )
+            )
+            assert await asyncio.wait_for(confirmed, 5) == 1
+            assert client.pending == 0
+        finally:
+            await client.stop()
+            bus.close()
+
+
+class TestReliability:
+    async def test_silent_server_fails_over_to_the_backup(self, tmp_path: Path) -> None:
+        bus = ScriptedBus()
+        async with running_app(tmp_path, enable=["eventbus"], eventbus={"heartbeat_ms": 50}) as app:
+            real = "tcp://" + app.addresses["eventbus_snapshot"]
+            async with EventBusClient([real]) as seeder:
+                await (await seeder.publish("/kept", "on the backup"))
+            client = EventBusClient([bus.url, real], server_timeout=0.4)
+            try:
+                starting = asyncio.create_task(client.start())
+                await bus.answer_snapshot([], cut=0)
+                await starting
+                assert client.server_index == 0
+                # the scripted bus now says nothing at all: no HUGZ, no BROADCAST
+                await _wait(lambda: client.server_index == 1 and "/kept" in client.state, 10)
+                assert client.stats["failovers"] == 1
+                assert client.last_seq == 1
+                value = await asyncio.wait_for(await client.publish("/after", 2), 5)
+                assert value == 2
+            finally:
+                await client.stop()
+                bus.close()
+
+    async def test_no_snapshot_reply_moves_on(self, tmp_path: Path) -> None:
+        bus = ScriptedBus()  # never answers SYNCSTART
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            real = "tcp://" + app.addresses["eventbus_snapshot"]
+            client = EventBusClient([bus.url, real], snapshot_timeout=0.3)
+            try:
+                await client.start(timeout=10)
+                assert client.server_index == 1
+            finally:
+                await client.stop()
+                bus.close()
+
+
+class TestCommandLine:
+    def test_tail_handler_ignores_other_tails(self) -> None:
+        args = build_parser().parse_args(["tail", "--limit", "1"])
+        assert args.eventbus is None
+        assert _tail_handler(args) is None
+
+    def test_send_then_tail(self, tmp_path: Path) -> None:
+        config = write_config(tmp_path, enable=["eventbus"])
+        with HubProcess(config) as hub:
+            url = "tcp://" + hub.addresses["eventbus_snapshot"]
+            taproom = [sys.executable, "-m", "taproom"]
+            sent = subprocess.run(
+                [
+                    *taproom,
+                    "send",
+                    "eventbus",
+                    "--server",
+                    url,
+                    "--topic",
+                    "/a/b/",
+                    "--data",
+                    '{"x": 1}',
+                    "--count",
+                    "2",
+                ],
+                capture_output=True,
+                timeout=60,
+                check=True,
+            )
+            assert sent.stdout.split() == [b"1", b"2"]
+            tail = subprocess.run(
+                [*taproom, "tail", "--eventbus", url, "--subtree", "/a/"],
+                capture_output=True,
+                timeout=60,
+                check=True,
+            )
+            lines = [orjson.loads(line) for line in tail.stdout.splitlines()]
+            assert len(lines) == 1
+            assert lines[0]["topic"] == "/a/b/" and lines[0]["sequence"] == 2
+            assert lines[0]["data"] == {"x": 1}
