@@ -65,6 +65,13 @@ def _event(i: int) -> dict[str, object]:
     }
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _window_bytes(version: int) -> bytes:
     session = ClientSession(Version.V2 if version == 2 else Version.V1, compression_level=3)
     if version == 2:
@@ -245,7 +252,9 @@ def run(quick: bool) -> list[Figure]:
             _drive(hub.address, v2, 1.0, connections=1)  # warm-up, then idle cost on a clean heap
             per_conn = _idle_connections(hub, idle)
             _drive(hub.address, v2, 1.0)
+            cpu0 = _cpu_seconds(hub.proc.pid)
             rate2, lat2 = _drive(hub.address, v2, seconds)
+            cpu2 = _cpu_seconds(hub.proc.pid) - cpu0
             figures.append(
                 Figure(
                     "v2 events/s (2048/window, zlib 3, 4 conns, fsync always)",
@@ -254,8 +263,21 @@ def run(quick: bool) -> list[Figure]:
                     ">= 300000",
                 )
             )
+            cpu0 = _cpu_seconds(hub.proc.pid)
             rate1, _ = _drive(hub.address, v1, seconds)
+            cpu1 = _cpu_seconds(hub.proc.pid) - cpu0
             figures.append(Figure("v1 D-frame events/s (same shape)", rate1, "ev/s", ">= 150000"))
+            # Events per second of CPU the hub actually got: comparable on a busy machine.
+            figures.append(
+                Figure(
+                    "v2 events per hub CPU-second", rate2 * seconds / max(cpu2, 1e-9), "ev/cpu-s"
+                )
+            )
+            figures.append(
+                Figure(
+                    "v1 events per hub CPU-second", rate1 * seconds / max(cpu1, 1e-9), "ev/cpu-s"
+                )
+            )
             _, lat = _drive(hub.address, v2, seconds * 2 / 3, rate=rate2 / 2)
             lat.sort()
             figures.append(

@@ -247,8 +247,14 @@ _T_A = int(FrameType.ACK)
 _JSONDecodeError = orjson.JSONDecodeError
 
 
-def _compile_paths(paths: Sequence[str]) -> tuple[tuple[str, ...], ...]:
-    return tuple(tuple(p.split(".")) for p in paths if p)
+def _compile_paths(paths: Sequence[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``"fields.app"`` -> ``("fields", ("app",))``: first key, then the rest of the walk."""
+    compiled = []
+    for path in paths:
+        if path:
+            first, *rest = path.split(".")
+            compiled.append((first, tuple(rest)))
+    return tuple(compiled)
 
 
 class ServerConnection:
@@ -265,6 +271,7 @@ class ServerConnection:
         "_count",
         "_events",
         "_high",
+        "_json_cache",
         "_limits",
         "_nbytes",
         "_need",
@@ -305,6 +312,7 @@ class ServerConnection:
         self._received_ns = 0
         self._events: list[Window] = []
         self._cache: dict[tuple[int, bytes, str, str], tuple[bytes, int, int, int]] = {}
+        self._json_cache: dict[tuple[int, str, str], tuple[bytes, int, int, int]] = {}
         self.events_total = 0
 
     # -- public API ---------------------------------------------------------------------------
@@ -364,7 +372,16 @@ class ServerConnection:
         unpack1 = _U32.unpack_from
         limits = self._limits
         max_frame = limits.max_frame_bytes
+        max_window = limits.max_window
+        max_batch = limits.max_batch_bytes
         loads = orjson.loads
+        stream_paths = self._stream_paths
+        topic_paths = self._topic_paths
+        json_cache = self._json_cache
+        parts = self._parts  # _close_window empties this list in place
+        rec_pack = _REC_HEAD.pack
+        received_ns = self._received_ns
+        producer_len = len(self._producer)
         while end - pos >= 2:
             version = view[pos]
             ftype = view[pos + 1]
@@ -399,23 +416,58 @@ class ServerConnection:
                     )
                 stream = ""
                 node: object
-                for path in self._stream_paths:
-                    node = obj
-                    for key in path:
+                for first, rest in stream_paths:
+                    node = obj.get(first)
+                    for key in rest:
                         node = node.get(key) if type(node) is dict else None
                     if type(node) is str and node and len(node) <= _MAX_NAME_CHARS:
                         stream = node
                         break
                 topic = ""
-                for path in self._topic_paths:
-                    node = obj
-                    for key in path:
+                for first, rest in topic_paths:
+                    node = obj.get(first)
+                    for key in rest:
                         node = node.get(key) if type(node) is dict else None
                     if type(node) is str and node and len(node) <= _MAX_NAME_CHARS:
                         topic = node
                         break
                 self._version = version
-                self._add(version, _CT_JSON, stream, topic, seq, payload)
+                # Inlined record encoding (see _add): this is the hottest path of the hub.
+                entry = json_cache.get((version, stream, topic))
+                if entry is None:
+                    entry = self._cache_entry((version, _CT_JSON, stream, topic))
+                    json_cache[(version, stream, topic)] = entry
+                mid, mid_len, ls, lt = entry
+                parts += (
+                    rec_pack(
+                        _REC_AFTER_LEN + mid_len + length,
+                        received_ns,
+                        0,
+                        seq,
+                        10,
+                        4,
+                        ls,
+                        lt,
+                        producer_len,
+                        0,
+                        9,
+                        length,
+                    ),
+                    mid,
+                    payload,
+                )
+                self._nbytes += _REC_HEAD.size + mid_len + length
+                count = self._count
+                if count:
+                    if 0 < ((seq - self._high) & SEQ_MASK) < _HALF:
+                        self._high = seq
+                else:
+                    self._high = seq
+                self._count = count = count + 1
+                if count >= (self._window_size or max_window):
+                    self._close_window(final=True)
+                elif self._nbytes >= max_batch:
+                    self._close_window(final=False)
                 pos = fend
             elif ftype == _T_D:
                 pos = self._data_frame(view, pos, end, version)
@@ -579,7 +631,9 @@ class ServerConnection:
         t = topic.encode("utf-8", "surrogateescape")
         mid = b"".join((b"lumberjack", content_type, s, t, self._producer, _ATTRS[version]))
         if len(self._cache) >= 256:
-            self._cache.clear()  # bounded: streams/topics are few, but senders choose them
+            # Bounded: streams/topics are few, but senders choose them.
+            self._cache.clear()
+            self._json_cache.clear()
         entry = (mid, len(mid), len(s), len(t))
         self._cache[key] = entry
         return entry
@@ -587,7 +641,7 @@ class ServerConnection:
     def _close_window(self, *, final: bool) -> Window:
         parts = self._parts
         batch = EncodedBatch(len(parts) // 3, b"".join(parts))
-        self._parts = []
+        parts.clear()  # in place: _parse holds a reference to this list
         self._nbytes = 0
         self.events_total += batch.count
         ack: int | None = None
