@@ -539,33 +539,29 @@ class ServerConnection:
             raise LumberjackLimit(
                 f"D frame with {npairs} pairs, at most {limits.max_pairs}", reason="too_many_pairs"
             )
-        max_frame = limits.max_frame_bytes
         unpack1 = _U32.unpack_from
-        q = pos + 10
+        q = kend = pos + 10
         obj: dict[str, str] = {}
-        for _ in range(npairs):
-            if end - q < 4:
-                self._need = q + 4 - pos
-                return -pos - 1
-            (klen,) = unpack1(view, q)
-            kend = q + 4 + klen
-            if kend - pos > max_frame:
-                raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
-            if end - kend < 4:
-                self._need = kend + 4 - pos
-                return -pos - 1
-            (vlen,) = unpack1(view, kend)
-            vend = kend + 4 + vlen
-            if vend - pos > max_frame:
-                raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
-            if vend > end:
-                self._need = vend - pos
-                return -pos - 1
-            # Invalid UTF-8 becomes U+FFFD: the payload must be JSON (documented).
-            obj[view[q + 4 : kend].decode("utf-8", "replace")] = view[kend + 4 : vend].decode(
-                "utf-8", "replace"
-            )
-            q = vend
+        # Fast loop without per-pair bounds checks: a length running past the data makes the
+        # next unpack raise (or leaves q > end); both mean "incomplete", decided below with
+        # the frame-size limit. Slices past the end only truncate; their results are dropped.
+        try:
+            for _ in range(npairs):
+                kend = q + 4 + unpack1(view, q)[0]
+                vend = kend + 4 + unpack1(view, kend)[0]
+                # Invalid UTF-8 becomes U+FFFD: the payload must be JSON (documented).
+                obj[view[q + 4 : kend].decode("utf-8", "replace")] = view[kend + 4 : vend].decode(
+                    "utf-8", "replace"
+                )
+                q = vend
+            extent = q
+        except struct.error:
+            extent = max(q, kend) + 4
+        if extent - pos > limits.max_frame_bytes:
+            raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
+        if extent > end:
+            self._need = extent - pos
+            return -pos - 1
         stream = ""
         for key in self._stream_keys:
             value = obj.get(key)
