@@ -397,6 +397,41 @@ class TestCrossProtocol:
             assert msg.json()["payload"] == {"ok": 1}
             assert msg.json()["taproom"]["offset"] == 1
 
+    async def test_mixed_batches_go_out_in_journal_order(self, tmp_path):
+        async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
+            consumer = LogjamConsumer(url(app, "logjam_pub"), [""], timeout=5)
+            await asyncio.to_thread(wait_subscriptions, app, 1)
+            kinds = ["logjam", "lumberjack", "logjam", "eventbus", "eventbus", "logjam", "logtk"]
+            for _ in range(2):
+                builder = BatchBuilder()
+                for i, protocol in enumerate(kinds):
+                    builder.add(
+                        protocol,
+                        orjson.dumps({"i": i}),
+                        stream="mix-prod",
+                        topic="logs" if protocol == "logjam" else "t",
+                        content_type="json",
+                        ts_ns=(i + 1) * 1_000_000,
+                    )
+                await app.hub.ingest(builder.build())
+            msgs = [await asyncio.to_thread(consumer.recv, 5) for _ in range(14)]
+            consumer.close()
+            assert all(m is not None for m in msgs)
+            assert [m.meta.sequence for m in msgs] == list(range(1, 15))
+            order = [m.json()["i"] if m.topic == "logs" else m.json()["payload"]["i"] for m in msgs]
+            assert order == list(range(7)) * 2
+            assert [m.meta.created_ms for m in msgs] == [i + 1 for i in range(7)] * 2
+            assert [m.json()["taproom"]["offset"] for m in msgs if m.topic != "logs"] == [
+                1,
+                3,
+                4,
+                6,
+                8,
+                10,
+                11,
+                13,
+            ]
+
 
 class TestReplay:
     async def test_offset_and_seq_replay(self, tmp_path):
