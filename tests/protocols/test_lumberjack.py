@@ -345,27 +345,40 @@ def _fuzz_once(data: bytes, cut: int) -> None:
         pass
 
 
+def _fuzz_choice(choice: bytes) -> None:
+    # One cheap strategy drives everything: bytes 0-2 pick the cut, the flip and whether to
+    # wrap in C; each further byte with the top bit set picks a piece, the others are junk.
+    cut, flip_at, wrap = choice[0], choice[1], choice[2] & 1
+    data = bytearray()
+    for b in choice[3:]:
+        if b & 0x80:
+            data += _PIECES[b % len(_PIECES)]
+        else:
+            data.append(b)
+    if data and flip_at < 200:
+        data[flip_at % len(data)] ^= 1 << (flip_at % 8)
+    body = bytes(data)
+    if wrap:
+        body = CompressedFrame(zlib.compress(body, 1)).serialize()
+    _fuzz_once(body, cut)
+
+
 class TestFuzz:
-    """Random input gives windows or a documented protocol error, never a crash or a hang."""
+    """Random input gives windows or a documented protocol error, never a crash or a hang.
+
+    ``make test`` runs 20,000 examples; ``make soak`` (``-m soak``) the 1,000,000 variant.
+    """
 
     @given(st.binary(min_size=3, max_size=24))
     @settings(max_examples=fuzz_examples(20_000, 1_000_000), deadline=None)
     def test_decoder(self, choice: bytes) -> None:
-        # One cheap strategy drives everything: bytes 0-2 pick the cut, the flip and whether
-        # to wrap in C; each further byte with the top bit set picks a piece, others are junk.
-        cut, flip_at, wrap = choice[0], choice[1], choice[2] & 1
-        data = bytearray()
-        for b in choice[3:]:
-            if b & 0x80:
-                data += _PIECES[b % len(_PIECES)]
-            else:
-                data.append(b)
-        if data and flip_at < 200:
-            data[flip_at % len(data)] ^= 1 << (flip_at % 8)
-        body = bytes(data)
-        if wrap:
-            body = CompressedFrame(zlib.compress(body, 1)).serialize()
-        _fuzz_once(body, cut)
+        _fuzz_choice(choice)
+
+    @pytest.mark.soak
+    @given(st.binary(min_size=3, max_size=24))
+    @settings(max_examples=fuzz_examples(20_000, 1_000_000), deadline=None)
+    def test_decoder_soak(self, choice: bytes) -> None:
+        _fuzz_choice(choice)
 
     @given(st.binary(max_size=40), st.integers(0, 40))
     @settings(max_examples=fuzz_examples(2_000, 100_000), deadline=None)
