@@ -63,7 +63,7 @@ class LumberjackConfig:
         16 * 1024 * 1024,
         "a compressed 2048-event window of large events; Filebeat caps one event at 10 MiB",
         min=1024,
-        max=1 << 30,
+        max=64 * 1024 * 1024,  # the journal's bound on one record's payload
     )
     max_decompressed_bytes: int = setting(
         64 * 1024 * 1024,
@@ -328,7 +328,7 @@ class _Connection(asyncio.Protocol):
 
     def keepalive(self) -> None:
         """v2 only: tell the sender the pending window is being worked on (seq 0)."""
-        if self._pending and self.parser is not None and self.parser.version == 0x32:
+        if self._pending and self._pending[0][1].version == 0x32:
             self.transport.write(encode_ack(0x32, 0))
 
     # -- closing ------------------------------------------------------------------------------
