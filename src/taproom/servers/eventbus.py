@@ -245,6 +245,35 @@ def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+# pyzmq's Socket.send / recv_multipart wrap the Cython methods in Python that costs several
+# microseconds a frame; the hot loops call the Cython methods directly with int flags.
+_base_send = zmq.backend.Socket.send
+_base_recv = zmq.backend.Socket.recv
+_MORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
+    """``recv_multipart(NOBLOCK)``, faster; raises ``zmq.Again`` when nothing is waiting."""
+    # A Frame's ``more`` is one C call; getsockopt(RCVMORE) builds an enum every time.
+    frame = _base_recv(sock, _NOBLOCK, False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = _base_recv(sock, _NOBLOCK, False)
+        parts.append(frame.bytes)
+    return parts
+
+
+def _send_event(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes]) -> None:
+    """The six frames of a BROADCAST (PUB sockets never block)."""
+    _base_send(sock, frames[0], _MORE)
+    _base_send(sock, frames[1], _MORE)
+    _base_send(sock, frames[2], _MORE)
+    _base_send(sock, frames[3], _MORE)
+    _base_send(sock, frames[4], _MORE)
+    _base_send(sock, frames[5], 0)
+
+
 def _rearm(sock: zmq.asyncio.Socket) -> None:
     """After a send on a synchronous shadow: a ZeroMQ FD is edge-triggered and the send may
     have consumed the edge a pending asyncio receive on the same socket waits for. Reading
@@ -471,7 +500,7 @@ class EventBusService:
         pack = SEQUENCE.pack
         for _ in range(self.config.max_burst):
             try:
-                msg = raw.recv_multipart(zmq.NOBLOCK)
+                msg = _recv_frames(raw)
             except zmq.Again:
                 break
             if len(msg) == 3 and msg[1] == Command.REPLICATE.value:
@@ -666,15 +695,14 @@ class EventBusService:
 
     async def _broadcast_loop(self) -> None:
         pub = self._publisher_raw
-        more = zmq.SNDMORE
         while True:
             burst = await self._inflight.get()
             try:
-                await self._apply(burst, pub, more)
+                await self._apply(burst, pub)
             finally:
                 self._inflight.task_done()
 
-    async def _apply(self, burst: _Burst, pub: zmq.Socket[Any], more: int) -> None:
+    async def _apply(self, burst: _Burst, pub: zmq.Socket[bytes]) -> None:
         """Once ``burst`` is durable (and confirmed by the peer): hashmap, BROADCAST, ack."""
         try:
             await burst.future
@@ -692,12 +720,7 @@ class EventBusService:
             if current is None or current[0] < seq:
                 hashmap[frames[0]] = (seq, frames)
             if broadcast:
-                pub.send(frames[0], more)
-                pub.send(frames[1], more)
-                pub.send(frames[2], more)
-                pub.send(frames[3], more)
-                pub.send(frames[4], more)
-                pub.send(frames[5])
+                _send_event(pub, frames)
         if broadcast:
             self._m_broadcast.inc(len(burst.entries))
         self.last_seq = max(self.last_seq, burst.entries[-1][0])
@@ -741,7 +764,7 @@ class EventBusService:
             await self._snapshot.poll()
             while True:
                 try:
-                    msg = raw.recv_multipart(zmq.NOBLOCK)
+                    msg = _recv_frames(raw)
                 except zmq.Again:
                     break
                 try:
@@ -775,26 +798,27 @@ class EventBusService:
         else:
             entries = [f for s, f in values if s > floor]
         raw = self._snapshot_raw
-        more = zmq.SNDMORE
-        first = zmq.SNDMORE | zmq.NOBLOCK
+        more = _MORE
+        first = _MORE | _NOBLOCK
+        send = _base_send
         deadline = time.monotonic() + self.config.snapshot_timeout_ms / 1000
         for sent, frames in enumerate(entries, 1):
             while True:
                 try:
-                    raw.send(identity, first)
+                    send(raw, identity, first)
                     break
                 except zmq.Again:
                     if time.monotonic() > deadline:
                         log.warning("eventbus: snapshot to a slow client abandoned")
                         return
                     await asyncio.sleep(0.001)
-            raw.send(_SYNC, more)
-            raw.send(frames[0], more)
-            raw.send(frames[1], more)
-            raw.send(frames[2], more)
-            raw.send(frames[3], more)
-            raw.send(frames[4], more)
-            raw.send(frames[5])
+            send(raw, _SYNC, more)
+            send(raw, frames[0], more)
+            send(raw, frames[1], more)
+            send(raw, frames[2], more)
+            send(raw, frames[3], more)
+            send(raw, frames[4], more)
+            send(raw, frames[5], 0)
             if sent % 4096 == 0:
                 await asyncio.sleep(0)  # let the collector and broadcaster run
         while True:
@@ -842,11 +866,7 @@ class EventBusService:
         entry = self._uncertain.pop(key, None)
         if entry is None or not self.fsm.active:
             return
-        frames = entry[1]
-        pub = self._publisher_raw
-        for frame in frames[:5]:
-            pub.send(frame, zmq.SNDMORE)
-        pub.send(frames[5])
+        _send_event(self._publisher_raw, entry[1])
         self._m_broadcast.inc()
 
     async def _peer_hugz_loop(self) -> None:

@@ -1,0 +1,234 @@
+"""Event BUS figures (issue 6): PUB -> durable commit -> BROADCAST rate with fsync=always and
+200-byte MessagePack events, a 100,000-key snapshot to a new client, and broadcast latency
+at half the measured rate.
+
+The bus is a child process (``taproom serve``); a spawned process publishes (raw DEALER, PUB
+commands pre-built with distinct UUIDs) and this process counts BROADCASTs on a SUB, so the
+hub has one core and the load generator the other.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import orjson
+import zmq
+
+from .common import Figure, percentile
+
+# The Cython send/recv without pyzmq's Python wrappers: the load generator must not be the
+# bottleneck of what it measures.
+_send = zmq.backend.Socket.send
+_recv = zmq.backend.Socket.recv
+_MORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)
+
+
+def _recv_frames(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
+    frame = _recv(sock, flags, False)
+    parts = [frame.bytes]
+    while frame.more:
+        frame = _recv(sock, flags, False)
+        parts.append(frame.bytes)
+    return parts
+
+
+_CTX = mp.get_context("spawn")
+TS = b"2026-11-22T08:00:00.000000+00:00"
+DATA = msgpack.packb({"host": "web-1", "metric": "latency", "value": 12.5, "pad": "x" * 150})
+
+
+class _Serve:
+    def __init__(self, tmp: Path) -> None:
+        cfg = tmp / "taproom.toml"
+        cfg.write_text(
+            f'[journal]\ndir = "{tmp / "journal"}"\nfsync = "always"\n'
+            '[web]\nport = 0\n[hub]\nlog_level = "WARNING"\n'
+            "[lumberjack]\nenabled = false\n[logtk]\nenabled = false\n"
+            "[logjam]\nenabled = false\n[lager]\nenabled = false\n"
+            "[eventbus]\nenabled = true\nport = 0\n"
+        )
+        ready = tmp / "ready.json"
+        self.log = tmp / "serve.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "taproom", "serve", "-c", str(cfg), "--ready-file", str(ready)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log, "wb"),  # noqa: SIM115 -- owned by the child
+        )
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(self.log.read_text()[-2000:])
+            time.sleep(0.05)
+        self.addresses = orjson.loads(ready.read_bytes())["listeners"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _publisher(endpoint: str, n: int, topics: int, rate: float, stamp: bool, go: Any) -> None:
+    """Send ``n`` PUB commands (``rate`` per second, 0 = as fast as possible)."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.SNDHWM, 100_000)
+    dealer.connect(endpoint)
+    keys = [str(uuid.uuid4()).encode() for _ in range(n)]
+    names = [f"/bench/{i % topics}".encode() for i in range(n)] if topics < n else None
+    zero = struct.pack(">Q", 0)
+    go.wait()
+    more = _MORE
+    started = time.monotonic()
+    for i in range(n):
+        if rate and i % 50 == 0:
+            delay = started + i / rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        _send(dealer, names[i] if names else f"/bench/{i}".encode(), more)
+        _send(dealer, zero, more)
+        _send(dealer, b"bench", more)
+        _send(dealer, TS, more)
+        _send(dealer, keys[i], more)
+        _send(dealer, msgpack.packb((time.monotonic_ns(), "x" * 180)) if stamp else DATA, 0)
+    time.sleep(1.0)  # let ZeroMQ flush before the context goes
+    dealer.close(linger=5000)
+    ctx.term()
+
+
+def _run_load(
+    serve: _Serve, n: int, topics: int, rate: float = 0.0, stamp: bool = False
+) -> tuple[float, list[float]]:
+    """Publish ``n`` events from a child; (seconds until the last BROADCAST, latencies)."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"/")
+    sub.connect("tcp://" + serve.addresses["eventbus_publisher"])
+    time.sleep(0.3)
+    go = _CTX.Event()
+    child = _CTX.Process(
+        target=_publisher,
+        args=("tcp://" + serve.addresses["eventbus_collector"], n, topics, rate, stamp, go),
+    )
+    child.start()
+    time.sleep(1.0 if n < 100_000 else 2.0)  # uuid generation in the child
+    latencies: list[float] = []
+    go.set()
+    started = time.perf_counter()
+    received = 0
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    while received < n:
+        if not poller.poll(30_000):
+            raise RuntimeError(f"only {received} of {n} broadcasts arrived")
+        while True:
+            try:
+                frames = _recv_frames(sub, _NOBLOCK)
+            except zmq.Again:
+                break
+            received += 1
+            if stamp:
+                sent_ns = msgpack.unpackb(frames[5])[0]
+                latencies.append((time.monotonic_ns() - sent_ns) / 1e6)
+    elapsed = time.perf_counter() - started
+    child.join(30)
+    ctx.destroy(0)
+    return elapsed, sorted(latencies)
+
+
+def _snapshot_seconds(serve: _Serve) -> tuple[float, int]:
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVHWM, 0)
+    dealer.connect("tcp://" + serve.addresses["eventbus_snapshot"])
+    started = time.perf_counter()
+    dealer.send_multipart([b"SYNCSTART", b"", struct.pack(">Q", 0)])
+    keys = 0
+    while True:
+        frames = _recv_frames(dealer)
+        if frames[0] == b"SYNCEND":
+            break
+        keys += 1
+    elapsed = time.perf_counter() - started
+    ctx.destroy(0)
+    return elapsed, keys
+
+
+def _client_sync_seconds(serve: _Serve) -> float:
+    import asyncio
+
+    from taproom.clients.eventbus import EventBusClient
+
+    async def go() -> float:
+        started = time.perf_counter()
+        client = EventBusClient(["tcp://" + serve.addresses["eventbus_snapshot"]])
+        await client.start(timeout=60)
+        elapsed = time.perf_counter() - started
+        await client.stop()
+        return elapsed
+
+    return asyncio.run(go())
+
+
+def run(quick: bool) -> list[Figure]:
+    figures: list[Figure] = []
+    root = Path(tempfile.mkdtemp(prefix="taproom-bench-eventbus-", dir=os.environ.get("BENCH_DIR")))
+    try:
+        serve = _Serve(root)
+        try:
+            n = 20_000 if quick else 300_000
+            elapsed, _ = _run_load(serve, n, topics=1000)
+            rate = n / elapsed
+            figures.append(
+                Figure(
+                    "PUB -> commit (fsync=always) -> BROADCAST, 200 B msgpack",
+                    rate,
+                    "events/s",
+                    ">= 50000",
+                )
+            )
+            keys = 10_000 if quick else 100_000
+            _run_load(serve, keys, topics=keys * 2)  # `keys` distinct topics
+            seconds, sent = _snapshot_seconds(serve)
+            figures.append(
+                Figure(f"snapshot of {sent:,} keys to a new DEALER", seconds, "s", "< 1")
+            )
+            figures.append(
+                Figure(
+                    f"EventBusClient start-up sync, {sent:,} keys (validates each)",
+                    _client_sync_seconds(serve),
+                    "s",
+                )
+            )
+            half = rate / 2
+            duration = 2.0 if quick else 10.0
+            count = int(half * duration)
+            _, latencies = _run_load(serve, count, topics=1000, rate=half, stamp=True)
+            figures.append(
+                Figure(
+                    f"broadcast latency p50 at {half:,.0f} ev/s", percentile(latencies, 50), "ms"
+                )
+            )
+            figures.append(
+                Figure(
+                    f"broadcast latency p99 at {half:,.0f} ev/s", percentile(latencies, 99), "ms"
+                )
+            )
+        finally:
+            serve.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return figures
