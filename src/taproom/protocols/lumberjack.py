@@ -549,14 +549,25 @@ class ServerConnection:
             for _ in range(npairs):
                 kend = q + 4 + unpack1(view, q)[0]
                 vend = kend + 4 + unpack1(view, kend)[0]
-                # Invalid UTF-8 becomes U+FFFD: the payload must be JSON (documented).
-                obj[view[q + 4 : kend].decode("utf-8", "replace")] = view[kend + 4 : vend].decode(
-                    "utf-8", "replace"
-                )
+                obj[view[q + 4 : kend].decode()] = view[kend + 4 : vend].decode()
                 q = vend
             extent = q
         except struct.error:
             extent = max(q, kend) + 4
+        except UnicodeDecodeError:
+            # Rare: invalid UTF-8 becomes U+FFFD (the payload must be JSON; documented).
+            q = kend = pos + 10
+            obj = {}
+            try:
+                for _ in range(npairs):
+                    kend = q + 4 + unpack1(view, q)[0]
+                    vend = kend + 4 + unpack1(view, kend)[0]
+                    key = view[q + 4 : kend].decode("utf-8", "replace")
+                    obj[key] = view[kend + 4 : vend].decode("utf-8", "replace")
+                    q = vend
+                extent = q
+            except struct.error:
+                extent = max(q, kend) + 4
         if extent - pos > limits.max_frame_bytes:
             raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
         if extent > end:
