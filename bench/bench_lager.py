@@ -187,8 +187,10 @@ def _snapshot(tmp: Path, taps: int) -> list[Figure]:
         time.sleep(0.3)
         t0 = time.perf_counter()
         for i in range(taps):
+            # A distinct format per tap (item names differ): no parse is shared by a cache.
+            xml = XML.replace('name="v0"', f'name="t{i}"')
             pub.send_multipart(
-                registration_frames(f"/Fleet{i % 100}/Tap{i}/", uuid.uuid4().bytes, XML)
+                registration_frames(f"/Fleet{i % 100}/Tap{i}/", uuid.uuid4().bytes, xml)
             )
         seen = 0
         while seen < taps and updates.poll(20_000):
@@ -199,18 +201,22 @@ def _snapshot(tmp: Path, taps: int) -> list[Figure]:
         dealer.connect(f"tcp://{serve.registrar}")
         t0 = time.perf_counter()
         dealer.send_multipart([b"ICANHAZ?", b""])
-        got = 0
+        messages = []
         while True:
             frames = dealer.recv_multipart()
-            update = parse_update(frames)
-            if update.registration is None:
+            messages.append(frames)
+            if frames[0] == b"KTHXBAI":
                 break
-            got += 1
-        elapsed = time.perf_counter() - t0
+        received = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        got = sum(parse_update(m).registration is not None for m in messages)
+        parsed = time.perf_counter() - t0
         return [
-            Figure(f"registrar snapshot of {got} taps (received + parsed)", elapsed, "s", "< 1"),
+            Figure(f"registrar snapshot of {got} taps (ICANHAZ? -> KTHXBAI)", received, "s",
+                   "< 1"),
+            Figure("  + validating every format XML on the mug side", parsed, "s"),
             Figure("registrations committed + published", register_rate, "taps/s"),
-        ]
+        ]  # fmt: skip
     finally:
         ctx.destroy(linger=0)
         serve.stop()

@@ -264,3 +264,14 @@ def test_random_xml_gives_format_error_or_format(blob: bytes | str) -> None:
         parse_format_xml(blob)
     except FormatError as exc:
         assert exc.reason
+
+
+def test_identical_formats_parse_once_and_errors_repeat() -> None:
+    xml = fmt(item("a", "uint32", 4, 0))
+    assert parse_format_xml(xml) is parse_format_xml(xml.encode())
+    for _ in range(2):
+        with pytest.raises(FormatError, match="overlap"):
+            parse_format_xml(fmt(item("a", "uint32", 4, 0), item("b", "uint8", 1, 3)))
+    with pytest.raises(FormatError) as info:
+        parse_format_xml(xml, max_items=0)  # the item limit is part of the cache key
+    assert info.value.reason == "too_many_items"

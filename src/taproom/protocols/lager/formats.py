@@ -24,6 +24,7 @@ Pure code: no I/O, no clock (STYLE.md rule 1).
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import xml.etree.ElementTree as ET
@@ -263,11 +264,17 @@ def parse_format_xml(
 ) -> DataFormat:
     """Parse and validate a registration's ``<format>`` XML. Raises :class:`FormatError`."""
     raw = _check_xml(text, max_bytes)
+    return _parse_format_cached(raw, max_items)
+
+
+# Fleets register many taps with the same format: parse each distinct XML once. DataFormat is
+# immutable, so sharing is safe; errors are not cached (lru_cache does not keep exceptions).
+@functools.lru_cache(maxsize=1024)
+def _parse_format_cached(raw: bytes, max_items: int) -> DataFormat:
     root = _parse_root(raw)
     if root.tag != "format":
         raise _fail(f"root element is <{root.tag[:32]}>, expected <format>", "bad_root")
-    fmt = _format_from_element(root, max_items, keg=False)
-    return fmt
+    return _format_from_element(root, max_items, keg=False)
 
 
 def parse_keg_xml(
