@@ -269,7 +269,7 @@ def parse_format_xml(
 
 # Fleets register many taps with the same format: parse each distinct XML once. DataFormat is
 # immutable, so sharing is safe; errors are not cached (lru_cache does not keep exceptions).
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)  # worst case 256 x max_bytes of keys
 def _parse_format_cached(raw: bytes, max_items: int) -> DataFormat:
     root = _parse_root(raw)
     if root.tag != "format":
