@@ -502,3 +502,20 @@ class TestReplay:
             assert [m.json()["i"] for m in got] == [0, 2, 4, 6, 8]
             assert filled == 0
             assert answers == [b"200 OK", b"400 Bad Request", b"400 Bad Request", b"410 Gone"]
+
+
+def test_taproom_serve_runs_logjam_and_stops_cleanly(tmp_path):
+    """The real process: listeners in the ready file, a 202, then SIGTERM exits 0."""
+    from tests.support import HubProcess, write_config
+
+    config = write_config(tmp_path, enable=["logjam"], logjam=QUIET)
+    hub = HubProcess(config).start()
+    try:
+        names = {"logjam_router", "logjam_pull", "logjam_pub", "logjam_replay"}
+        assert names <= set(hub.addresses)
+        host, port = hub.address("logjam_router")
+        with LogjamAgent(f"tcp://{host}:{port}", app_env="p-q", topic="logs") as agent:
+            assert agent.send({"ok": True}) == b"202 Accepted"
+        assert hub.terminate() == 0
+    finally:
+        hub.kill()
