@@ -382,12 +382,16 @@ class ServerConnection:
         rec_pack = _REC_HEAD.pack
         received_ns = self._received_ns
         producer_len = len(self._producer)
+        # Module constants as locals: global lookups are measurable at 300k events/s.
+        ver1, ver2, t_json = _VER1, _VER2, _T_J
+        max_name, rec_size, rec_after = _MAX_NAME_CHARS, _REC_HEAD.size, _REC_AFTER_LEN
+        mask, half, json_error = SEQ_MASK, _HALF, _JSONDecodeError
         while end - pos >= 2:
             version = view[pos]
             ftype = view[pos + 1]
-            if version != _VER2 and version != _VER1:
+            if version != ver2 and version != ver1:
                 raise LumberjackError(f"unknown version byte {version:#04x}", reason="bad_version")
-            if ftype == _T_J:
+            if ftype == t_json:
                 if end - pos < 10:
                     self._need = 10
                     return pos
@@ -406,7 +410,7 @@ class ServerConnection:
                 payload = view[pos + 10 : fend]
                 try:
                     obj = loads(payload)
-                except _JSONDecodeError:
+                except json_error:
                     raise LumberjackError(
                         "J payload is not valid JSON", reason="bad_json"
                     ) from None
@@ -420,7 +424,7 @@ class ServerConnection:
                     node = obj.get(first)
                     for key in rest:
                         node = node.get(key) if type(node) is dict else None
-                    if type(node) is str and node and len(node) <= _MAX_NAME_CHARS:
+                    if type(node) is str and node and len(node) <= max_name:
                         stream = node
                         break
                 topic = ""
@@ -428,7 +432,7 @@ class ServerConnection:
                     node = obj.get(first)
                     for key in rest:
                         node = node.get(key) if type(node) is dict else None
-                    if type(node) is str and node and len(node) <= _MAX_NAME_CHARS:
+                    if type(node) is str and node and len(node) <= max_name:
                         topic = node
                         break
                 self._version = version
@@ -440,7 +444,7 @@ class ServerConnection:
                 mid, mid_len, ls, lt = entry
                 parts += (
                     rec_pack(
-                        _REC_AFTER_LEN + mid_len + length,
+                        rec_after + mid_len + length,
                         received_ns,
                         0,
                         seq,
@@ -456,10 +460,10 @@ class ServerConnection:
                     mid,
                     payload,
                 )
-                self._nbytes += _REC_HEAD.size + mid_len + length
+                self._nbytes += rec_size + mid_len + length
                 count = self._count
                 if count:
-                    if 0 < ((seq - self._high) & SEQ_MASK) < _HALF:
+                    if 0 < ((seq - self._high) & mask) < half:
                         self._high = seq
                 else:
                     self._high = seq
