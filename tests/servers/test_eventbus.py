@@ -10,10 +10,13 @@ import uuid
 from pathlib import Path
 
 import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 
 from taproom.clients.eventbus import EventBusClient
+from taproom.config import load_config
+from taproom.errors import ConfigError
 from taproom.journal import JournalReader
 from taproom.protocols.eventbus import (
     BStarState,
@@ -109,6 +112,20 @@ class TestPorts:
             for port in ports:  # each is really bound
                 with socket.socket() as s:
                     assert s.connect_ex(("127.0.0.1", port)) == 0
+
+
+class TestConfig:
+    def test_role_and_peer_from_the_environment(self) -> None:
+        env = {"TAPROOM_EVENTBUS__ROLE": "backup", "TAPROOM_EVENTBUS__PEER": "127.0.0.1:5556"}
+        section = load_config(env=env).eventbus
+        assert (section.role, section.peer) == ("backup", "127.0.0.1:5556")
+
+    def test_a_pair_needs_a_peer(self) -> None:
+        with pytest.raises(ConfigError) as info:
+            load_config(text='[eventbus]\nrole = "primary"\n', env={})
+        assert info.value.key == "eventbus.peer"
+        with pytest.raises(ConfigError):
+            load_config(text='[eventbus]\nrole = "primary"\npeer = "nohost"\n', env={})
 
 
 class TestCollector:
@@ -469,3 +486,62 @@ class TestFailover:
             backup.kill()
             if primary is not None:
                 primary.kill()
+
+    async def test_restarted_primary_rejoins_as_passive_then_takes_over(
+        self, tmp_path: Path
+    ) -> None:
+        timing = {"heartbeat_ms": 100, "peer_timeout_ms": 500, "replicate_timeout_ms": 2000}
+        primary_port = _free_triple()
+        (tmp_path / "b").mkdir()
+        (tmp_path / "p").mkdir()
+        backup = HubProcess(
+            write_config(
+                tmp_path / "b",
+                enable=["eventbus"],
+                eventbus={"role": "backup", "peer": f"127.0.0.1:{primary_port}", **timing},
+            )
+        ).start()
+        primary = HubProcess(
+            write_config(
+                tmp_path / "p",
+                enable=["eventbus"],
+                eventbus={
+                    "role": "primary",
+                    "port": primary_port,
+                    "peer": backup.addresses["eventbus_snapshot"],
+                    **timing,
+                },
+            )
+        )
+        try:
+            primary.start()
+            await _wait_synced_passive(backup.addresses["eventbus_publisher"])
+            servers = [_url(primary.addresses), _url(backup.addresses)]
+            options = {"server_timeout": 0.6, "snapshot_timeout": 0.5, "retry_interval": 0.5}
+            recorder = Recorder()
+            client = await EventBusClient(servers, on_update=recorder, **options).start()
+            plan = [(f"/j/{i % 30}", i) for i in range(300)] + [("/j/0", -1)]
+            await _publish_all(client, plan)
+            reference = dict(plan)  # the last value per topic
+            primary.kill()
+            seq_on_backup = await (await client.publish("/j/backup", 1))
+            reference["/j/backup"] = 1
+            assert client.server_index == 1
+            # The old primary comes back: it must copy the backup's state and stay passive.
+            primary.start()
+            await _wait_synced_passive(primary.addresses["eventbus_publisher"])
+            backup.kill()
+            seq_on_primary = await asyncio.wait_for(await client.publish("/j/primary", 2), 20)
+            reference["/j/primary"] = 2
+            assert client.server_index == 0
+            assert seq_on_primary > seq_on_backup
+            state = {t: msgpack.unpackb(e.data) for t, e in client.state.items()}
+            assert state == reference
+            assert recorder.regressions == []
+            await client.stop()
+            fresh, cut = await _snapshot(servers[0])
+            assert cut == seq_on_primary
+            assert {t: msgpack.unpackb(e.data) for t, e in fresh.items()} == reference
+        finally:
+            backup.kill()
+            primary.kill()

@@ -326,7 +326,7 @@ class EventBusClient:
             if not await sub.poll(int(tick * 1000)):
                 now = time.monotonic()
             else:
-                while True:
+                for _ in range(10_000):  # then yield to the loop, even under a flood
                     try:
                         frames = _recv_frames(raw)
                     except zmq.Again:

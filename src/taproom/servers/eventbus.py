@@ -305,6 +305,8 @@ class EventBusService:
         self._degraded_until = 0
         self._resyncing = False
         self._resync_buffer: list[tuple[bytes, list[Event]]] = []
+        self._resync_buffered = 0
+        self._resync_overflow = False
         self._inflight: asyncio.Queue[_Burst] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
@@ -581,14 +583,13 @@ class EventBusService:
             self._reject(exc.reason, f"REPLICATE: {exc}")
             return
         if self._resyncing:
-            if (
-                sum(len(e) for _, e in self._resync_buffer) + len(events)
-                > self.config.resync_buffer
-            ):
+            if self._resync_buffered + len(events) > self.config.resync_buffer:
                 self._resync_buffer.clear()  # too far behind: the next resync starts over
-                self._resyncing = False
+                self._resync_overflow = True
                 return
-            self._resync_buffer.append((identity, events))
+            if not self._resync_overflow:
+                self._resync_buffer.append((identity, events))
+                self._resync_buffered += len(events)
             return
         self._apply_mirror(identity, events)
 
@@ -634,57 +635,70 @@ class EventBusService:
         """Copy the active peer's full snapshot into the journal and the hashmap."""
         assert self._ctx is not None
         self._resyncing = True
+        self._resync_overflow = False
         self._resync_buffer = []
+        self._resync_buffered = 0
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, self.config.snapshot_hwm)
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
         try:
             dealer.connect(_endpoint(self._peer_host, self._peer_base))
             await dealer.send_multipart(syncstart_frames((), 0))
             timeout = self.config.snapshot_timeout_ms
-            snapshot: dict[bytes, Entry] = {}
-            while True:
+            copied: dict[str, Event] = {}
+            end: SyncEnd | None = None
+            while end is None:
                 if not await dealer.poll(timeout):
                     log.warning("eventbus: peer snapshot timed out; will retry")
                     return
-                reply = parse_snapshot_reply(await dealer.recv_multipart(), self.limits)
-                if isinstance(reply, SyncEnd):
-                    cut = reply.sequence
-                    break
-                frames = tuple(reply.frames())
-                snapshot[frames[0]] = (reply.sequence, frames)  # type: ignore[assignment]
+                while True:
+                    try:
+                        reply = parse_snapshot_reply(_recv_frames(raw), self.limits)
+                    except zmq.Again:
+                        break
+                    if isinstance(reply, SyncEnd):
+                        end = reply
+                        break
+                    copied[reply.topic] = reply
+            cut = end.sequence
             # A reset marker, then every entry: a restart rebuilds exactly this state.
             futures = []
             builder = BatchBuilder()
             builder.add(PROTOCOL, b"", seq=cut, attrs=_RESET_ATTRS)
-            for seq, frames in snapshot.values():
+            hashmap: dict[bytes, Entry] = {}
+            for e in copied.values():
                 builder.add(
                     PROTOCOL,
-                    frames[5],
-                    stream=_stream(frames[0].decode()),
-                    topic=frames[0].decode(),
-                    producer=frames[2].decode(),
-                    seq=seq,
-                    event_id=frames[4].decode(),
+                    e.data,
+                    stream=_stream(e.topic),
+                    topic=e.topic,
+                    producer=e.producer,
+                    seq=e.sequence,
+                    event_id=e.uuid,
+                    ts_ns=e.ts_ns,
                     content_type="msgpack",
-                    attrs=b'{"timestamp":"' + frames[3] + b'"}',
+                    attrs=b'{"timestamp":"' + e.timestamp.encode() + b'"}',
                 )
+                frames = e.frames()
+                hashmap[frames[0]] = (e.sequence, tuple(frames))  # type: ignore[assignment]
                 if len(builder) >= 10_000:
                     futures.append(self.hub.submit(builder.build()))
             futures.append(self.hub.submit(builder.build()))
             await asyncio.gather(*futures)
-            self.hashmap = snapshot
+            self.hashmap = hashmap
             self.last_seq = self.assigned_seq = cut
-            for _seq, frames in snapshot.values():
-                self.dedup.add(frames[4].decode())
-            self.synced = True
+            for e in copied.values():
+                self.dedup.add(e.uuid)
             buffered, self._resync_buffer = self._resync_buffer, []
             self._resyncing = False
+            if self._resync_overflow:
+                log.warning("eventbus: fell too far behind while copying; copying again")
+                return
+            self.synced = True
             for identity, events in buffered:
                 self._apply_mirror(identity, events)
-            log.info(
-                "eventbus: copied %d topics up to sequence %d from the peer", len(snapshot), cut
-            )
+            log.info("eventbus: copied %d topics up to sequence %d from the peer", len(copied), cut)
         except EventBusError as exc:
             log.warning("eventbus: bad snapshot from the peer (%s); will retry", exc)
         finally:
