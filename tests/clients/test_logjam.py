@@ -118,15 +118,17 @@ class TestConsumer:
                     [""],
                     replay_endpoint=url(app, "logjam_replay"),
                     rcvhwm=10,
+                    rcvbuf=4096,
                     timeout=5,
                 )
-                consumer.socket.setsockopt(zmq.RCVBUF, 4096)
                 wait_subscriptions(app, 1)
                 pad = "p" * 4000
                 with LogjamAgent(url(app, "logjam_pull"), mode="push", app_env="g-x") as push:
-                    for i in range(2000):  # the consumer does not read during the burst
+                    # 12 MB while the consumer does not read: more than its queues and the
+                    # TCP buffers (4 MB at most here) hold
+                    for i in range(3000):
                         push.send({"i": i, "pad": pad}, topic="logs")
-                    wait_committed(app, 2000)
+                    wait_committed(app, 3000)
                 wait_published(app)
                 got = list(consumer.messages(1.0))
                 consumer.close()
@@ -137,7 +139,7 @@ class TestConsumer:
                 "taproom_logjam_pub_dropped_messages_total", {"reason": "hwm"}
             )
             assert dropped and dropped > 0
-            assert sorted(m.json()["i"] for m in got) == list(range(2000))
+            assert sorted(m.json()["i"] for m in got) == list(range(3000))
             replayed = [m for m in got if m.replayed]
             assert 0 < len(replayed) == filled <= gaps
             # replayed messages carry their PUB sequence numbers and journal offsets

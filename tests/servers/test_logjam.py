@@ -233,7 +233,9 @@ class TestPubOutput:
             assert sample(app, "taproom_logjam_pub_dropped_messages_total", reason="hwm") == 0
 
     async def test_slow_subscriber_drops_are_counted_fast_one_loses_nothing(self, tmp_path):
-        cfg = dict(QUIET, snd_hwm=200)
+        # the fast subscriber gets 300 messages: below its HWM of 1000 it cannot lose any, while
+        # the slow one (24 MB, never read) must overflow its queue and the TCP buffers
+        cfg = dict(QUIET, snd_hwm=1000)
         async with running_app(tmp_path, enable=["logjam"], logjam=cfg) as app:
 
             def work():

@@ -216,6 +216,7 @@ class LogjamConsumer:
         return_heartbeats: bool = False,
         max_decompressed: int = 16 * 1024 * 1024,
         rcvhwm: int = 100_000,
+        rcvbuf: int = 0,
         timeout: float = 5.0,
         context: zmq.Context | None = None,
     ) -> None:
@@ -227,6 +228,8 @@ class LogjamConsumer:
         self.socket = self._ctx.socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, rcvhwm)
+        if rcvbuf:  # kernel receive buffer; 0 leaves the OS default (autotuned)
+            self.socket.setsockopt(zmq.RCVBUF, rcvbuf)
         for prefix in self.prefixes:
             self.socket.setsockopt(zmq.SUBSCRIBE, prefix)
         if b"" not in self.prefixes:
