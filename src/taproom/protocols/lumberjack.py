@@ -478,7 +478,7 @@ class ServerConnection:
                     self._close_window(final=False)
                 pos = fend
             elif ftype == _T_D:
-                pos = self._data_frame(view, pos, end, version)
+                pos = self._data_frames(view, pos, end, version)
                 if pos < 0:
                     return -pos - 1
             elif ftype == _T_W:
@@ -534,107 +534,125 @@ class ServerConnection:
         self._need = 2
         return pos
 
-    def _data_frame(self, view: bytes, pos: int, end: int, version: int) -> int:
-        """One ``D`` frame; returns the next position, or ``-(pos + 1)`` if incomplete."""
-        if end - pos < 10:
-            self._need = 10
-            return -pos - 1
+    def _data_frames(self, view: bytes, pos: int, end: int, version: int) -> int:
+        """A run of ``D`` frames of one version; returns where the run stops (the next other
+        frame), or ``-(pos + 1)`` when the frame at ``pos`` is incomplete."""
         limits = self._limits
-        seq, npairs = _U32X2.unpack_from(view, pos + 2)
-        if npairs == 0:
-            raise LumberjackError("D frame with zero pairs", reason="empty_data")
-        if npairs > limits.max_pairs:
-            raise LumberjackLimit(
-                f"D frame with {npairs} pairs, at most {limits.max_pairs}", reason="too_many_pairs"
-            )
+        max_pairs = limits.max_pairs
+        max_frame = limits.max_frame_bytes
+        max_window = limits.max_window
+        max_batch = limits.max_batch_bytes
         unpack1 = _U32.unpack_from
-        q = kend = pos + 10
-        obj: dict[str, str] = {}
-        # Fast loop without per-pair bounds checks: a length running past the data makes the
-        # next unpack raise (or leaves q > end); both mean "incomplete", decided below with
-        # the frame-size limit. Slices past the end only truncate; their results are dropped.
-        try:
-            for _ in range(npairs):
-                kend = q + 4 + unpack1(view, q)[0]
-                vend = kend + 4 + unpack1(view, kend)[0]
-                obj[view[q + 4 : kend].decode()] = view[kend + 4 : vend].decode()
-                q = vend
-            extent = q
-        except struct.error:
-            extent = max(q, kend) + 4
-        except UnicodeDecodeError:
-            # Rare: invalid UTF-8 becomes U+FFFD (the payload must be JSON; documented).
+        unpack2 = _U32X2.unpack_from
+        dumps = orjson.dumps
+        stream_keys = self._stream_keys
+        topic_keys = self._topic_keys
+        kv_cache = self._kv_cache
+        parts = self._parts  # _close_window empties this list in place
+        rec_pack = _REC_HEAD.pack
+        rec_size, rec_after = _REC_HEAD.size, _REC_AFTER_LEN
+        received_ns = self._received_ns
+        producer_len = len(self._producer)
+        max_name, mask, half, t_data = _MAX_NAME_CHARS, SEQ_MASK, _HALF, _T_D
+        self._version = version
+        while True:
+            if end - pos < 10:
+                self._need = 10
+                return -pos - 1
+            seq, npairs = unpack2(view, pos + 2)
+            if npairs == 0:
+                raise LumberjackError("D frame with zero pairs", reason="empty_data")
+            if npairs > max_pairs:
+                raise LumberjackLimit(
+                    f"D frame with {npairs} pairs, at most {max_pairs}", reason="too_many_pairs"
+                )
             q = kend = pos + 10
-            obj = {}
+            obj: dict[str, str] = {}
+            # Fast loop without per-pair bounds checks: a length running past the data makes
+            # the next unpack raise (or leaves q > end); both mean "incomplete", decided below
+            # with the frame-size limit. Slices past the end only truncate and are dropped.
             try:
                 for _ in range(npairs):
                     kend = q + 4 + unpack1(view, q)[0]
                     vend = kend + 4 + unpack1(view, kend)[0]
-                    key = view[q + 4 : kend].decode("utf-8", "replace")
-                    obj[key] = view[kend + 4 : vend].decode("utf-8", "replace")
+                    obj[view[q + 4 : kend].decode()] = view[kend + 4 : vend].decode()
                     q = vend
                 extent = q
             except struct.error:
                 extent = max(q, kend) + 4
-        if extent - pos > limits.max_frame_bytes:
-            raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
-        if extent > end:
-            self._need = extent - pos
-            return -pos - 1
-        stream = ""
-        for key in self._stream_keys:
-            value = obj.get(key)
-            if value and len(value) <= _MAX_NAME_CHARS:
-                stream = value
-                break
-        topic = ""
-        for key in self._topic_keys:
-            value = obj.get(key)
-            if value and len(value) <= _MAX_NAME_CHARS:
-                topic = value
-                break
-        self._version = version
-        payload = orjson.dumps(obj)
-        # The record encoding, inlined as in the J path of _parse.
-        entry = self._kv_cache.get((version, stream, topic))
-        if entry is None:
-            entry = self._cache_entry((version, _CT_KV, stream, topic))
-            self._kv_cache[(version, stream, topic)] = entry
-        mid, mid_len, ls, lt = entry
-        plen = len(payload)
-        self._parts += (
-            _REC_HEAD.pack(
-                _REC_AFTER_LEN + mid_len + plen,
-                self._received_ns,
-                0,
-                seq,
-                10,
-                2,
-                ls,
-                lt,
-                len(self._producer),
-                0,
-                9,
-                plen,
-            ),
-            mid,
-            payload,
-        )
-        self._nbytes += _REC_HEAD.size + mid_len + plen
-        count = self._count
-        if count:
-            if 0 < ((seq - self._high) & SEQ_MASK) < _HALF:
+            except UnicodeDecodeError:
+                # Rare: invalid UTF-8 becomes U+FFFD (the payload must be JSON; documented).
+                q = kend = pos + 10
+                obj = {}
+                try:
+                    for _ in range(npairs):
+                        kend = q + 4 + unpack1(view, q)[0]
+                        vend = kend + 4 + unpack1(view, kend)[0]
+                        key = view[q + 4 : kend].decode("utf-8", "replace")
+                        obj[key] = view[kend + 4 : vend].decode("utf-8", "replace")
+                        q = vend
+                    extent = q
+                except struct.error:
+                    extent = max(q, kend) + 4
+            if extent - pos > max_frame:
+                raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
+            if extent > end:
+                self._need = extent - pos
+                return -pos - 1
+            stream = ""
+            for key in stream_keys:
+                value = obj.get(key)
+                if value and len(value) <= max_name:
+                    stream = value
+                    break
+            topic = ""
+            for key in topic_keys:
+                value = obj.get(key)
+                if value and len(value) <= max_name:
+                    topic = value
+                    break
+            payload = dumps(obj)
+            # The record encoding, inlined as in the J path of _parse.
+            entry = kv_cache.get((version, stream, topic))
+            if entry is None:
+                entry = self._cache_entry((version, _CT_KV, stream, topic))
+                kv_cache[(version, stream, topic)] = entry
+            mid, mid_len, ls, lt = entry
+            plen = len(payload)
+            parts += (
+                rec_pack(
+                    rec_after + mid_len + plen,
+                    received_ns,
+                    0,
+                    seq,
+                    10,
+                    2,
+                    ls,
+                    lt,
+                    producer_len,
+                    0,
+                    9,
+                    plen,
+                ),
+                mid,
+                payload,
+            )
+            self._nbytes += rec_size + mid_len + plen
+            count = self._count
+            if count:
+                if 0 < ((seq - self._high) & mask) < half:
+                    self._high = seq
+            else:
                 self._high = seq
-        else:
-            self._high = seq
-        self._count = count = count + 1
-        if count >= (self._window_size or limits.max_window):
-            self._close_window(final=True)
-        elif self._nbytes >= limits.max_batch_bytes:
-            self._close_window(final=False)
-        return q
-
-    # -- window accounting and record encoding ------------------------------------------------
+            self._count = count = count + 1
+            if count >= (self._window_size or max_window):
+                self._close_window(final=True)
+            elif self._nbytes >= max_batch:
+                self._close_window(final=False)
+            pos = q
+            # Stay in this loop while the next frame is another D of the same version.
+            if end - pos < 2 or view[pos] != version or view[pos + 1] != t_data:
+                return pos
 
     def _cache_entry(self, key: tuple[int, bytes, str, str]) -> tuple[bytes, int, int, int]:
         version, content_type, stream, topic = key
