@@ -47,6 +47,7 @@ log = logging.getLogger("taproom.logjam")
 
 # routing id + empty delimiter + four frames; anything longer is refused without keeping it.
 _MAX_FRAMES = 6
+_LOG_PER_SECOND = 20
 
 
 @config_section("logjam")
@@ -183,6 +184,8 @@ class LogjamService:
         self._next_publish = 0  # journal offset after the last record handled
         self._index = array.array("q", [-1]) * config.replay_index_size
         self.subscriptions = 0
+        self._log_window = 0.0
+        self._log_count = self._log_suppressed = 0
         m = hub.metrics
         self._m_published = m.counter(
             "logjam", "published", "messages", "Messages sent on the PUB output", ("kind",)
@@ -294,7 +297,18 @@ class LogjamService:
 
     def _reject(self, reason: str, detail: str) -> None:
         self.hub.metrics.rejected("logjam", reason)
-        log.info("logjam: rejected message (%s): %s", reason, detail)
+        # Every reject is counted; the log gets at most _LOG_PER_SECOND lines a second so a
+        # broken agent sending thousands of bad messages cannot flood it.
+        now = time.monotonic()
+        if now - self._log_window >= 1.0:
+            if self._log_suppressed:
+                log.info("logjam: %d more rejected messages not logged", self._log_suppressed)
+            self._log_window, self._log_count, self._log_suppressed = now, 0, 0
+        if self._log_count < _LOG_PER_SECOND:
+            self._log_count += 1
+            log.info("logjam: rejected message (%s): %s", reason, detail)
+        else:
+            self._log_suppressed += 1
 
     async def _ingest_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket, router: bool) -> None:
         cfg = self.config
