@@ -336,6 +336,31 @@ class TestRestart:
         finally:
             hub.kill()
 
+    async def test_checkpoint_plus_journal_tail(self, tmp_path: Path) -> None:
+        config = write_config(
+            tmp_path, enable=["eventbus"], eventbus={"checkpoint_interval_s": 0.2}
+        )
+        hub = HubProcess(config).start()
+        try:
+            async with EventBusClient([_url(hub.addresses)]) as client:
+                await _publish_all(client, [(f"/c/{i % 50}", i) for i in range(500)])
+                await asyncio.sleep(0.8)  # a checkpoint now covers these
+                await _publish_all(client, [(f"/c/{i % 70}", -i) for i in range(300)])
+            before, cut = await _snapshot(_url(hub.addresses))
+            hub.restart()  # SIGKILL: the newest events may be only in the journal's tail
+            assert "from a checkpoint and the journal" in hub.log()
+            assert await _snapshot(_url(hub.addresses)) == (before, cut)
+            # A checkpoint that fails its CRC is ignored: the journal alone gives the same.
+            path = tmp_path / "journal" / "eventbus" / "checkpoint"
+            damaged = bytearray(path.read_bytes())
+            damaged[-1] ^= 0xFF
+            path.write_bytes(bytes(damaged))
+            hub.restart()
+            assert "fails its CRC" in hub.log()
+            assert await _snapshot(_url(hub.addresses)) == (before, cut)
+        finally:
+            hub.kill()
+
 
 def _free_triple() -> int:
     """Three consecutive free ports for a server that must be configured before it starts."""

@@ -30,13 +30,17 @@ import asyncio
 import contextlib
 import errno
 import logging
+import os
+import struct
 import time
 import uuid as uuid_mod
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import msgpack
 import zmq
 import zmq.asyncio
 
@@ -68,7 +72,16 @@ from ..protocols.eventbus import (
 )
 from ..records import BatchBuilder
 
-__all__ = ["EventBusConfig", "EventBusService", "create_service", "rebuild_state"]
+__all__ = [
+    "BusState",
+    "EventBusConfig",
+    "EventBusService",
+    "checkpoint_path",
+    "create_service",
+    "read_checkpoint",
+    "rebuild_state",
+    "write_checkpoint",
+]
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -137,6 +150,12 @@ class EventBusConfig:
     snapshot_hwm: int = setting(
         100_000, "SYNC commands queued per snapshot client: a 100k-key snapshot in one go", min=1
     )
+    checkpoint_interval_s: float = setting(
+        60.0,
+        "how often the hashmap is saved beside the journal so a restart reads only the tail "
+        "(0: never; the whole journal is scanned)",
+        min=0,
+    )
     resync_buffer: int = setting(
         1_000_000,
         "replicated events a passive server holds while it copies a snapshot from its peer",
@@ -168,15 +187,89 @@ class BusState:
     hashmap: dict[bytes, Entry] = field(default_factory=dict)
     sequence: int = 0
     recent_uuids: list[str] = field(default_factory=list)
+    offset: int = 0  # journal offset the state covers (everything before it is applied)
+    from_checkpoint: bool = False
 
 
-def rebuild_state(hub: Hub, dedup_window: int) -> BusState:
-    """Scan the journal for bus records (run it in a thread): the hashmap, sequence, UUIDs."""
-    state = BusState()
+_CHECKPOINT_MAGIC = b"TAPROOM-EVENTBUS-CHECKPOINT-1\n"
+
+
+def checkpoint_path(hub: Hub) -> str:
+    return os.path.join(hub.config.journal.dir, "eventbus", "checkpoint")
+
+
+def write_checkpoint(path: str, state: BusState) -> None:
+    """Save ``state`` atomically: temp file, fsync, rename, fsync the directory."""
+    body = msgpack.packb(
+        [
+            state.offset,
+            state.sequence,
+            [list(frames) for _seq, frames in state.hashmap.values()],
+            state.recent_uuids,
+        ],
+        use_bin_type=True,
+    )
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, _CHECKPOINT_MAGIC + struct.pack(">I", zlib.crc32(body)) + body)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def read_checkpoint(path: str) -> BusState | None:
+    """The saved state, or None when there is none or it does not verify."""
+    try:
+        with open(path, "rb") as f:
+            blob = f.read()
+    except FileNotFoundError:
+        return None
+    head = len(_CHECKPOINT_MAGIC)
+    if not blob.startswith(_CHECKPOINT_MAGIC) or len(blob) < head + 4:
+        log.warning("eventbus: %s is not a checkpoint; scanning the journal", path)
+        return None
+    (crc,) = struct.unpack_from(">I", blob, head)
+    body = blob[head + 4 :]
+    if zlib.crc32(body) != crc:
+        log.warning("eventbus: %s fails its CRC; scanning the journal", path)
+        return None
+    try:
+        offset, sequence, rows, uuids = msgpack.unpackb(body, raw=False, use_list=False)
+        state = BusState(offset=offset, sequence=sequence, from_checkpoint=True)
+        state.recent_uuids = list(uuids)
+        for row in rows:
+            seq = SEQUENCE.unpack(row[1])[0]
+            state.hashmap[row[0]] = (seq, tuple(row))
+    except (ValueError, TypeError, struct.error) as exc:  # a bug, not disk damage (CRC passed)
+        log.warning("eventbus: %s unreadable (%s); scanning the journal", path, exc)
+        return None
+    return state
+
+
+def rebuild_state(hub: Hub, dedup_window: int, path: str | None = None) -> BusState:
+    """The checkpoint at ``path`` (if any and usable) plus the journal after it; run it in a
+    thread. Without a checkpoint every bus record of the journal is read."""
+    journal = hub.journal
+    state = read_checkpoint(path) if path else None
+    if state is not None and state.offset > journal.end_offset:
+        # The journal lost a tail the checkpoint had seen (fsync = "interval" and a crash):
+        # the offsets no longer match, so trust the journal alone.
+        log.warning("eventbus: checkpoint is ahead of the journal; scanning the journal")
+        state = None
+    if state is None:
+        state = BusState()
     hashmap = state.hashmap
-    uuids: deque[str] = deque(maxlen=max(dedup_window, 1))
+    uuids: deque[str] = deque(state.recent_uuids, maxlen=max(dedup_window, 1))
     pack = SEQUENCE.pack
-    for record in hub.journal.read(hub.journal.first_offset):
+    for record in journal.read(max(state.offset, journal.first_offset)):
         if record.protocol != PROTOCOL:
             continue
         if record.attrs.get("eventbus") == "reset":
@@ -200,6 +293,7 @@ def rebuild_state(hub: Hub, dedup_window: int) -> BusState:
         state.sequence = max(state.sequence, record.seq)
         uuids.append(record.event_id)
     state.recent_uuids = list(uuids) if dedup_window else []
+    state.offset = journal.end_offset
     return state
 
 
@@ -224,6 +318,9 @@ class _Dedup:
 
     def forget(self, key: str) -> None:
         self._set.discard(key)
+
+    def recent(self) -> list[str]:
+        return [key for key in self._order if key in self._set]
 
 
 @dataclass(slots=True)
@@ -310,6 +407,8 @@ class EventBusService:
         self._inflight: asyncio.Queue[_Burst] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
+        self._applied_offset = 0  # journal offset up to which bus records are applied
+        self._checkpointed_offset = 0
         # The last copied events, and after a takeover those of them not known to be broadcast.
         self._recent_mirror: deque[Entry] = deque(maxlen=4 * config.max_burst)
         self._uncertain: dict[str, Entry] = {}
@@ -353,15 +452,23 @@ class EventBusService:
     # --- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> dict[str, str]:
-        state = await asyncio.to_thread(rebuild_state, self.hub, self.config.dedup_window)
+        started = time.monotonic()
+        state = await asyncio.to_thread(
+            rebuild_state, self.hub, self.config.dedup_window, checkpoint_path(self.hub)
+        )
         self.hashmap = state.hashmap
         self.last_seq = self.assigned_seq = state.sequence
+        self._applied_offset = state.offset
+        # A state rebuilt by a full scan is saved at the first chance.
+        self._checkpointed_offset = state.offset if state.from_checkpoint else -1
         for key in state.recent_uuids:
             self.dedup.add(key)
         log.info(
-            "eventbus: %d topics, sequence %d rebuilt from the journal; role %s",
+            "eventbus: %d topics, sequence %d rebuilt from %s in %.2fs; role %s",
             len(self.hashmap),
             self.last_seq,
+            "a checkpoint and the journal" if state.from_checkpoint else "the journal",
+            time.monotonic() - started,
             self.config.role,
         )
         self._ctx = zmq.asyncio.Context()
@@ -371,6 +478,7 @@ class EventBusService:
             self._snapshot_loop(),
             self._broadcast_loop(),
             self._heartbeat_loop(),
+            self._checkpoint_loop(),
         ]
         if self.config.role != "standalone":
             self._connect_peer()
@@ -463,6 +571,11 @@ class EventBusService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self.config.checkpoint_interval_s:
+            try:
+                await self.checkpoint()
+            except OSError as exc:
+                log.warning("eventbus: checkpoint at stop failed: %s", exc)
         for sock in self._sockets:
             sock.close(0)
         self._sockets.clear()
@@ -685,7 +798,8 @@ class EventBusService:
                 if len(builder) >= 10_000:
                     futures.append(self.hub.submit(builder.build()))
             futures.append(self.hub.submit(builder.build()))
-            await asyncio.gather(*futures)
+            commits = await asyncio.gather(*futures)
+            self._applied_offset = max(self._applied_offset, commits[-1].end_offset)
             self.hashmap = hashmap
             self.last_seq = self.assigned_seq = cut
             for e in copied.values():
@@ -719,7 +833,7 @@ class EventBusService:
     async def _apply(self, burst: _Burst, pub: zmq.Socket[bytes]) -> None:
         """Once ``burst`` is durable (and confirmed by the peer): hashmap, BROADCAST, ack."""
         try:
-            await burst.future
+            commit = await burst.future
         except Exception as exc:  # the hub is stopping or the journal failed
             log.error("eventbus: commit of %d events failed: %s", len(burst.entries), exc)
             for _seq, frames in burst.entries:
@@ -738,6 +852,7 @@ class EventBusService:
         if broadcast:
             self._m_broadcast.inc(len(burst.entries))
         self.last_seq = max(self.last_seq, burst.entries[-1][0])
+        self._applied_offset = max(self._applied_offset, commit.end_offset)
         if burst.reply_to is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self._collector_raw.send_multipart(
@@ -844,6 +959,36 @@ class EventBusService:
                     return
                 await asyncio.sleep(0.001)
         self._m_snapshots.inc()
+
+    # --- checkpoint ------------------------------------------------------------------------
+
+    def _capture(self) -> BusState:
+        """The applied state, taken in one step on the loop (entries are immutable tuples)."""
+        return BusState(
+            hashmap=dict(self.hashmap),
+            sequence=self.last_seq,
+            recent_uuids=list(self.dedup.recent()),
+            offset=self._applied_offset,
+        )
+
+    async def checkpoint(self) -> None:
+        """Save the applied state beside the journal (a no-op when nothing changed)."""
+        if self._applied_offset == self._checkpointed_offset:
+            return
+        state = self._capture()
+        await asyncio.to_thread(write_checkpoint, checkpoint_path(self.hub), state)
+        self._checkpointed_offset = state.offset
+
+    async def _checkpoint_loop(self) -> None:
+        interval = self.config.checkpoint_interval_s
+        if not interval:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.checkpoint()
+            except OSError as exc:
+                log.warning("eventbus: checkpoint failed: %s", exc)
 
     # --- heartbeat and Binary Star ---------------------------------------------------------------
 
