@@ -9,13 +9,16 @@ import threading
 import time
 
 import orjson
+import pytest
 import zmq
 
 from taproom.clients.logjam import LogjamAgent, LogjamConsumer
+from taproom.config import load_config
+from taproom.errors import ConfigError
 from taproom.protocols import logjam as lj
 from taproom.protocols.lumberjack import ClientSession
 from taproom.records import BatchBuilder
-from tests.support import running_app
+from tests.support import HubProcess, running_app, write_config
 
 
 def url(app, name):
@@ -508,8 +511,6 @@ class TestReplay:
 
 def test_taproom_serve_runs_logjam_and_stops_cleanly(tmp_path):
     """The real process: listeners in the ready file, a 202, then SIGTERM exits 0."""
-    from tests.support import HubProcess, write_config
-
     config = write_config(tmp_path, enable=["logjam"], logjam=QUIET)
     hub = HubProcess(config).start()
     try:
@@ -521,3 +522,17 @@ def test_taproom_serve_runs_logjam_and_stops_cleanly(tmp_path):
         assert hub.terminate() == 0
     finally:
         hub.kill()
+
+
+def test_config_checks(tmp_path):
+    for text, key in [
+        ("[logjam]\nmeta_size = 22\ndevice_number = 70000\n", "logjam.device_number"),
+        ('[logjam]\ndefault_app_env = "{protocol}"\n', "logjam.default_app_env"),
+        ('[logjam]\ndefault_app_env = "hub-{nope}"\n', "logjam.default_app_env"),
+        ('[logjam]\noutput_compression = "brotli"\n', "logjam.output_compression"),
+    ]:
+        with pytest.raises(ConfigError) as info:
+            load_config(text=text, env={})
+        assert info.value.key == key
+    cfg = load_config(text='[logjam]\nroutes = ["logjam", "logtk"]\n', env={})
+    assert cfg.logjam.routes == ("logjam", "logtk")

@@ -141,9 +141,14 @@ class LogjamConfig:
         if self.meta_size == 22 and self.device_number > 0xFFFF:
             raise ConfigError("the 22-byte meta holds a 16-bit device number", key="device_number")
         try:
-            self.default_app_env.format(protocol="x")
+            sample = self.default_app_env.format(protocol="lumberjack")
         except (KeyError, IndexError, ValueError):
             raise ConfigError("only {protocol} may be filled in", key="default_app_env") from None
+        if not lj.is_valid_app_env(sample.encode(), relaxed=self.grammar == "relaxed"):
+            raise ConfigError(
+                f"gives {sample!r}, not an app-env (application-environment)",
+                key="default_app_env",
+            )
 
 
 # The record header of records.py's batch layout, read here to publish logjam records without
