@@ -27,6 +27,17 @@ def ctx():
     context.term()
 
 
+def _wait_for_subscription(pub, consumer):
+    """Send probes (device 99) until one arrives, drain stragglers, forget device 99."""
+    for _ in range(200):
+        pub.send_multipart([b"probe-x", b"logs", b"{}", lj.encode_meta(0, 99, 1, 1)])
+        if consumer.recv(0.02) is not None:
+            break
+    while consumer.recv(0.1) is not None:
+        pass
+    consumer.devices.clear()
+
+
 class TestAgent:
     def test_push_frames_sequence_and_meta(self, ctx):
         pull = ctx.socket(zmq.PULL)
@@ -79,12 +90,7 @@ class TestConsumer:
         port = pub.bind_to_random_port("tcp://127.0.0.1")
         consumer = LogjamConsumer(f"tcp://127.0.0.1:{port}", [""], timeout=2, context=ctx)
         # wait until the subscription is through: send probes until one arrives
-        probe_meta = lj.encode_meta(0, 99, 1, 1)
-        for _ in range(200):
-            pub.send_multipart([b"probe-x", b"logs", b"{}", probe_meta])
-            if consumer.recv(0.02) is not None:
-                break
-        consumer.devices.clear()
+        _wait_for_subscription(pub, consumer)
         sent = [(5, 1), (5, 2), (9, 10), (5, 4), (5, 4), (5, 3), (9, 11), (5, 5), (5, 1)]
         methods = list(lj.Compression)
         for k, (device, seq) in enumerate(sent):
@@ -106,6 +112,28 @@ class TestConsumer:
         assert (five.gaps, five.duplicates, five.restarts) == (1, 2, 1)
         assert (nine.gaps, nine.duplicates, nine.restarts) == (0, 0, 0)
         assert consumer.bad == 1
+
+    def test_unreachable_replay_is_counted_and_the_stream_goes_on(self, ctx):
+        pub = ctx.socket(zmq.PUB)
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        dead = ctx.socket(zmq.ROUTER)  # bound, never answers
+        dead_port = dead.bind_to_random_port("tcp://127.0.0.1")
+        consumer = LogjamConsumer(
+            f"tcp://127.0.0.1:{port}",
+            [""],
+            replay_endpoint=f"tcp://127.0.0.1:{dead_port}",
+            timeout=0.3,
+            context=ctx,
+        )
+        _wait_for_subscription(pub, consumer)
+        for seq in (5, 9):
+            pub.send_multipart([b"a-b", b"logs", b'{"s":%d}' % seq, lj.encode_meta(0, 3, 1, seq)])
+        got = list(consumer.messages(1.0))
+        consumer.close()
+        pub.close()
+        dead.close()
+        assert [m.json()["s"] for m in got] == [5, 9]
+        assert consumer.filled == 0 and consumer.unfilled == consumer.gaps > 0
 
     async def test_gap_fill_through_replay_recovers_every_event(self, tmp_path):
         # heartbeats matter here: the one after the burst reveals the gap at its end

@@ -240,6 +240,7 @@ class LogjamConsumer:
         self.devices: dict[int, DeviceState] = {}
         self.heartbeats = 0
         self.filled = 0
+        self.unfilled = 0  # sequence numbers in gaps the replay channel could not answer
         self.bad = 0
         self._ready: deque[ConsumedMessage] = deque()
 
@@ -279,7 +280,8 @@ class LogjamConsumer:
             return True
         if seq > last + 1:
             state.gaps += seq - last - 1
-            state.missing.append((last + 1, seq - 1))
+            if self.replay_endpoint:  # remembered only when they can be filled
+                state.missing.append((last + 1, seq - 1))
             state.last_sequence = seq
             return True
         if seq == 1:  # the producer restarted or wrapped its numbering
@@ -324,7 +326,14 @@ class LogjamConsumer:
     def _fill(self, state: DeviceState) -> None:
         ranges, state.missing = state.missing, []
         for first, last in ranges:
-            for msg in self.replay_seq(first, last):
+            try:
+                msgs = self.replay_seq(first, last)
+            except (ReplyError, lj.LogjamError):
+                # The live stream goes on; what could not be fetched is counted, not retried
+                # (a retry per message would stall the consumer on a dead replay endpoint).
+                self.unfilled += last - first + 1
+                continue
+            for msg in msgs:
                 self.filled += 1
                 self._ready.append(msg)
 
@@ -357,9 +366,14 @@ class LogjamConsumer:
             reply = reply[1:]
         if not reply or reply[0] != b"200 OK":
             raise ReplyError(b" ".join(reply).decode("utf-8", "replace"))
-        nxt, count = int(reply[1]), int(reply[2])
-        out = []
+        try:
+            nxt, count = int(reply[1]), int(reply[2])
+        except (IndexError, ValueError):
+            raise ReplyError("malformed replay reply") from None
         body = reply[3:]
+        if len(body) != 5 * count:
+            raise ReplyError("replay reply frame count does not match")
+        out = []
         for i in range(count):
             part = body[5 * i : 5 * i + 5]
             decoded = self._decode(part[1:], replayed=True)
