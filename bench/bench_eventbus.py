@@ -158,9 +158,14 @@ def _snapshot_seconds(serve: _Serve) -> tuple[float, int]:
     dealer.send_multipart([b"SYNCSTART", b"", struct.pack(">Q", 0)])
     keys = 0
     while True:
-        frames = _recv_frames(dealer)
-        if frames[0] == b"SYNCEND":
+        # A DEALER receives whole messages, so after the command frame the rest of the
+        # message is there: read the known number of frames without asking about "more".
+        command = _recv(dealer, 0)
+        if command == b"SYNCEND":
+            _recv(dealer, 0), _recv(dealer, 0)
             break
+        for _ in range(6):
+            _recv(dealer, 0)
         keys += 1
     elapsed = time.perf_counter() - started
     ctx.destroy(0)
