@@ -168,6 +168,14 @@ class TestRecords:
         assert (rec.stream, rec.topic) == (stream, topic)
         assert rec.payload == orjson.dumps(doc)
 
+    def test_many_streams_bounded_cache(self) -> None:
+        # More distinct (stream, topic) pairs than the per-connection cache holds.
+        docs = [{"fields": {"app": f"app{i}"}, "type": f"t{i % 7}"} for i in range(600)]
+        data = W(600) + b"".join(J(i + 1, d) for i, d in enumerate(docs))
+        (window,) = ServerConnection("p").receive_data(data, 1)
+        recs = decode_batch(window.batch.body, 0)
+        assert [(r.stream, r.topic) for r in recs] == [(f"app{i}", f"t{i % 7}") for i in range(600)]
+
     def test_invalid_utf8_in_d_becomes_replacement_char(self) -> None:
         frame = struct.pack(">BBII", V1, 0x44, 1, 1) + b"\0\0\0\x01k\0\0\0\x02\xff\xfe"
         (window,) = ServerConnection("p").receive_data(W(1, V1) + frame, 1)

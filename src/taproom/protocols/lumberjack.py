@@ -52,6 +52,7 @@ __all__ = [
     "encode_ack",
     "next_seq",
     "seq_after",
+    "windows_of",
 ]
 
 PROTOCOL = "lumberjack"
@@ -267,7 +268,6 @@ class ServerConnection:
 
     __slots__ = (
         "_buf",
-        "_cache",
         "_count",
         "_events",
         "_high",
@@ -312,7 +312,6 @@ class ServerConnection:
         self._nbytes = 0
         self._received_ns = 0
         self._events: list[Window] = []
-        self._cache: dict[tuple[int, bytes, str, str], tuple[bytes, int, int, int]] = {}
         self._json_cache: dict[tuple[int, str, str], tuple[bytes, int, int, int]] = {}
         self._kv_cache: dict[tuple[int, str, str], tuple[bytes, int, int, int]] = {}
         self.events_total = 0
@@ -655,18 +654,16 @@ class ServerConnection:
                 return pos
 
     def _cache_entry(self, key: tuple[int, bytes, str, str]) -> tuple[bytes, int, int, int]:
+        """The constant middle of a record and its lengths; the caller caches it."""
         version, content_type, stream, topic = key
         s = stream.encode("utf-8", "surrogateescape")
         t = topic.encode("utf-8", "surrogateescape")
         mid = b"".join((b"lumberjack", content_type, s, t, self._producer, _ATTRS[version]))
-        if len(self._cache) >= 256:
+        if len(self._json_cache) + len(self._kv_cache) >= 256:
             # Bounded: streams/topics are few, but senders choose them.
-            self._cache.clear()
             self._json_cache.clear()
             self._kv_cache.clear()
-        entry = (mid, len(mid), len(s), len(t))
-        self._cache[key] = entry
-        return entry
+        return (mid, len(mid), len(s), len(t))
 
     def _close_window(self, *, final: bool) -> Window:
         parts = self._parts
