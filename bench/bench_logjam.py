@@ -3,8 +3,10 @@ the PUB output to 1 and to 8 subscribers, each beside a raw pyzmq loop of the sa
 sizes on the same machine (the ceiling; the ratio says how much of it taproom keeps).
 
 The hub is a child process (``taproom serve`` for ingest; for the PUB figures a child that runs
-the hub with the logjam service and feeds it prebuilt committed batches, so the output is
-measured rather than ingest). Agents and subscribers are further processes.
+the hub with the logjam service and feeds it prebuilt batches of 1000 logjam records with
+``fsync = off``, so the output is measured rather than ingest). Agents and subscribers are
+further processes. Beside each wall-clock rate the bench prints messages per CPU-second of the
+hub (or publisher) process: on a shared machine that figure moves far less than wall time.
 """
 
 from __future__ import annotations
