@@ -219,10 +219,13 @@ class TestAcks:
         window = conn.flush()
         assert window is not None and window.ack_seq == 2 and window.batch.count == 2
         assert conn.flush() is None
-        # The stream goes on without another W: windows keep closing every 1000 frames.
-        frames = b"".join(D(s, {"a": "x"}) for s in range(3, 1003))
-        (full,) = conn.receive_data(frames, 1)
-        assert (full.ack_seq, full.batch.count) == (1002, 1000)
+        # The stream goes on without another W: windows keep closing every 1000 frames,
+        # on the sender's boundaries (frame 1000, 2000, ...) despite the partial ack.
+        frames = b"".join(D(s, {"a": "x"}) for s in range(3, 2003))
+        first, second = conn.receive_data(frames, 1)
+        assert (first.ack_seq, first.batch.count) == (1000, 998)
+        assert (second.ack_seq, second.batch.count) == (2000, 1000)
+        assert conn.pending_events == 2
 
     def test_new_window_closes_open_one(self) -> None:
         windows = ServerConnection("p").receive_data(W(5) + J(1, {}) + W(1) + J(2, {}), 1)

@@ -271,6 +271,7 @@ class ServerConnection:
         "_count",
         "_events",
         "_high",
+        "_in_window",
         "_json_cache",
         "_kv_cache",
         "_limits",
@@ -306,7 +307,10 @@ class ServerConnection:
         self._need = 0
         self._window_size = 0  # 0: no W seen yet, windows close at max_window or idle
         self._version = _VER2
-        self._count = 0  # data frames in the open window
+        self._count = 0  # data frames in the open batch (not yet returned in a Window)
+        # Data frames since the sender's window began: windows close on the sender's
+        # boundaries even after an idle flush acknowledged part of one.
+        self._in_window = 0
         self._high = 0
         self._parts: list[bytes] = []
         self._nbytes = 0
@@ -360,7 +364,11 @@ class ServerConnection:
         return events
 
     def flush(self) -> Window | None:
-        """Close the open window early (the connection went idle); None when it is empty."""
+        """Acknowledge the open window's frames so far (the connection went idle).
+
+        The sender's window stays open: it still closes after ``W`` frames in total.
+        Returns None when nothing is pending.
+        """
         if not self._count:
             return None
         return self._close_window(final=True)
@@ -470,11 +478,15 @@ class ServerConnection:
                         self._high = seq
                 else:
                     self._high = seq
-                self._count = count = count + 1
-                if count >= (self._window_size or max_window):
+                self._count = count + 1
+                in_window = self._in_window + 1
+                if in_window >= (self._window_size or max_window):
+                    self._in_window = 0
                     self._close_window(final=True)
-                elif self._nbytes >= max_batch:
-                    self._close_window(final=False)
+                else:
+                    self._in_window = in_window
+                    if self._nbytes >= max_batch:
+                        self._close_window(final=False)
                 pos = fend
             elif ftype == _T_D:
                 pos = self._data_frames(view, pos, end, version)
@@ -495,6 +507,7 @@ class ServerConnection:
                     self._close_window(final=True)
                 self._version = version
                 self._window_size = size
+                self._in_window = 0
                 if size == 0:
                     # Nothing will follow in this window; acknowledge it as such.
                     self._events.append(Window(EncodedBatch(0, b""), 0, version))
@@ -643,11 +656,15 @@ class ServerConnection:
                     self._high = seq
             else:
                 self._high = seq
-            self._count = count = count + 1
-            if count >= (self._window_size or max_window):
+            self._count = count + 1
+            in_window = self._in_window + 1
+            if in_window >= (self._window_size or max_window):
+                self._in_window = 0
                 self._close_window(final=True)
-            elif self._nbytes >= max_batch:
-                self._close_window(final=False)
+            else:
+                self._in_window = in_window
+                if self._nbytes >= max_batch:
+                    self._close_window(final=False)
             pos = q
             # Stay in this loop while the next frame is another D of the same version.
             if end - pos < 2 or view[pos] != version or view[pos + 1] != t_data:
