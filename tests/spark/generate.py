@@ -61,14 +61,19 @@ class GeneratedEvent:
     attrs: dict[str, str] | None = None
 
 
-def _request(rng: random.Random, minute_span: int) -> dict[str, Any]:
+def _request(rng: random.Random, minute_span: int, received_ns: int | None) -> dict[str, Any]:
     doc: dict[str, Any] = {}
     if rng.random() > 0.03:
         doc["action"] = rng.choice(ACTIONS)
     elif rng.random() < 0.5:
         doc["action"] = ""
-    second = rng.uniform(0, minute_span * 60)
-    started = BASE + dt.timedelta(seconds=second)
+    if received_ns is None:
+        second = rng.uniform(0, minute_span * 60)
+        started = BASE + dt.timedelta(seconds=second)
+    else:  # arrival order: started shortly before it was received
+        started = dt.datetime.fromtimestamp(received_ns / 1e9, dt.UTC) - dt.timedelta(
+            seconds=rng.uniform(0, 20)
+        )
     r = rng.random()
     if r < 0.6:
         doc["started_at"] = started.isoformat(timespec="milliseconds")
@@ -95,9 +100,13 @@ def _request(rng: random.Random, minute_span: int) -> dict[str, Any]:
 
 
 def generate_events(
-    n: int, *, seed: int = 7, minute_span: int = 20, others: float = 0.15
+    n: int, *, seed: int = 7, minute_span: int = 20, others: float = 0.15, in_order: bool = False
 ) -> list[GeneratedEvent]:
-    """``n`` events: logjam requests on logs.* and frontend.* topics, plus other protocols."""
+    """``n`` events: logjam requests on logs.* and frontend.* topics, plus other protocols.
+
+    Start times are spread over ``minute_span`` minutes at random, or with ``in_order`` follow
+    the receive order within 20 s (what a streaming watermark expects).
+    """
     rng = random.Random(seed)
     events = []
     for i in range(n):
@@ -156,7 +165,7 @@ def generate_events(
             if rng.random() < 0.8
             else rng.choice(("frontend.page", "frontend.ajax"))
         )
-        doc = _request(rng, minute_span)
+        doc = _request(rng, minute_span, received_ns if in_order else None)
         payload = json.dumps(doc).encode()
         if rng.random() < 0.01:
             payload = b"{not json"
