@@ -83,7 +83,7 @@ class LumberjackConfig:
         min=64 * 1024,
     )
     max_connections: int = setting(
-        4096, "one or a few connections per shipper; each idle one costs ~10 KiB", min=1
+        4096, "one or a few connections per shipper; an idle one costs ~5 KiB (bench)", min=1
     )
     idle_timeout_s: float = setting(
         60.0, "Filebeat's default client timeout is 30 s; twice that is surely dead", min=0.1
