@@ -7,9 +7,13 @@ batch and hands it to the hub.
 
 Output: an XPUB socket (consumers connect SUB sockets) fed from ``hub.subscribe("logjam_pub")``,
 so only committed events go out, in journal order, renumbered from 1 under taproom's device
-number, plus a heartbeat every ``heartbeat_interval_s``. Sends never block: with
-``ZMQ_XPUB_NODROP`` a full subscriber queue makes the send fail with EAGAIN, and that message is
-counted in ``taproom_logjam_pub_dropped_messages_total`` (see docs/protocols/logjam.md).
+number, plus a heartbeat every ``heartbeat_interval_s``. Sends never block. ``ZMQ_XPUB_NODROP``
+makes a send fail with EAGAIN when any matching subscriber's queue is full; that message is then
+counted in ``taproom_logjam_pub_dropped_messages_total`` (a lower bound: libzmq then stops
+offering messages to the full subscriber until it drains) and sent once more in lossy mode, so
+it still reaches every subscriber with room and only the full ones miss it. A slow subscriber
+never costs a fast one a message; consumers see their own gaps in sequence numbers (see
+docs/protocols/logjam.md).
 
 Replay: a ROUTER side channel answers ``offset``/``seq`` requests from the journal (read in a
 thread), so a consumer that saw a gap can fill it.
@@ -438,7 +442,7 @@ class LogjamService:
         offset: int,
         compression: int,
     ) -> bool:
-        """Number and send one message; False (and counted) when a subscriber was full."""
+        """Number and send one message; a subscriber that was full misses it (counted)."""
         k = self.published + 1
         self.published = k
         seq = (k - 1) % self.config.sequence_wrap + 1
@@ -452,12 +456,27 @@ class LogjamService:
             _raw_send(pub, app_env, zmq.NOBLOCK | zmq.SNDMORE)
         except zmq.Again:
             self._m_dropped.inc()
-            return False
+            self._send_past_full(app_env, topic, body, meta)
+            return True  # sent: only the full subscribers miss it
         # With XPUB_NODROP only the first frame can hit the HWM (pipes count whole messages).
         _raw_send(pub, topic, zmq.SNDMORE)
         _raw_send(pub, body, zmq.SNDMORE)
         _raw_send(pub, meta, 0)
         return True
+
+    def _send_past_full(self, app_env: bytes, topic: bytes, body: bytes, meta: bytes) -> None:
+        """Some matching subscriber's queue is full: send this one message in lossy mode, so
+        every subscriber with room gets it and only the full ones miss it (their sequence
+        numbers show the gap; replay fills it)."""
+        pub = self._pub
+        pub.setsockopt(zmq.XPUB_NODROP, 0)
+        try:
+            _raw_send(pub, app_env, zmq.NOBLOCK | zmq.SNDMORE)
+            _raw_send(pub, topic, zmq.SNDMORE)
+            _raw_send(pub, body, zmq.SNDMORE)
+            _raw_send(pub, meta, 0)
+        finally:
+            pub.setsockopt(zmq.XPUB_NODROP, 1)
 
     async def _publish_loop(self) -> None:
         async for batch in self._sub:
@@ -533,6 +552,8 @@ class LogjamService:
                             pub_send(app_env, first_flags)
                         except zmq.Again:
                             dropped += 1
+                            self._send_past_full(app_env, topic, body[q : q + ll], meta)
+                            sent += 1
                         else:
                             pub_send(topic, more)
                             pub_send(body[q : q + ll], more)
