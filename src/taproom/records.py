@@ -32,6 +32,8 @@ from .errors import LimitExceeded
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
+    "RECORD_HEAD",
+    "RECORD_HEAD_AFTER_LEN",
     "BatchBuilder",
     "EncodedBatch",
     "Record",
@@ -39,8 +41,12 @@ __all__ = [
     "iter_batch",
 ]
 
-_HEAD = struct.Struct("<IqqQBBHHHHII")
-_HEAD_AFTER_LEN = _HEAD.size - 4
+# The record head. Public for the few hot paths (Lumberjack decoder, logjam PUB) that write or
+# walk records without Record objects; everything else uses BatchBuilder and iter_batch.
+RECORD_HEAD = struct.Struct("<IqqQBBHHHHII")
+RECORD_HEAD_AFTER_LEN = RECORD_HEAD.size - 4
+_HEAD = RECORD_HEAD
+_HEAD_AFTER_LEN = RECORD_HEAD_AFTER_LEN
 # One record's payload may not exceed this: the journal frames batches with u32 lengths and a
 # single event larger than 64 MiB is a sender bug, not telemetry.
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024

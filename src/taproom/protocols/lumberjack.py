@@ -31,7 +31,7 @@ from enum import IntEnum
 import orjson
 
 from ..errors import LimitExceeded, ProtocolError
-from ..records import EncodedBatch
+from ..records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
 
 __all__ = [
     "PROTOCOL",
@@ -230,8 +230,8 @@ class Window:
 # u8 lp, u8 lc, u16 ls, lt, lr, le, u32 la, lp. Encoded here directly: records.BatchBuilder.add
 # costs ~2.5 us per event, more than the whole rest of the v2 path; the format is checked
 # against records.iter_batch by the tests.
-_REC_HEAD = struct.Struct("<IqqQBBHHHHII")
-_REC_AFTER_LEN = _REC_HEAD.size - 4
+_REC_HEAD = RECORD_HEAD
+_REC_AFTER_LEN = RECORD_HEAD_AFTER_LEN
 _MAX_NAME_CHARS = 255  # a stream/topic value longer than this is not a name: ignored
 
 _CT_KV = b"kv"

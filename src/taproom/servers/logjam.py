@@ -43,7 +43,7 @@ from ..errors import ConfigError, HubStopped, ProtocolError
 from ..hub import CommittedBatch, Hub
 from ..payloads import decode_payload
 from ..protocols import logjam as lj
-from ..records import BatchBuilder, Record
+from ..records import RECORD_HEAD, BatchBuilder, Record
 
 __all__ = ["LogjamConfig", "LogjamService", "create_service"]
 
@@ -157,7 +157,7 @@ class LogjamConfig:
 
 # The record header of records.py's batch layout, read here to publish logjam records without
 # decoding them into Record objects (the PUB output's hot path).
-_RECORD_HEAD = struct.Struct("<IqqQBBHHHHII")
+_RECORD_HEAD = RECORD_HEAD
 
 # pyzmq's Socket.send is a Python wrapper (routing ids, groups) around the Cython send; the hot
 # loops call the Cython method directly, which halves the cost of a frame (DESIGN.md decision 3).
