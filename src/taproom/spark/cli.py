@@ -23,14 +23,14 @@ def _when(text: str) -> dt.datetime:
     return value
 
 
-def _session(args: argparse.Namespace, name: str) -> Any:
+def _session(args: argparse.Namespace, name: str, shuffle_partitions: int = 0) -> Any:
     try:
         from .jobs.session import get_session
     except ModuleNotFoundError as exc:  # pragma: no cover - depends on the install
         raise SystemExit(
             f"taproom spark needs the Spark extra (pip install 'taproom[spark]'): {exc}"
         ) from None
-    return get_session(f"taproom-{name}", args.master)
+    return get_session(f"taproom-{name}", args.master, shuffle_partitions)
 
 
 def cmd_rollup(args: argparse.Namespace) -> int:
@@ -46,7 +46,7 @@ def cmd_rollup(args: argparse.Namespace) -> int:
 def cmd_stream(args: argparse.Namespace) -> int:
     from .jobs.stream import run_stream
 
-    spark = _session(args, "stream")
+    spark = _session(args, "stream", args.shuffle_partitions)
     return run_stream(
         spark,
         args.journal,
@@ -56,6 +56,7 @@ def cmd_stream(args: argparse.Namespace) -> int:
         trigger_seconds=args.trigger_seconds,
         available_now=args.available_now,
         max_records=args.max_records_per_trigger,
+        tables=tuple(t for t in args.tables.split(",") if t),
     )
 
 
@@ -102,6 +103,18 @@ def register_commands(subparsers: Any) -> None:
     p.add_argument("--trigger-seconds", type=float, default=10.0, metavar="S")
     p.add_argument("--available-now", action="store_true", help="process what is there, then exit")
     p.add_argument("--max-records-per-trigger", type=int, metavar="N")
+    p.add_argument(
+        "--tables",
+        default="requests,exceptions,logs",
+        help="comma-separated tables to maintain (one query and checkpoint each)",
+    )
+    p.add_argument(
+        "--shuffle-partitions",
+        type=int,
+        default=0,
+        metavar="N",
+        help="state partitions, fixed by the first run of a checkpoint (default: Spark's)",
+    )
     common(p)
     p.set_defaults(func=cmd_stream)
 

@@ -40,9 +40,10 @@ def start_stream(
     trigger_seconds: float = 10.0,
     available_now: bool = False,
     max_records: int | None = None,
+    tables: tuple[str, ...] = ("requests", "exceptions", "logs"),
 ) -> list[Any]:
-    """Start the three queries and return them (running)."""
-    tables = {
+    """Start one query per table in ``tables`` and return them (running)."""
+    builders = {
         "requests": lambda ev: ev.transform(T.logjam_requests).transform(
             T.request_rollup, watermark
         ),
@@ -52,7 +53,11 @@ def start_stream(
         "logs": lambda ev: ev.transform(T.log_rollup, watermark),
     }
     queries = []
-    for name, build in tables.items():
+    unknown = set(tables) - set(builders)
+    if unknown:
+        raise ValueError(f"unknown tables {sorted(unknown)}; known: {sorted(builders)}")
+    for name in tables:
+        build = builders[name]
         writer = (
             build(_events(spark, journals, max_records))
             .writeStream.format("parquet")

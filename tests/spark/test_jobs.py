@@ -1,0 +1,343 @@
+"""The jobs: batch rollup (idempotent, by date), report, and the streaming job across a clean
+stop and a SIGKILL of the driver, compared with the batch job on the same data."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from taproom.spark import transforms as T
+from taproom.spark.jobs.report import report_text
+from taproom.spark.jobs.rollup import day_range, run_rollup
+
+from .generate import (
+    BASE_NS,
+    GeneratedEvent,
+    generate_events,
+    reference_requests,
+    write_journal,
+)
+
+pytestmark = pytest.mark.spark
+
+TAPROOM = str(Path(sys.executable).with_name("taproom"))
+KEY = ("minute", "app", "env", "action", "module", "frontend")
+
+
+def test_cli_never_imports_pyspark() -> None:
+    """The hub must run without the Spark extra: building the CLI imports no pyspark."""
+    code = (
+        "import sys, taproom.cli as c; p = c.build_parser(); "
+        "a = p.parse_args(['spark', 'rollup', '--journal', 'j', '--out', 'o']); "
+        "assert a.func.__module__ == 'taproom.spark.cli', a.func; "
+        "print(sorted(m for m in sys.modules if m.startswith(('pyspark', 'py4j'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_day_range_widens_to_whole_utc_days() -> None:
+    lo, hi = day_range(
+        dt.datetime(2026, 11, 21, 23, 55), dt.datetime(2026, 11, 22, 0, 1, tzinfo=dt.UTC)
+    )
+    assert lo == dt.datetime(2026, 11, 21, tzinfo=dt.UTC)
+    assert hi == dt.datetime(2026, 11, 23, tzinfo=dt.UTC)
+    assert day_range(None, dt.datetime(2026, 11, 22))[1] == dt.datetime(2026, 11, 22, tzinfo=dt.UTC)
+
+
+def _snapshot(spark: Any, out: Path, table: str) -> list[tuple[Any, ...]]:
+    """The table's rows, floats to 12 significant digits: Spark adds partial sums in
+    whatever order shuffle blocks arrive, so the last bits of a double may differ."""
+    df = spark.read.parquet(str(out / table))
+    return sorted(
+        tuple(float(f"{v:.12g}") if isinstance(v, float) else v for v in r)
+        for r in df.select(sorted(df.columns)).collect()
+    )
+
+
+def test_rollup_is_idempotent_and_replaces_only_its_dates(
+    spark: Any, logjam_journal: Path, logjam_events: list[GeneratedEvent], tmp_path: Path
+) -> None:
+    out = tmp_path / "rollup"
+    run_rollup(spark, [str(logjam_journal)], str(out), progress=False)
+    first = {t: _snapshot(spark, out, t) for t in ("requests", "exceptions", "logs")}
+    assert sorted(os.listdir(out / "requests"))[:2] == ["date=2026-11-21", "date=2026-11-22"]
+    expected = reference_requests(logjam_events)
+    counts = {
+        tuple(r[k] for k in KEY): r["count"]
+        for r in spark.read.parquet(str(out / "requests")).collect()
+    }
+    assert counts == {k: v["count"] for k, v in expected.items()}
+
+    # The same range again: nothing doubles.
+    run_rollup(spark, [str(logjam_journal)], str(out), progress=False)
+    assert {t: _snapshot(spark, out, t) for t in first} == first
+
+    # A range inside the second day rewrites only that day's partition.
+    day1 = out / "requests" / "date=2026-11-21"
+    before = {p: os.stat(day1 / p).st_mtime_ns for p in os.listdir(day1)}
+    run_rollup(
+        spark,
+        [str(logjam_journal)],
+        str(out),
+        since=dt.datetime(2026, 11, 22, 0, 5),
+        until=dt.datetime(2026, 11, 22, 0, 6),
+        progress=False,
+        tables=("requests",),
+    )
+    assert {p: os.stat(day1 / p).st_mtime_ns for p in os.listdir(day1)} == before
+    assert _snapshot(spark, out, "requests") == first["requests"]
+
+
+def test_report_reads_the_rollups(
+    spark: Any, logjam_journal: Path, logjam_events: list[GeneratedEvent], tmp_path: Path
+) -> None:
+    out = tmp_path / "rollup"
+    run_rollup(spark, [str(logjam_journal)], str(out), tables=("requests",), progress=False)
+    text = report_text(spark, str(out), top=3)
+    expected = reference_requests(logjam_events)
+    per_app: dict[str, list[float]] = {}
+    for key, value in expected.items():
+        acc = per_app.setdefault(f"{key[1]}-{key[2]}", [0, 0, 0.0])
+        acc[0] += value["count"]
+        acc[1] += value["status_5xx"]
+        acc[2] += value["apdex_satisfied"] + value["apdex_tolerating"] / 2
+    lines = text.splitlines()
+    for app, (n, errors, score) in per_app.items():
+        line = next(line for line in lines if line.strip().startswith(app + " "))
+        assert f"{int(n):,}" in line
+        assert f"{100 * errors / n:.2f}%" in line
+        assert f"{score / n:.3f}" in line
+    slow = lines[lines.index(next(x for x in lines if x.startswith("Top 3"))) + 2 :]
+    assert len(slow) == 3
+
+
+# --- streaming: a clean stop, a SIGKILL, a restart; then compare with the batch job --------
+
+WATERMARK_MIN = 10
+# One query keeps this test's time in budget (every micro-batch of every query costs seconds
+# on a loaded 2-core box); requests is the one with state worth losing: sums, percentiles.
+TABLES = ("requests",)
+
+
+def _stream(journal: Path, out: Path, checkpoint: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, TZ="UTC")
+    log = open(checkpoint.parent / "stream.log", "ab")  # noqa: SIM115 (the child owns it)
+    return subprocess.Popen(
+        [
+            TAPROOM,
+            "spark",
+            "stream",
+            "--journal",
+            str(journal),
+            "--out",
+            str(out),
+            "--checkpoint",
+            str(checkpoint),
+            "--trigger-seconds",
+            "0.5",
+            "--max-records-per-trigger",
+            "300",
+            "--shuffle-partitions",
+            "1",
+            "--tables",
+            ",".join(TABLES),
+            "--watermark",
+            f"{WATERMARK_MIN} minutes",
+        ],
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (the JVM that PySpark started, and its children)."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _stop(proc: subprocess.Popen[bytes], signum: int) -> int:
+    """Signal the driver and wait until it and its JVM are gone: two drivers must never
+    share a checkpoint."""
+    family = _descendants(proc.pid)
+    proc.send_signal(signum)
+    try:
+        code = proc.wait(90)
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 90
+    for pid in family:
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+    for pid in family:  # a JVM that outlived its driver this long is killed outright
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return code
+
+
+def _log(checkpoint: Path, table: str, kind: str) -> dict[int, str]:
+    path = checkpoint / table / kind
+    if not path.is_dir():
+        return {}
+    out = {}
+    for name in os.listdir(path):
+        if name.isdigit():
+            with open(path / name) as f:
+                out[int(name)] = f.read()
+    return out
+
+
+def _source_end(entry: str) -> int:
+    return int(next(iter(json.loads(entry.strip().splitlines()[-1]).values())))
+
+
+def _wait(proc: subprocess.Popen[bytes], done: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log = Path(proc.args[proc.args.index("--checkpoint") + 1]).parent / "stream.log"
+            tail = log.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"stream job died or stalled (exit {proc.poll()}):\n{tail}")
+        time.sleep(0.05)
+
+
+def _append(journal: Path, events: list[GeneratedEvent]) -> None:
+    write_journal(journal, events)  # reopening a journal appends
+
+
+def test_stream_exactly_once_across_stop_and_sigkill(spark: Any, tmp_path: Path) -> None:
+    events = generate_events(600, seed=21, minute_span=15, in_order=True)
+    # Far-future events move the watermark past every real minute, so all of them are final.
+    flush_ns = BASE_NS + 3600 * 10**9
+    flush = [
+        GeneratedEvent(
+            "logjam",
+            "shop-production",
+            "logs.shop.production",
+            json.dumps({"started_ms": flush_ns // 10**6 + i}).encode(),
+            "json",
+            flush_ns + i,
+            flush_ns + i,
+        )
+        for i in range(2)
+    ]
+    journal, out, ckpt = tmp_path / "j", tmp_path / "out", tmp_path / "ckpt"
+    write_journal(journal, events[:300])
+    tables = TABLES
+
+    # Run 1: stop cleanly (SIGTERM) after the first committed micro-batches.
+    proc = _stream(journal, out, ckpt)
+    try:
+        _wait(proc, lambda: all(_log(ckpt, t, "commits") for t in tables), 180)
+    finally:
+        assert _stop(proc, signal.SIGTERM) == 0
+    stopped_at = {t: max(_log(ckpt, t, "commits")) for t in tables}
+    planned = max(_log(ckpt, "requests", "offsets"))
+
+    # Run 2: more data arrives; SIGKILL the driver in the middle of a micro-batch (planned,
+    # offsets logged, not committed) when we can catch one, else right after a commit.
+    _append(journal, events[300:])
+    proc = _stream(journal, out, ckpt)
+    try:
+
+        def mid_batch() -> bool:
+            offsets, commits = _log(ckpt, "requests", "offsets"), _log(ckpt, "requests", "commits")
+            return max(offsets) > planned and max(offsets) not in commits
+
+        def progressed() -> bool:
+            return max(_log(ckpt, "requests", "commits")) > stopped_at["requests"]
+
+        _wait(proc, lambda: mid_batch() or progressed(), 180)
+    finally:
+        assert _stop(proc, signal.SIGKILL) == -signal.SIGKILL
+
+    # Run 3: the rest, then the flush; stop once every query has caught up and run the
+    # no-data batch that writes the minutes the watermark closed.
+    _append(journal, flush)
+    end = len(events) + len(flush)
+    proc = _stream(journal, out, ckpt)
+    try:
+
+        def caught_up() -> bool:
+            for t in tables:
+                offsets, commits = _log(ckpt, t, "offsets"), _log(ckpt, t, "commits")
+                last = sorted(i for i in commits if i in offsets)[-2:]
+                if len(last) < 2 or any(_source_end(offsets[i]) != end for i in last):
+                    return False
+            return True
+
+        _wait(proc, caught_up, 180)
+    finally:
+        assert _stop(proc, signal.SIGTERM) == 0
+
+    # The batch job over the same journal, minus the still-open flush minute.
+    batch = tmp_path / "batch"
+    run_rollup(spark, [str(journal)], str(batch), progress=False)
+    flush_minute = dt.datetime.fromtimestamp(flush_ns // 10**9, dt.UTC).replace(
+        second=0, tzinfo=None
+    )
+    reference = reference_requests(events)
+    for table in tables:
+        streamed = spark.read.parquet(str(out / table)).collect()
+        batched = [r for r in spark.read.parquet(str(batch / table)).collect()]
+        batched = [r for r in batched if r["minute"] < flush_minute]
+        assert all(r["minute"] < flush_minute for r in streamed)
+        key_cols = [
+            c
+            for c in batched[0].asDict()
+            if c in (*KEY, "date", "exception", "protocol", "stream", "level")
+        ]
+        keys = [tuple(r[c] for c in key_cols) for r in streamed]
+        assert len(keys) == len(set(keys)), f"{table}: duplicate rows"
+        s = {tuple(r[c] for c in key_cols): r.asDict() for r in streamed}
+        b = {tuple(r[c] for c in key_cols): r.asDict() for r in batched}
+        assert set(s) == set(b), f"{table}: missing or extra rows"
+        for key, row in b.items():
+            for column, value in row.items():
+                got = s[key][column]
+                if column.startswith("total_time_p"):
+                    # Both are approximations; each must be right for the exact data.
+                    times = reference[key[:6]]["times"]
+                    q = {"p50": 0.5, "p90": 0.9, "p95": 0.95, "p99": 0.99}[column[-3:]]
+                    below = sum(t < got for t in times) / len(times)
+                    upto = sum(t <= got for t in times) / len(times)
+                    slack = 1 / T.PERCENTILE_ACCURACY + 1 / len(times)
+                    assert below - slack <= q <= upto + slack, (table, key, column)
+                elif isinstance(value, float):
+                    assert math.isclose(got, value, rel_tol=1e-9), (table, key, column)
+                else:
+                    assert got == value, (table, key, column)
+    requests = [
+        e for e in events if e.protocol == "logjam" and e.topic.startswith(("logs.", "frontend."))
+    ]
+    assert sum(r["count"] for r in spark.read.parquet(str(out / "requests")).collect()) == len(
+        requests
+    )
