@@ -101,6 +101,13 @@ def wide_schema(fmt: Any) -> StructType:
     return StructType(fields)
 
 
+def _arrow_schema(schema: StructType) -> Any:
+    """Spark checks nullability and types of every batch exactly: derive them from ``schema``."""
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    return to_arrow_schema(schema, timezone="UTC")
+
+
 @dataclass(frozen=True)
 class KegFile(InputPartition):
     path: str
@@ -182,7 +189,7 @@ class _WideReader(DataSourceReader):
             ts_ns,
         ]
         columns += [_arrow_column(item, table[item.name]) for item in fmt.items]
-        yield pa.RecordBatch.from_arrays(columns, names=self.schema.fieldNames())
+        yield pa.RecordBatch.from_arrays(columns, schema=_arrow_schema(self.schema))
 
 
 class _LongReader(DataSourceReader):
@@ -226,7 +233,7 @@ class _LongReader(DataSourceReader):
                             pa.repeat(pa.scalar(name, pa.string()), n),
                             pa.array(column, pa.float64()),
                         ],
-                        names=KEG_LONG_SCHEMA.fieldNames(),
+                        schema=_arrow_schema(KEG_LONG_SCHEMA),
                     )
 
 
