@@ -30,6 +30,7 @@ from taproom.protocols.eventbus import (
     parse_subtrees,
     parse_syncstart,
     parse_timestamp,
+    pub_frames,
     replicate_frames,
     replicated_frames,
     sync_frames,
@@ -81,6 +82,12 @@ class TestServerToClientUpdates:
         assert frames[0] == b"HUGZ"
         beat = parse_broadcast(frames)
         assert beat == Heartbeat(42, "taproom", TS, int(BStarState.PASSIVE), True)
+
+    def test_pub_round_trip(self) -> None:
+        event = Event("/a/b", 0, "p", TS, UUID, DATA, parse_timestamp(TS))
+        frames = pub_frames(event)
+        assert frames == _frames(topic=b"/a/b", seq=b"\x00" * 8, producer=b"p")
+        assert parse_pub(frames) == event
 
     def test_uuid_is_normalised_to_lower_case(self) -> None:
         assert parse_pub(_frames(uuid=UUID.upper().encode())).uuid == UUID

@@ -214,6 +214,29 @@ class TestSnapshot:
             }
             assert everything["/a/0"].data == msgpack.packb(20)
 
+    async def test_a_client_that_does_not_read_holds_up_only_itself(self, tmp_path: Path) -> None:
+        settings = {"snapshot_hwm": 50, "snapshot_timeout_ms": 8000}
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
+            url = _url(app.addresses)
+            async with EventBusClient([url]) as client:
+                # ~10 MB of snapshot: more than the kernel buffers of a stuck connection hold
+                await _publish_all(client, [(f"/s/{i}", "x" * 500) for i in range(20_000)])
+            ctx = zmq.asyncio.Context()
+            stuck = ctx.socket(zmq.DEALER)
+            stuck.setsockopt(zmq.RCVHWM, 10)
+            stuck.setsockopt(zmq.RCVBUF, 4096)
+            stuck.connect(url)
+            await stuck.send_multipart(syncstart_frames((), 0))  # and never reads
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            events, cut = await _snapshot(url)
+            # served while the stuck snapshot still waits out its 8 s timeout
+            assert time.monotonic() - started < 6
+            assert len(events) == 20_000 and cut == 20_000
+            # ... and the stuck one really is stuck: completed are the publisher's and this one
+            assert _metric(app, "taproom_eventbus_snapshots_calls_total") == 2
+            ctx.destroy(0)
+
     async def test_heartbeat_carries_the_sequence(self, tmp_path: Path) -> None:
         async with running_app(tmp_path, enable=["eventbus"], eventbus={"heartbeat_ms": 50}) as app:
             url = _url(app.addresses)

@@ -44,10 +44,10 @@ from ..protocols.eventbus import (
     Heartbeat,
     Limits,
     SyncEnd,
-    broadcast_frames,
     matches,
     parse_broadcast,
     parse_snapshot_reply,
+    pub_frames,
     syncstart_frames,
 )
 
@@ -191,7 +191,7 @@ class EventBusClient:
         existing = self._pending.get(key)
         if existing is not None:
             return existing.future
-        pending = _Pending(broadcast_frames(event), future)
+        pending = _Pending(pub_frames(event), future)
         self._pending[key] = pending
         self._send(pending)
         return future

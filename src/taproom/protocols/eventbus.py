@@ -61,6 +61,7 @@ __all__ = [
     "parse_subtrees",
     "parse_syncstart",
     "parse_timestamp",
+    "pub_frames",
     "replicate_frames",
     "replicated_frames",
     "sync_frames",
@@ -348,7 +349,12 @@ def parse_snapshot_reply(
 
 
 def broadcast_frames(event: Event) -> list[bytes]:
-    """BROADCAST (and PUB: the same six frames)."""
+    """BROADCAST: the event's six frames."""
+    return event.frames()
+
+
+def pub_frames(event: Event) -> list[bytes]:
+    """PUB: the same six frames as BROADCAST; the sequence is the producer's own."""
     return event.frames()
 
 

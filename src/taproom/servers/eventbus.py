@@ -133,6 +133,9 @@ class EventBusConfig:
         1024 * 1024, "events are state updates; a MiB is far above any sane one", min=64
     )
     max_subtrees: int = setting(64, "subtrees per SYNCSTART", min=1, max=4096)
+    max_snapshots: int = setting(
+        16, "snapshots sent at once; more SYNCSTARTs wait (each holds a list of its keys)", min=1
+    )
     dedup_window: int = setting(
         100_000, "event UUIDs remembered to drop a retrying producer's duplicates", min=0
     )
@@ -408,6 +411,8 @@ class EventBusService:
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
         self._applied_offset = 0  # journal offset up to which bus records are applied
+        self._snapshot_slots = asyncio.Semaphore(config.max_snapshots)
+        self._snapshot_tasks: set[asyncio.Task[None]] = set()
         self._checkpointed_offset = 0
         # The last copied events, and after a takeover those of them not known to be broadcast.
         self._recent_mirror: deque[Entry] = deque(maxlen=4 * config.max_burst)
@@ -560,6 +565,7 @@ class EventBusService:
         others = [t for t in self._tasks if t is not broadcaster]
         if self._resync_task is not None:
             others.append(self._resync_task)
+        others.extend(self._snapshot_tasks)
         for task in others:
             task.cancel()
         if broadcaster is not None:
@@ -580,7 +586,7 @@ class EventBusService:
             sock.close(0)
         self._sockets.clear()
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     # --- rejects ----------------------------------------------------------------------------
@@ -904,10 +910,23 @@ class EventBusService:
                 if not self._may_serve():
                     self._reject("not_active", "SYNCSTART to a server that is not active")
                     continue
-                try:
-                    await self._send_snapshot(msg[0], request.subtrees, request.sequence)
-                except zmq.ZMQError as exc:  # the client went away (EHOSTUNREACH) mid-snapshot
-                    log.info("eventbus: snapshot abandoned: %s", exc)
+                # Snapshots run side by side so one slow client holds up only itself; each
+                # SYNC is sent whole between awaits, so their messages never interleave.
+                await self._snapshot_slots.acquire()
+                task = asyncio.create_task(
+                    self._serve_snapshot(msg[0], request.subtrees, request.sequence)
+                )
+                self._snapshot_tasks.add(task)
+                task.add_done_callback(self._snapshot_tasks.discard)
+
+    async def _serve_snapshot(self, identity: bytes, subtrees: tuple[str, ...], floor: int) -> None:
+        try:
+            await self._send_snapshot(identity, subtrees, floor)
+        except zmq.ZMQError as exc:  # the client went away (EHOSTUNREACH) mid-snapshot
+            log.info("eventbus: snapshot abandoned: %s", exc)
+        finally:
+            self._snapshot_slots.release()
+            _rearm(self._snapshot)
 
     def _may_serve(self) -> bool:
         if self.fsm.state is BStarState.PASSIVE and not self.synced:
@@ -940,6 +959,7 @@ class EventBusService:
                     if time.monotonic() > deadline:
                         log.warning("eventbus: snapshot to a slow client abandoned")
                         return
+                    _rearm(self._snapshot)
                     await asyncio.sleep(0.001)
             send(raw, _SYNC, more)
             send(raw, frames[0], more)
@@ -949,6 +969,7 @@ class EventBusService:
             send(raw, frames[4], more)
             send(raw, frames[5], 0)
             if sent % 4096 == 0:
+                _rearm(self._snapshot)
                 await asyncio.sleep(0)  # let the collector and broadcaster run
         while True:
             try:
