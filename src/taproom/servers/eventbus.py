@@ -845,10 +845,11 @@ class EventBusService:
             for _seq, frames in burst.entries:
                 self.dedup.forget(frames[4].decode())
             return
-        if burst.needs_peer_ack:
-            await self._wait_peer_ack(burst.entries[-1][0])
+        confirmed = burst.needs_peer_ack and await self._wait_peer_ack(burst.entries[-1][0])
         hashmap = self.hashmap
         broadcast = self.fsm.active
+        if broadcast and not confirmed and self.config.role != "standalone":
+            self._m_unreplicated.inc(len(burst.entries))
         for seq, frames in burst.entries:
             current = hashmap.get(frames[0])
             if current is None or current[0] < seq:
@@ -866,18 +867,21 @@ class EventBusService:
                 )
             _rearm(self._collector)
 
-    async def _wait_peer_ack(self, seq: int) -> None:
+    async def _wait_peer_ack(self, seq: int) -> bool:
+        """True once the peer confirmed ``seq``; False after ``replicate_timeout_ms`` or when
+        the peer went silent (later bursts then stop waiting until the peer catches up)."""
         deadline = time.monotonic() + self.config.replicate_timeout_ms / 1000
         while self.peer_acked < seq:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.fsm.peer_alive(time.monotonic()):
+                if self._degraded_until <= self.peer_acked:
+                    log.warning("eventbus: peer did not confirm sequence %d; broadcasting", seq)
                 self._degraded_until = max(self._degraded_until, self.assigned_seq)
-                self._m_unreplicated.inc()
-                log.warning("eventbus: peer did not confirm sequence %d; broadcasting", seq)
-                return
-            self._ack_event.clear()
+                return False
+            self._ack_event.clear()  # no await since the check: no ack can slip in between
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._ack_event.wait(), min(remaining, 0.05))
+        return True
 
     async def _peer_ack_loop(self) -> None:
         while True:
