@@ -27,7 +27,7 @@ from taproom.protocols.eventbus import (
     parse_snapshot_reply,
     syncstart_frames,
 )
-from tests.support import HubProcess, running_app, write_config
+from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
 TS = "2026-11-22T08:00:00+00:00"
 
@@ -321,41 +321,19 @@ class TestRestart:
             assert after == before  # every frame, timestamps and UUIDs included
 
             # Phase 2: kill while PUBs stream in; every BROADCAST a client saw must survive.
-            recorder = Recorder()
-            watcher = await EventBusClient([url], on_update=recorder, server_timeout=30).start()
-            producer = await EventBusClient([url], producer="phase2", server_timeout=30).start()
-
-            async def stream() -> None:
-                i = 0
-                while True:
-                    await producer.publish(f"/r/{i % 97}", -i)
-                    i += 1
-                    if i % 200 == 0:
-                        await asyncio.sleep(0.005)
-
-            streaming = asyncio.create_task(stream())
-            await _until(lambda: len(recorder.broadcast) > 1500, 30, "broadcasts")
+            await _kill_mid_stream(hub, tmp_path)
+        finally:
             hub.kill()
-            streaming.cancel()
-            seen = dict(recorder.seen)
-            await watcher.stop()
-            await producer.stop()
-            hub.start()
-            url = _url(hub.addresses)
-            final, cut = await _snapshot(url)
-            assert cut >= max(seen)
-            stored = {
-                r.seq: (r.topic, r.event_id)
-                for r in JournalReader(tmp_path / "journal").read(0)
-                if r.protocol == "eventbus"
-            }
-            missing = {s: v for s, v in seen.items() if stored.get(s) != v}
-            assert missing == {}
-            for seq, (topic, _) in seen.items():
-                assert final[topic].sequence >= seq
-            async with EventBusClient([url], producer="phase3") as client:
-                next_seq = await (await client.publish("/r/next", 0))
-            assert next_seq == cut + 1  # the sequence continues where it was
+
+    @pytest.mark.soak
+    async def test_sigkill_crash_loop(self, tmp_path: Path) -> None:
+        config = write_config(
+            tmp_path, enable=["eventbus"], eventbus={"checkpoint_interval_s": 0.3}
+        )
+        hub = HubProcess(config).start()
+        try:
+            for _ in range(fuzz_examples(3, 25)):
+                await _kill_mid_stream(hub, tmp_path)
         finally:
             hub.kill()
 
@@ -383,6 +361,46 @@ class TestRestart:
             assert await _snapshot(_url(hub.addresses)) == (before, cut)
         finally:
             hub.kill()
+
+
+async def _kill_mid_stream(hub: HubProcess, tmp_path: Path) -> None:
+    """SIGKILL the bus while PUBs stream in, restart it, check nothing broadcast was lost."""
+    url = _url(hub.addresses)
+    recorder = Recorder()
+    watcher = await EventBusClient([url], on_update=recorder, server_timeout=30).start()
+    producer = await EventBusClient([url], producer="stream", server_timeout=30).start()
+
+    async def stream() -> None:
+        i = 0
+        while True:
+            await producer.publish(f"/r/{i % 97}", -i)
+            i += 1
+            if i % 200 == 0:
+                await asyncio.sleep(0.005)
+
+    streaming = asyncio.create_task(stream())
+    await _until(lambda: len(recorder.broadcast) > 1500, 30, "broadcasts")
+    hub.kill()
+    streaming.cancel()
+    seen = dict(recorder.seen)
+    await watcher.stop()
+    await producer.stop()
+    hub.start()
+    url = _url(hub.addresses)
+    final, cut = await _snapshot(url)
+    assert cut >= max(seen)
+    stored = {
+        r.seq: (r.topic, r.event_id)
+        for r in JournalReader(tmp_path / "journal").read(0)
+        if r.protocol == "eventbus"
+    }
+    missing = {s: v for s, v in seen.items() if stored.get(s) != v}
+    assert missing == {}
+    for seq, (topic, _) in seen.items():
+        assert final[topic].sequence >= seq
+    async with EventBusClient([url], producer="after") as client:
+        next_seq = await (await client.publish("/r/next", 0))
+    assert next_seq == cut + 1  # the sequence continues where it was
 
 
 def _free_triple() -> int:
