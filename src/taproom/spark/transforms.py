@@ -175,13 +175,12 @@ def exception_rollup(requests: DataFrame, watermark: str | None = None) -> DataF
 
 def _level(events_payload: Column) -> Column:
     """A log level name from attrs, or from a JSON payload's level / severity field."""
-    text = events_payload.cast("string")
+    # One parse for both fields (two get_json_object calls would parse every payload twice).
+    # A non-string JSON value comes back as its text, so logjam's severity 3 reads "3".
+    fields = F.from_json(events_payload.cast("string"), "level STRING, severity STRING")
     json_level = F.when(
         F.col("content_type").isin("json", "kv"),
-        F.coalesce(
-            F.get_json_object(text, "$.level"),
-            F.get_json_object(text, "$.severity"),
-        ),
+        F.coalesce(fields["level"], fields["severity"]),
     )
     raw = F.lower(F.coalesce(F.col("attrs")["level"], json_level, F.lit("unknown")))
     names = F.create_map(
