@@ -167,6 +167,31 @@ class TestCollector:
             assert [(r.topic, r.seq, r.protocol) for r in stored] == [("/a/ok", 1, "eventbus")]
             ctx.destroy(0)
 
+    async def test_oversized_data_is_refused_before_and_after_zeromq(self, tmp_path: Path) -> None:
+        async with running_app(
+            tmp_path, enable=["eventbus"], eventbus={"max_data_bytes": 65536}
+        ) as app:
+            ctx = zmq.asyncio.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"/")
+            sub.connect("tcp://" + app.addresses["eventbus_publisher"])
+            collector = "tcp://" + app.addresses["eventbus_collector"]
+            huge = ctx.socket(zmq.DEALER)  # a 2 MiB frame: ZeroMQ drops it (MAXMSGSIZE)
+            huge.connect(collector)
+            big = ctx.socket(zmq.DEALER)  # 100 KiB: reaches the codec, refused as too_large
+            big.connect(collector)
+            await asyncio.sleep(0.2)
+            await huge.send_multipart(_pub("/z/huge", "x" * (2 << 20)))
+            await big.send_multipart(_pub("/z/big", "x" * 100_000))
+            await big.send_multipart(_pub("/z/ok", "small"))
+            assert await sub.poll(5000)
+            event = parse_broadcast(await sub.recv_multipart())
+            assert isinstance(event, Event) and event.topic == "/z/ok"
+            labels = {"protocol": "eventbus", "reason": "too_large"}
+            assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1
+            assert [r.topic for r in app.hub.journal.read(0)] == ["/z/ok"]
+            ctx.destroy(0)
+
     async def test_retried_uuid_is_broadcast_once(self, tmp_path: Path) -> None:
         async with running_app(tmp_path, enable=["eventbus"]) as app:
             ctx = zmq.asyncio.Context()

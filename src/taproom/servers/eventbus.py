@@ -130,7 +130,10 @@ class EventBusConfig:
     max_topic_bytes: int = setting(1024, "topics are paths, not payloads", min=8, max=65535)
     max_producer_bytes: int = setting(256, "a producer id names a process", min=1, max=65535)
     max_data_bytes: int = setting(
-        1024 * 1024, "events are state updates; a MiB is far above any sane one", min=64
+        1024 * 1024,
+        "events are state updates; a MiB is far above any sane one",
+        min=64,
+        max=63 * 1024 * 1024,  # under the journal's 64 MiB per record, with room for the rest
     )
     max_subtrees: int = setting(64, "subtrees per SYNCSTART", min=1, max=4096)
     max_snapshots: int = setting(
@@ -392,6 +395,9 @@ class EventBusService:
         self.hub = hub
         self.config = config
         self.limits = config.limits()
+        # Largest frame the COLLECTOR accepts (ZMQ_MAXMSGSIZE, checked before ZeroMQ allocates):
+        # one event's data, or a REPLICATE chunk of at most a MiB, plus room for the rest.
+        self._max_frame = max(self.limits.max_data_bytes, 1024 * 1024) + 65536
         self.name = hub.config.hub.name
         self.fsm = BinaryStar(config.role, config.peer_timeout_ms / 1000, time.monotonic())
         self.hashmap: dict[bytes, Entry] = {}
@@ -503,7 +509,7 @@ class EventBusService:
     def _bind(self) -> dict[str, str]:
         """SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2; port 0 finds three free ones."""
         cfg = self.config
-        max_msg = self.limits.max_data_bytes + self.limits.max_topic_bytes + 4096
+        max_frame = self._max_frame
         for _attempt in range(100):
             snapshot = self._socket(
                 zmq.ROUTER,
@@ -512,9 +518,7 @@ class EventBusService:
                 MAXMSGSIZE=self.limits.max_topic_bytes * self.limits.max_subtrees + 4096,
             )
             publisher = self._socket(zmq.PUB, SNDHWM=cfg.publisher_hwm)
-            collector = self._socket(
-                zmq.ROUTER, RCVHWM=cfg.collector_hwm, MAXMSGSIZE=max(max_msg, 64 * 1024 * 1024)
-            )
+            collector = self._socket(zmq.ROUTER, RCVHWM=cfg.collector_hwm, MAXMSGSIZE=max_frame)
             try:
                 if cfg.port:
                     base = cfg.port
@@ -681,8 +685,20 @@ class EventBusService:
         now = time.monotonic()
         if not self.fsm.peer_alive(now):
             return False
+        # Chunks whose body stays under the peer's MAXMSGSIZE (the same settings on both).
+        budget = self._max_frame - 65536
+        chunks: list[list[Event]] = [[]]
+        size = 0
+        for e in events:
+            cost = len(e.data) + 4 * (len(e.topic) + len(e.producer)) + len(e.timestamp) + 64
+            if chunks[-1] and size + cost > budget:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(e)
+            size += cost
         try:
-            self._peer_dealer_raw.send_multipart(replicate_frames(events), zmq.NOBLOCK)
+            for chunk in chunks:
+                self._peer_dealer_raw.send_multipart(replicate_frames(chunk), zmq.NOBLOCK)
         except zmq.Again:
             self._degraded_until = max(self._degraded_until, events[-1].sequence)
             return False
