@@ -350,6 +350,35 @@ class TestRestart:
         finally:
             hub.kill()
 
+    async def test_a_retry_after_restart_is_still_a_duplicate(self, tmp_path: Path) -> None:
+        config = write_config(tmp_path, enable=["eventbus"])
+        hub = HubProcess(config).start()
+        ctx = zmq.asyncio.Context()
+        try:
+            same = str(uuid.uuid4())
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + hub.addresses["eventbus_collector"])
+            await dealer.send_multipart(_pub("/u/x", "first", event_uuid=same))
+            await _until_snapshot_has(_url(hub.addresses), "/u/x")
+            dealer.close(0)
+            hub.restart()  # SIGKILL; the dedup window comes back from the journal
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"/")
+            sub.connect("tcp://" + hub.addresses["eventbus_publisher"])
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + hub.addresses["eventbus_collector"])
+            await asyncio.sleep(0.3)
+            await dealer.send_multipart(_pub("/u/x", "retry", event_uuid=same))
+            await dealer.send_multipart(_pub("/u/y", "marker"))
+            assert await sub.poll(5000)
+            event = parse_broadcast(await sub.recv_multipart())
+            assert isinstance(event, Event) and (event.topic, event.sequence) == ("/u/y", 2)
+            snapshot, cut = await _snapshot(_url(hub.addresses))
+            assert cut == 2 and msgpack.unpackb(snapshot["/u/x"].data) == "first"
+        finally:
+            ctx.destroy(0)
+            hub.kill()
+
     @pytest.mark.soak
     async def test_sigkill_crash_loop(self, tmp_path: Path) -> None:
         config = write_config(
@@ -386,6 +415,13 @@ class TestRestart:
             assert await _snapshot(_url(hub.addresses)) == (before, cut)
         finally:
             hub.kill()
+
+
+async def _until_snapshot_has(url: str, topic: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while topic not in (await _snapshot(url))[0]:
+        assert time.monotonic() < deadline, f"{topic} never reached the snapshot"
+        await asyncio.sleep(0.05)
 
 
 async def _kill_mid_stream(hub: HubProcess, tmp_path: Path) -> None:
