@@ -80,7 +80,9 @@ class _Serve:
             self.proc.kill()
 
 
-def _publisher(endpoint: str, n: int, topics: int, rate: float, stamp: bool, go: Any) -> None:
+def _publisher(
+    endpoint: str, n: int, topics: int, rate: float, stamp: bool, ready: Any, go: Any
+) -> None:
     """Send ``n`` PUB commands (``rate`` per second, 0 = as fast as possible)."""
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -89,6 +91,7 @@ def _publisher(endpoint: str, n: int, topics: int, rate: float, stamp: bool, go:
     keys = [str(uuid.uuid4()).encode() for _ in range(n)]
     names = [f"/bench/{i % topics}".encode() for i in range(n)] if topics < n else None
     zero = struct.pack(">Q", 0)
+    ready.set()
     go.wait()
     more = _MORE
     started = time.monotonic()
@@ -118,13 +121,15 @@ def _run_load(
     sub.setsockopt(zmq.SUBSCRIBE, b"/")
     sub.connect("tcp://" + serve.addresses["eventbus_publisher"])
     time.sleep(0.3)
-    go = _CTX.Event()
+    ready, go = _CTX.Event(), _CTX.Event()
     child = _CTX.Process(
         target=_publisher,
-        args=("tcp://" + serve.addresses["eventbus_collector"], n, topics, rate, stamp, go),
+        args=("tcp://" + serve.addresses["eventbus_collector"], n, topics, rate, stamp, ready, go),
     )
     child.start()
-    time.sleep(1.0 if n < 100_000 else 2.0)  # uuid generation in the child
+    if not ready.wait(120):  # the child has made its UUIDs and connected
+        raise RuntimeError("publisher did not start")
+    time.sleep(0.2)
     latencies: list[float] = []
     go.set()
     started = time.perf_counter()
