@@ -320,7 +320,7 @@ class EventBusClient:
         """Apply broadcasts; False when the server went silent, True on a gap (resync)."""
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(sub.underlying)
         alive_at = time.monotonic()
-        retry_at = alive_at + self.retry_interval
+        retry_at = alive_at
         tick = min(self.server_timeout, self.retry_interval, 0.25)
         while not self._closed:
             if not await sub.poll(int(tick * 1000)):
@@ -369,8 +369,10 @@ class EventBusClient:
                 log.warning("eventbus client: %s silent for %.1fs", self.server, now - alive_at)
                 return False
             if now >= retry_at:
+                # Every tick: events never sent (no connection yet) go at once, the others
+                # once they have waited retry_interval for their BROADCAST.
                 self._resend(self.retry_interval)
-                retry_at = now + self.retry_interval
+                retry_at = now + tick
         return False
 
 
