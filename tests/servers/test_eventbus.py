@@ -7,6 +7,7 @@ import socket
 import struct
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -73,6 +74,16 @@ async def _snapshot(url: str, subtrees: tuple[str, ...] = (), floor: int = 0) ->
         ctx.destroy(0)
 
 
+@pytest.fixture
+def ctx() -> Iterator[zmq.asyncio.Context]:
+    """A ZeroMQ context destroyed even when the test fails (an open socket would make the
+    context's finaliser block the process)."""
+    context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    yield context
+    context.destroy(0)
+
+
 class Recorder:
     """Watches one client's updates for sequence regressions."""
 
@@ -132,10 +143,9 @@ class TestCollector:
     """Seed "Client-to-Server Updates": validation, commit before BROADCAST, dedup by UUID."""
 
     async def test_invalid_pubs_are_dropped_and_counted_valid_ones_broadcast(
-        self, tmp_path: Path
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
     ) -> None:
         async with running_app(tmp_path, enable=["eventbus"]) as app:
-            ctx = zmq.asyncio.Context()
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"/")
             sub.connect("tcp://" + app.addresses["eventbus_publisher"])
@@ -165,13 +175,13 @@ class TestCollector:
             # committed before it was broadcast
             stored = list(app.hub.journal.read(0))
             assert [(r.topic, r.seq, r.protocol) for r in stored] == [("/a/ok", 1, "eventbus")]
-            ctx.destroy(0)
 
-    async def test_oversized_data_is_refused_before_and_after_zeromq(self, tmp_path: Path) -> None:
+    async def test_oversized_data_is_refused_before_and_after_zeromq(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
         async with running_app(
             tmp_path, enable=["eventbus"], eventbus={"max_data_bytes": 65536}
         ) as app:
-            ctx = zmq.asyncio.Context()
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"/")
             sub.connect("tcp://" + app.addresses["eventbus_publisher"])
@@ -190,11 +200,11 @@ class TestCollector:
             labels = {"protocol": "eventbus", "reason": "too_large"}
             assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1
             assert [r.topic for r in app.hub.journal.read(0)] == ["/z/ok"]
-            ctx.destroy(0)
 
-    async def test_retried_uuid_is_broadcast_once(self, tmp_path: Path) -> None:
+    async def test_retried_uuid_is_broadcast_once(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
         async with running_app(tmp_path, enable=["eventbus"]) as app:
-            ctx = zmq.asyncio.Context()
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"/")
             sub.connect("tcp://" + app.addresses["eventbus_publisher"])
@@ -213,7 +223,6 @@ class TestCollector:
                 topics.append(event.topic)
             assert topics == ["/d/x", "/d/y"]
             assert _metric(app, "taproom_eventbus_duplicates_events_total") == 2
-            ctx.destroy(0)
 
 
 class TestSnapshot:
@@ -239,14 +248,15 @@ class TestSnapshot:
             }
             assert everything["/a/0"].data == msgpack.packb(20)
 
-    async def test_a_client_that_does_not_read_holds_up_only_itself(self, tmp_path: Path) -> None:
+    async def test_a_client_that_does_not_read_holds_up_only_itself(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
         settings = {"snapshot_hwm": 50, "snapshot_timeout_ms": 8000}
         async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
             url = _url(app.addresses)
             async with EventBusClient([url]) as client:
                 # ~10 MB of snapshot: more than the kernel buffers of a stuck connection hold
                 await _publish_all(client, [(f"/s/{i}", "x" * 500) for i in range(20_000)])
-            ctx = zmq.asyncio.Context()
             stuck = ctx.socket(zmq.DEALER)
             stuck.setsockopt(zmq.RCVHWM, 10)
             stuck.setsockopt(zmq.RCVBUF, 4096)
@@ -260,14 +270,14 @@ class TestSnapshot:
             assert len(events) == 20_000 and cut == 20_000
             # ... and the stuck one really is stuck: completed are the publisher's and this one
             assert _metric(app, "taproom_eventbus_snapshots_calls_total") == 2
-            ctx.destroy(0)
 
-    async def test_heartbeat_carries_the_sequence(self, tmp_path: Path) -> None:
+    async def test_heartbeat_carries_the_sequence(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
         async with running_app(tmp_path, enable=["eventbus"], eventbus={"heartbeat_ms": 50}) as app:
             url = _url(app.addresses)
             async with EventBusClient([url]) as client:
                 await (await client.publish("/h", 1))
-            ctx = zmq.asyncio.Context()
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
             sub.connect("tcp://" + app.addresses["eventbus_publisher"])
@@ -275,7 +285,6 @@ class TestSnapshot:
             beat = parse_broadcast(await sub.recv_multipart())
             assert isinstance(beat, Heartbeat)
             assert beat.sequence == 1 and beat.state == BStarState.ACTIVE
-            ctx.destroy(0)
 
 
 async def _publish_all(client: EventBusClient, events: list[tuple[str, int]]) -> list[int]:
