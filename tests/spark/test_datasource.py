@@ -143,6 +143,11 @@ def test_torn_tail_is_not_read(spark: Any, tmp_path: Path) -> None:
     assert len(_tail(path)) == 300
 
 
+def test_missing_journal_is_an_error(spark: Any, tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="no journal directory here"):
+        spark.read.format("taproom").load(str(tmp_path / "nope")).count()
+
+
 def test_several_journals(spark: Any, tmp_path: Path) -> None:
     a = write_journal(tmp_path / "a", generate_events(200, seed=1))
     b = write_journal(tmp_path / "b", generate_events(150, seed=2))

@@ -63,6 +63,9 @@ def _journal_paths(options: Any) -> list[str]:
         raise ValueError("taproom source: give journal directories with load(path) or journals=")
     seen: dict[str, None] = {}
     for path in raw:
+        if not os.path.isdir(path):
+            # A mistyped path must not read as an empty journal (and write empty rollups).
+            raise ValueError(f"taproom source: {path}: no journal directory here")
         seen[os.path.abspath(path)] = None
     return list(seen)
 
