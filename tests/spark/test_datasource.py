@@ -143,6 +143,17 @@ def test_torn_tail_is_not_read(spark: Any, tmp_path: Path) -> None:
     assert len(_tail(path)) == 300
 
 
+def test_columns_option_prunes(spark: Any, logjam_journal: Path) -> None:
+    full = spark.read.format("taproom").load(str(logjam_journal))
+    pruned = (
+        spark.read.format("taproom").option("columns", "payload, offset").load(str(logjam_journal))
+    )
+    assert pruned.columns == ["offset", "payload"]
+    assert sorted(pruned.collect()) == sorted(full.select("offset", "payload").collect())
+    with pytest.raises(Exception, match="unknown columns"):
+        spark.read.format("taproom").option("columns", "nope").load(str(logjam_journal))
+
+
 def test_missing_journal_is_an_error(spark: Any, tmp_path: Path) -> None:
     with pytest.raises(Exception, match="no journal directory here"):
         spark.read.format("taproom").load(str(tmp_path / "nope")).count()

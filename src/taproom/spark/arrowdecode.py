@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -176,10 +176,17 @@ def _attrs(body: bytes, positions: np.ndarray, lengths: np.ndarray) -> pa.Array:
 
 
 def decode_records(
-    body: bytes, first_offset: int, lo: int, hi: int, journal: str
+    body: bytes,
+    first_offset: int,
+    lo: int,
+    hi: int,
+    journal: str,
+    columns: Sequence[str] | None = None,
 ) -> pa.RecordBatch | None:
     """Records of ``body`` (one or more batch bodies back to back, offsets from
-    ``first_offset``) whose offsets fall in ``[lo, hi)``, as one Arrow record batch."""
+    ``first_offset``) whose offsets fall in ``[lo, hi)``, as one Arrow record batch with
+    ``columns`` (default: all of :data:`ARROW_SCHEMA`, in its order); columns not asked for
+    are never built."""
     if len(body) >= _MAX_CHUNK_BYTES:
         raise ValueError("chunk too large for one Arrow batch")
     starts = _record_starts(body)
@@ -204,35 +211,41 @@ def decode_records(
     for length in lengths:
         positions.append(pos)
         pos = pos + length
-    protocol, content_type, stream, topic, producer, event_id = (
-        _column(buf, data, positions[k], lengths[k], True) for k in range(6)
+    text_fields = {
+        "protocol": 0,
+        "content_type": 1,
+        "stream": 2,
+        "topic": 3,
+        "producer": 4,
+        "event_id": 5,
+    }
+
+    def build(name: str) -> pa.Array:
+        if name in text_fields:
+            k = text_fields[name]
+            return _column(buf, data, positions[k], lengths[k], True)
+        if name == "payload":
+            return _column(buf, data, positions[7], lengths[7], False)
+        if name == "attrs":
+            return _attrs(body, positions[6], lengths[6])
+        if name == "offset":
+            return pa.array(
+                np.arange(first_offset + keep_from, first_offset + keep_to, dtype=np.int64)
+            )
+        if name in ("received", "ts"):
+            ns = head["received_ns" if name == "received" else "ts_ns"]
+            mask = None if name == "received" else ns == 0
+            return pa.array(ns // 1000, pa.int64(), mask=mask).cast(pa.timestamp("us", tz="UTC"))
+        if name == "seq":
+            return pa.array(head["seq"].view(np.int64), pa.int64())
+        if name == "journal":
+            return pa.repeat(pa.scalar(journal, pa.string()), n)
+        raise ValueError(f"no column {name!r}")
+
+    schema = (
+        ARROW_SCHEMA if columns is None else pa.schema([ARROW_SCHEMA.field(c) for c in columns])
     )
-    payload = _column(buf, data, positions[7], lengths[7], False)
-    attrs = _attrs(body, positions[6], lengths[6])
-    offsets = np.arange(first_offset + keep_from, first_offset + keep_to, dtype=np.int64)
-    received = pa.array(head["received_ns"] // 1000, pa.int64()).cast(ARROW_SCHEMA.field(2).type)
-    ts_us = head["ts_ns"] // 1000
-    ts = pa.array(ts_us, pa.int64(), mask=head["ts_ns"] == 0).cast(ARROW_SCHEMA.field(9).type)
-    seq = pa.array(head["seq"].view(np.int64), pa.int64())
-    journal_col = pa.repeat(pa.scalar(journal, pa.string()), n)
-    return pa.RecordBatch.from_arrays(
-        [
-            journal_col,
-            pa.array(offsets),
-            received,
-            protocol,
-            stream,
-            topic,
-            producer,
-            seq,
-            event_id,
-            ts,
-            content_type,
-            payload,
-            attrs,
-        ],
-        schema=ARROW_SCHEMA,
-    )
+    return pa.RecordBatch.from_arrays([build(f.name) for f in schema], schema=schema)
 
 
 # --- segments ------------------------------------------------------------------------------

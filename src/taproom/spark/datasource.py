@@ -15,6 +15,8 @@ Options (``spark.read.format("taproom").option(...)``):
 * ``path`` / ``paths`` (what ``load()`` passes) or ``journals``: journal directories,
   comma-separated in ``journals``;
 * ``partitionBytes``: target bytes per partition (default 64 MiB);
+* ``columns``: comma-separated event columns to read (default all): the others are never
+  decoded nor sent to the JVM;
 * ``maxRecordsPerTrigger``: streaming read limit per micro-batch (default: none);
 * ``startingOffsets``: ``earliest`` (default), ``latest`` or a JSON ``{path: offset}``.
 
@@ -116,20 +118,34 @@ def _plan(journal: str, lo: int, hi: int | None, target_bytes: int) -> list[Jour
     return slices
 
 
-def _read_slice(part: JournalSlice) -> Iterator[Any]:
+def _columns(options: Any) -> list[str] | None:
+    """The ``columns`` option: only these event columns are decoded and sent to Spark (the
+    Python data source API has no column pruning of its own)."""
+    raw = options.get("columns")
+    if not raw:
+        return None
+    wanted = {c.strip() for c in str(raw).split(",") if c.strip()}
+    unknown = wanted - set(EVENT_SCHEMA.fieldNames())
+    if unknown:
+        raise ValueError(f"taproom source: unknown columns {sorted(unknown)}")
+    return [name for name in EVENT_SCHEMA.fieldNames() if name in wanted]
+
+
+def _read_slice(part: JournalSlice, columns: list[str] | None) -> Iterator[Any]:
     from .arrowdecode import FrameRef, decode_records, iter_chunks
 
     start = FrameRef(part.segment, part.position, part.base_offset, 0, 0)
     for body, first in iter_chunks(part.journal, start, part.hi):
-        batch = decode_records(body, first, part.lo, part.hi, part.journal)
+        batch = decode_records(body, first, part.lo, part.hi, part.journal, columns)
         if batch is not None and batch.num_rows:
             yield batch
 
 
 class _JournalBatchReader(DataSourceReader):
-    def __init__(self, journals: list[str], target_bytes: int) -> None:
+    def __init__(self, journals: list[str], target_bytes: int, columns: list[str] | None) -> None:
         self.journals = journals
         self.target_bytes = target_bytes
+        self.columns = columns
 
     def partitions(self) -> Sequence[InputPartition]:
         from .arrowdecode import journal_start
@@ -144,7 +160,7 @@ class _JournalBatchReader(DataSourceReader):
         assert isinstance(partition, JournalSlice)
         if partition.hi <= partition.lo:
             return iter(())
-        return _read_slice(partition)
+        return _read_slice(partition, self.columns)
 
 
 class _JournalStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -158,6 +174,7 @@ class _JournalStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.max_records is not None and self.max_records < 1:
             raise ValueError("maxRecordsPerTrigger must be at least 1")
         self.starting = str(options.get("startingOffsets", "earliest"))
+        self.columns = _columns(options)
         self.target: dict[str, int] | None = None  # set by Trigger.AvailableNow
         # Verified end per journal: (end offset, frames already checked up to it).
         self._verified: dict[str, int] = {}
@@ -236,7 +253,7 @@ class _JournalStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
         assert isinstance(partition, JournalSlice)
-        return _read_slice(partition)
+        return _read_slice(partition, self.columns)
 
     def commit(self, end: dict) -> None:
         # Nothing to release: journals are read-only here and retention belongs to the hub.
@@ -251,11 +268,14 @@ class JournalDataSource(DataSource):
         return "taproom"
 
     def schema(self) -> StructType:
-        return EVENT_SCHEMA
+        columns = _columns(self.options)
+        if columns is None:
+            return EVENT_SCHEMA
+        return StructType([f for f in EVENT_SCHEMA.fields if f.name in columns])
 
     def reader(self, schema: StructType) -> DataSourceReader:
         target = int(self.options.get("partitionBytes", _DEFAULT_PARTITION_BYTES))
-        return _JournalBatchReader(_journal_paths(self.options), target)
+        return _JournalBatchReader(_journal_paths(self.options), target, _columns(self.options))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return _JournalStreamReader(_journal_paths(self.options), self.options)

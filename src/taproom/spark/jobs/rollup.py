@@ -18,9 +18,11 @@ from typing import Any
 
 from .. import transforms as T
 
-__all__ = ["TABLES", "day_range", "read_events", "rollup_tables", "run_rollup"]
+__all__ = ["ROLLUP_COLUMNS", "TABLES", "day_range", "read_events", "rollup_tables", "run_rollup"]
 
 TABLES = ("requests", "exceptions", "logs")
+# What the rollups read: the source never decodes producer, seq and event_id for them.
+ROLLUP_COLUMNS = "journal,offset,received,ts,protocol,stream,topic,content_type,payload,attrs"
 
 
 def read_events(spark: Any, journals: list[str], **options: str) -> Any:
@@ -117,7 +119,7 @@ def run_rollup(
 ) -> None:
     """Write the rollup tables for ``journals`` to ``out/<table>/date=YYYY-MM-DD/``."""
     lo, hi = day_range(since, until)
-    events = read_events(spark, journals)
+    events = read_events(spark, journals, columns=ROLLUP_COLUMNS)
     frames = rollup_tables(events, lo, hi)
     current = {"table": ""}
     with _Progress(spark, lambda: current["table"]) if progress else _NoProgress():

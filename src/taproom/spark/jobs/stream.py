@@ -24,7 +24,13 @@ __all__ = ["run_stream", "start_stream"]
 
 
 def _events(spark: Any, journals: list[str], max_records: int | None) -> Any:
-    reader = spark.readStream.format("taproom").option("journals", ",".join(journals))
+    from .rollup import ROLLUP_COLUMNS
+
+    reader = (
+        spark.readStream.format("taproom")
+        .option("journals", ",".join(journals))
+        .option("columns", ROLLUP_COLUMNS)
+    )
     if max_records:
         reader = reader.option("maxRecordsPerTrigger", str(max_records))
     return reader.load()
