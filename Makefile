@@ -46,7 +46,7 @@ bench: $(STAMP_ALL) $(PEERS)
 	$(BIN)/python -m bench $(ARGS)
 
 soak: $(STAMP_ALL) $(PEERS)
-	TAPROOM_SOAK=1 $(BIN)/python -m pytest -m soak $(PYTEST_ARGS)
+	TAPROOM_SOAK=1 $(BIN)/python -m pytest -m 'soak or not soak' -p no:timeout $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) tests/peers/node_modules var .pytest_cache .mypy_cache .ruff_cache
