@@ -6,7 +6,14 @@ import os
 import resource
 from dataclasses import dataclass
 
-__all__ = ["Figure", "peak_rss_mib", "percentile", "print_figures", "rss_of_pid_kib"]
+__all__ = [
+    "Figure",
+    "cpu_seconds_of_pid",
+    "peak_rss_mib",
+    "percentile",
+    "print_figures",
+    "rss_of_pid_kib",
+]
 
 
 @dataclass
@@ -47,6 +54,14 @@ def rss_of_pid_kib(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def cpu_seconds_of_pid(pid: int) -> float:
+    """User + system CPU time of another process, all its threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def cpu_count() -> int:
