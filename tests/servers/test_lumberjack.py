@@ -224,6 +224,38 @@ class TestTLS:
             recs = records(app)
         assert len(recs) == 100 and {r.producer for r in recs} == {"shipper-7"}
 
+    async def test_failed_handshakes_are_counted_and_cost_nothing(self, tmp_path: Path) -> None:
+        tls = make_tls(tmp_path)
+        cfg = {"tls_cert": str(tls.cert), "tls_key": str(tls.key_pkcs8), "handshake_timeout_s": 0.5}
+        async with running_app(tmp_path, enable=["lumberjack"], lumberjack=cfg) as app:
+            host, port = addr(app)
+            # plain Lumberjack on the TLS port, and a peer that connects and says nothing
+            _, plain = await asyncio.open_connection(host, port)
+            plain.write(b"2W\x00\x00\x00\x01")
+            await plain.drain()
+            _, silent = await asyncio.open_connection(host, port)
+            registry = app.hub.metrics.registry
+            labels = {"protocol": "lumberjack", "reason": "tls_handshake_failed"}
+            name = "taproom_ingest_rejected_items_total"
+            deadline = time.monotonic() + 10
+            while (registry.get_sample_value(name, labels) or 0) < 2:
+                assert time.monotonic() < deadline, "failed handshakes were not counted"
+                await asyncio.sleep(0.1)
+            plain.close()
+            silent.close()
+            # a good client is served meanwhile and afterwards
+            ctx = client_ssl_context(str(tls.ca))
+
+            def good() -> int:
+                with LumberjackClient(
+                    host, port, ssl_context=ctx, server_hostname="localhost"
+                ) as c:
+                    return c.send([{"m": i} for i in range(10)])
+
+            assert await asyncio.to_thread(good) == 10
+            assert registry.get_sample_value(name, labels) == 2
+            assert app.services["lumberjack"].handshaking == {}
+
     def test_context_minimum_is_tls_1_2(self, tmp_path: Path) -> None:
         from taproom.servers.lumberjack import server_ssl_context
 

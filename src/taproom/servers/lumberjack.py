@@ -193,6 +193,7 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         assert isinstance(transport, asyncio.Transport)
         server = self.server
+        server.handshaking.pop(self, None)
         if len(server.connections) >= server.config.max_connections:
             server.hub.metrics.rejected(PROTOCOL, "max_connections")
             log.warning("connection refused: max_connections %d", server.config.max_connections)
@@ -366,13 +367,25 @@ class LumberjackServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self.m_connections = hub.metrics.connections(PROTOCOL, "lumberjack")
+        # TLS connections accepted but not yet through the handshake, with their accept time.
+        # asyncio tells the protocol nothing about a failed handshake (it never calls
+        # connection_made or connection_lost), so the sweep counts the ones that never arrive.
+        self.handshaking: dict[_Connection, float] = {}
+        self._tls = False
+
+    def _accept(self) -> _Connection:
+        conn = _Connection(self)
+        if self._tls:
+            self.handshaking[conn] = time.monotonic()
+        return conn
 
     async def start(self) -> dict[str, str]:
         self.loop = asyncio.get_running_loop()
         cfg = self.config
         ssl_ctx = server_ssl_context(cfg) if cfg.tls_cert else None
+        self._tls = ssl_ctx is not None
         self._server = await self.loop.create_server(
-            lambda: _Connection(self),
+            self._accept,
             cfg.host,
             cfg.port,
             ssl=ssl_ctx,
@@ -395,6 +408,8 @@ class LumberjackServer:
             send_keepalive = now - last_keepalive >= cfg.keepalive_s
             if send_keepalive:
                 last_keepalive = now
+            if self.handshaking:
+                self._count_failed_handshakes(now)
             for conn in list(self.connections):
                 if conn._pending:
                     if send_keepalive:
@@ -404,6 +419,18 @@ class LumberjackServer:
                     log.info("%s: idle for %.0fs, closing", conn.producer, cfg.idle_timeout_s)
                     conn._closing = True
                     conn.transport.close()
+
+    def _count_failed_handshakes(self, now: float) -> None:
+        """Accepted TLS connections older than the handshake timeout that never completed it:
+        asyncio has already closed them (bad handshake, wrong or missing client certificate,
+        plain TCP on the TLS port, or silence)."""
+        cutoff = now - self.config.handshake_timeout_s - 1.0
+        failed = [conn for conn, accepted in self.handshaking.items() if accepted < cutoff]
+        for conn in failed:
+            del self.handshaking[conn]
+        if failed:
+            self.hub.metrics.rejected(PROTOCOL, "tls_handshake_failed", len(failed))
+            log.warning("%d TLS handshake(s) failed or timed out", len(failed))
 
     async def stop(self) -> None:
         if self._server is not None:
