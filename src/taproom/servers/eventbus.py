@@ -344,6 +344,23 @@ def _stream(topic: str) -> str:
     return topic.split("/", 2)[1] if topic.count("/") >= 1 else topic
 
 
+def _journal_event(builder: BatchBuilder, event: Event, seq: int, timestamp: bytes) -> None:
+    """One bus event as a journal record. The original ISO timestamp rides in attrs, so a
+    snapshot rebuilt from the journal replays it exactly."""
+    builder.add(
+        PROTOCOL,
+        event.data,
+        stream=_stream(event.topic),
+        topic=event.topic,
+        producer=event.producer,
+        seq=seq,
+        event_id=event.uuid,
+        ts_ns=event.ts_ns,
+        content_type="msgpack",
+        attrs=b'{"timestamp":"' + timestamp + b'"}',
+    )
+
+
 def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
@@ -646,18 +663,7 @@ class EventBusService:
             seq += 1
             if builder is None:
                 builder = BatchBuilder()
-            builder.add(
-                PROTOCOL,
-                event.data,
-                stream=_stream(event.topic),
-                topic=event.topic,
-                producer=event.producer,
-                seq=seq,
-                event_id=event.uuid,
-                ts_ns=event.ts_ns,
-                content_type="msgpack",
-                attrs=b'{"timestamp":"' + msg[4] + b'"}',
-            )
+            _journal_event(builder, event, seq, msg[4])
             frames = (msg[1], pack(seq), msg[3], msg[4], event.uuid.encode(), event.data)
             entries.append((seq, frames))
             if self.config.role != "standalone":
@@ -744,19 +750,7 @@ class EventBusService:
         builder = BatchBuilder()
         entries: list[Entry] = []
         for e in fresh:
-            ts = e.timestamp.encode()
-            builder.add(
-                PROTOCOL,
-                e.data,
-                stream=_stream(e.topic),
-                topic=e.topic,
-                producer=e.producer,
-                seq=e.sequence,
-                event_id=e.uuid,
-                ts_ns=e.ts_ns,
-                content_type="msgpack",
-                attrs=b'{"timestamp":"' + ts + b'"}',
-            )
+            _journal_event(builder, e, e.sequence, e.timestamp.encode())
             frames = tuple(e.frames())
             entries.append((e.sequence, frames))  # type: ignore[arg-type]
             self.dedup.add(e.uuid)
@@ -803,18 +797,7 @@ class EventBusService:
             builder.add(PROTOCOL, b"", seq=cut, attrs=_RESET_ATTRS)
             hashmap: dict[bytes, Entry] = {}
             for e in copied.values():
-                builder.add(
-                    PROTOCOL,
-                    e.data,
-                    stream=_stream(e.topic),
-                    topic=e.topic,
-                    producer=e.producer,
-                    seq=e.sequence,
-                    event_id=e.uuid,
-                    ts_ns=e.ts_ns,
-                    content_type="msgpack",
-                    attrs=b'{"timestamp":"' + e.timestamp.encode() + b'"}',
-                )
+                _journal_event(builder, e, e.sequence, e.timestamp.encode())
                 frames = e.frames()
                 hashmap[frames[0]] = (e.sequence, tuple(frames))  # type: ignore[assignment]
                 if len(builder) >= 10_000:
