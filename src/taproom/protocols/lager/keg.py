@@ -272,9 +272,14 @@ class KegContents:
             )
             columns.update(fmt.columns(records["p"][mask]))
             return columns
-        data = self.data
-        buffer = b"".join([data[s : s + size] for s in self.starts[mask].tolist()])
-        columns.update(fmt.decode_buffer(buffer))
+        starts = self.starts[mask]
+        if not len(starts):
+            columns.update(fmt.decode_buffer(b""))
+            return columns
+        # Rows at irregular offsets: one fancy-index gather over an overlapping view whose
+        # element i is the ``size`` bytes at offset i (no per-row Python step, no index blowup).
+        rows = _sliding(self.data, f"V{size}", 0, len(self.data) - size + 1)[starts]
+        columns.update(fmt.columns(rows.view(fmt.numpy_dtype)))
         return columns
 
 
@@ -340,55 +345,104 @@ def _index(
     """Find every whole record between ``begin`` and ``end``.
 
     When all taps share one row size the records have a fixed stride and numpy does the whole
-    walk; otherwise a Python loop finds the boundaries (sizes come from each record's uuid).
+    walk; otherwise :func:`_index_mixed` finds the boundaries without a per-record Python step.
     """
     distinct = set(sizes.values())
-    if len(distinct) == 1:
-        size = distinct.pop()
-        stride = RECORD_HEAD + size
-        n = (end - begin) // stride
-        table = np.frombuffer(
-            blob,
-            dtype=np.dtype([("u", "V16"), ("t", ">u8"), ("p", f"V{size}")]),
-            count=n,
-            offset=begin,
-        )
-        uuids = table["u"]
-        known = np.isin(uuids, np.array(list(sizes), dtype="V16"))
-        problem = ""
-        if not known.all():
-            n = int(np.argmin(known))
-            problem = "record with an unknown tap uuid"
-        starts = begin + np.arange(n, dtype=np.int64) * stride + RECORD_HEAD
-        return (
-            uuids[:n].copy(),
-            table["t"][:n].astype(np.uint64),
-            starts,
-            begin + n * stride,
-            problem,
-        )
-    pos = begin
-    starts_list: list[int] = []
-    uuid_list: list[bytes] = []
+    if len(distinct) != 1:
+        return _index_mixed(blob, begin, end, sizes)
+    size = distinct.pop()
+    stride = RECORD_HEAD + size
+    n = (end - begin) // stride
+    table = np.frombuffer(
+        blob,
+        dtype=np.dtype([("u", "V16"), ("t", ">u8"), ("p", f"V{size}")]),
+        count=n,
+        offset=begin,
+    )
+    uuids = table["u"]
+    known = np.isin(uuids, np.array(list(sizes), dtype="V16"))
     problem = ""
-    get = sizes.get
-    while pos + RECORD_HEAD <= end:
-        u = blob[pos : pos + 16]
-        row_size = get(u)
-        if row_size is None:
+    if not known.all():
+        n = int(np.argmin(known))
+        problem = "record with an unknown tap uuid"
+    starts = begin + np.arange(n, dtype=np.int64) * stride + RECORD_HEAD
+    return (
+        uuids[:n].copy(),
+        table["t"][:n].astype(np.uint64),
+        starts,
+        begin + n * stride,
+        problem,
+    )
+
+
+# Candidate scan chunk: bounds the temporaries (a bool per byte) whatever the keg's size.
+_SCAN_CHUNK = 1 << 24
+
+
+def _sliding(blob: bytes, dtype: str, offset: int, count: int) -> np.ndarray[Any, Any]:
+    """Element i = ``dtype`` read at byte ``offset + i`` (overlapping, read-only, no copy)."""
+    return np.ndarray(shape=(count,), dtype=dtype, buffer=blob, offset=offset, strides=(1,))
+
+
+def _index_mixed(
+    blob: bytes, begin: int, end: int, sizes: dict[bytes, int]
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], np.ndarray[Any, Any], int, str]:
+    """The record walk for taps of different row sizes, vectorised.
+
+    A record's size depends on the uuid at its start, so the walk is a chain. Numpy finds every
+    position where a known uuid occurs (a 2-byte prefix table, then a full 16-byte check), gives
+    each its record end, and checks in one pass where candidate i's end is candidate i+1's start.
+    Following the chain from ``begin`` then costs one step per break, not per record: a break is
+    the end of the data, an unknown uuid, or a uuid's bytes occurring inside a payload (a false
+    candidate, skipped because the chain never lands on it). Same results as the plain walk:
+    stop at the first unknown uuid (``problem``) or the first record that does not fit.
+    """
+    last = end - RECORD_HEAD  # the last position a record can start at
+    empty = (np.empty(0, dtype="V16"), np.empty(0, dtype=np.uint64), np.empty(0, dtype=np.int64))
+    if last < begin:
+        return (*empty, begin, "")
+    if not sizes:
+        return (*empty, begin, "record with an unknown tap uuid")
+    known = np.sort(np.array(list(sizes), dtype="V16"))
+    known_sizes = np.array([sizes[k.tobytes()] for k in known], dtype=np.int64)
+    prefix = np.zeros(1 << 16, dtype=bool)
+    for k in known:
+        raw = k.tobytes()
+        prefix[raw[0] | raw[1] << 8] = True
+    span = last - begin + 1
+    found = []
+    for lo in range(0, span, _SCAN_CHUNK):
+        count = min(_SCAN_CHUNK, span - lo)
+        hits = np.flatnonzero(prefix[_sliding(blob, "<u2", begin + lo, count)])
+        found.append(hits + (begin + lo))
+    cand = np.concatenate(found).astype(np.int64)
+    values = _sliding(blob, "V16", begin, span)[cand - begin]
+    which = np.minimum(np.searchsorted(known, values), len(known) - 1)
+    real = known[which] == values
+    cand, which = cand[real], which[real]
+    ends = cand + RECORD_HEAD + known_sizes[which]
+    breaks = np.flatnonzero(ends[:-1] != cand[1:])  # candidate i's chain does not reach i+1
+    pieces: list[np.ndarray[Any, Any]] = []
+    problem = ""
+    pos = begin
+    while pos <= last:
+        j = int(np.searchsorted(cand, pos))
+        if j == len(cand) or cand[j] != pos:
             problem = "record with an unknown tap uuid"
             break
-        if pos + RECORD_HEAD + row_size > end:
+        k = int(np.searchsorted(breaks, j))
+        b = int(breaks[k]) if k < len(breaks) else len(cand) - 1
+        if ends[b] <= end:
+            pieces.append(np.arange(j, b + 1))
+            pos = int(ends[b])
+        else:  # the last record of this run is torn
+            pieces.append(np.arange(j, b))
+            pos = int(cand[b])
             break
-        uuid_list.append(u)
-        starts_list.append(pos + RECORD_HEAD)
-        pos += RECORD_HEAD + row_size
-    starts = np.array(starts_list, dtype=np.int64)
-    uuids = np.array(uuid_list, dtype="V16") if uuid_list else np.empty(0, dtype="V16")
-    view = np.frombuffer(blob, dtype=np.uint8)
-    if len(starts):
-        idx = (starts - 8)[:, None] + np.arange(8, dtype=np.int64)[None, :]
-        timestamps = view[idx].copy().view(">u8").reshape(-1).astype(np.uint64)
-    else:
-        timestamps = np.empty(0, dtype=np.uint64)
-    return uuids, timestamps, starts, pos, problem
+    if not pieces:
+        return (*empty, pos, problem)
+    chosen = np.concatenate(pieces)
+    where = cand[chosen]
+    uuids = known[which[chosen]]
+    timestamps = _sliding(blob, ">u8", begin + 16, span)[where - begin].astype(np.uint64)
+    return uuids, timestamps, where + RECORD_HEAD, pos, problem
