@@ -16,6 +16,13 @@ No lost first samples (nasa/lager's PUB slow-joiner defect):
   "hello" topic; the forwarder echoes the hello, and because one ZeroMQ pipe applies
   subscriptions in order, every data subscription is in place when the hello arrives.
   ``subscribe`` returns only then. Start logging after that and no sample is lost.
+
+Counted loss: a mug that falls behind loses rows inside ZeroMQ (its HWM), silently. A taproom
+bartender publishes per-tap marks (cumulative rows forwarded, see ``servers/lager.py``) in the
+same pipe as the rows; the Mug subscribes to the marks of its taps and, at each mark, compares
+the rows it received since the previous mark with the bartender's count. The difference is
+added to ``Mug.lost`` / ``Mug.lost_by_tap`` and reported through ``on_gap(key, missed)``.
+Every row after ``subscribe()`` returns is accounted for: received, or counted as lost.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import sys
 import threading
 import time
 import uuid as uuid_module
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,11 +69,32 @@ __all__ = [
 
 # Must match taproom.servers.lager.HELLO_PREFIX (clients do not import the server).
 HELLO_PREFIX = b"\x00taproom-lager-hello/"
+# Must match taproom.servers.lager.MARK_PREFIX: topic MARK_PREFIX + uuid, u64 count, u64 epoch.
+MARK_PREFIX = b"\x00taproom-lager-mark/"
+_MARK_TOPIC_BYTES = len(MARK_PREFIX) + 16
+_MAX_DATA_FRAMES = 1028  # the bartender forwards 5; bounded like its input
 _TS_BYTES = 8
 # Plain ints and the backend send: pyzmq's wrappers cost more than the send itself.
 _SNDMORE = int(zmq.SNDMORE)
 _MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes] | None:
+    """One whole message, NOBLOCK (raises zmq.Again); None if over ``_MAX_DATA_FRAMES``.
+    Uncopied frames and their ``more`` flag: ~1/3 of pyzmq's ``recv_multipart`` cost."""
+    frame: Any = _raw_recv(sock, _NOBLOCK, False)
+    frames = [frame.bytes]
+    over = False
+    while frame.more:
+        frame = _raw_recv(sock, 0, False)
+        if len(frames) < _MAX_DATA_FRAMES:
+            frames.append(frame.bytes)
+        else:
+            over = True
+    return None if over else frames
 
 
 class LagerClientError(TaproomError):
@@ -320,7 +349,10 @@ class Mug:
     """A Lager data sink: synchronise the tap list, watch updates and HUGZ, subscribe, decode.
 
     ``on_silence()`` is called once when no HUGZ or update arrived for ``silence_s``;
-    ``on_update(registration)`` for every hashmap change after :meth:`sync`.
+    ``on_update(registration)`` for every hashmap change after :meth:`sync`;
+    ``on_gap(key, missed)`` when a mark shows rows of a tap that this mug did not receive
+    (``key`` is the tap key, or the uuid string for a tap not in :attr:`taps`). ``lost`` and
+    ``lost_by_tap`` keep the totals; ``received`` counts data messages read.
     """
 
     def __init__(
@@ -332,8 +364,20 @@ class Mug:
         recv_hwm: int = 1_000_000,
         on_silence: Callable[[], None] | None = None,
         on_update: Callable[[Registration], None] | None = None,
+        on_gap: Callable[[str, int], None] | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
+        self.on_gap = on_gap
+        self.lost = 0
+        self.lost_by_tap: dict[str, int] = {}
+        self.received = 0
+        # uuid -> [bartender epoch, its count at the last mark, rows received since]
+        self._marks: dict[bytes, list[int]] = {}
+        # After a confirmed subscribe: rows of taps that had no mark yet. The bartender marked
+        # every tap with rows before its hello reply, so such a tap's count started at zero.
+        self._hello_epoch: int | None = None
+        self._unmarked: dict[bytes, int] = {}
+        self._pending: deque[list[bytes]] = deque()
         self._reg_host, self._reg_port = _base(registrar)
         self._fwd_host, self._fwd_port = _base(forwarder)
         self._ctx = context or zmq.Context.instance()
@@ -450,25 +494,96 @@ class Mug:
         for topic in topics:
             if topic not in self._subscribed:
                 self._data.setsockopt(zmq.SUBSCRIBE, topic)
+                if topic:  # "" already receives every mark
+                    self._data.setsockopt(zmq.SUBSCRIBE, MARK_PREFIX + topic)
                 self._subscribed.add(topic)
         if not confirm:
             return
         token = HELLO_PREFIX + secrets.token_hex(8).encode()
         self._data.setsockopt(zmq.SUBSCRIBE, token)
         deadline = time.monotonic() + timeout
-        self._early: list[list[bytes]] = getattr(self, "_early", [])
         try:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._data.poll(int(left * 1000) + 1):
                     raise LagerClientError("forwarder did not confirm the subscription in time")
-                frames = self._data.recv_multipart()
-                if frames[0] == token:
+                try:
+                    frames = _recv_frames(self._data)
+                except zmq.Again:
+                    continue
+                if frames is not None and frames[0] == token:
+                    if len(frames) == 2 and len(frames[1]) == 8:  # a bartender that marks
+                        self._hello_epoch = int.from_bytes(frames[1], "big")
                     return
-                if not frames[0].startswith(HELLO_PREFIX):
-                    self._early.append(frames)  # data that raced the hello: keep it
+                if frames is not None:
+                    self._take(frames)  # data that raced the hello is kept; marks counted
         finally:
             self._data.setsockopt(zmq.UNSUBSCRIBE, token)
+
+    def _take(self, frames: list[bytes]) -> None:
+        """Sort one forwarder message: data is queued and counted, a mark is accounted."""
+        first = frames[0]
+        if len(first) == 16:
+            self._pending.append(frames)
+            self.received += 1
+            state = self._marks.get(first)
+            if state is not None:
+                state[2] += 1
+            elif self._hello_epoch is not None:
+                self._unmarked[first] = self._unmarked.get(first, 0) + 1
+        elif first.startswith(MARK_PREFIX):
+            self._mark(frames)
+        # anything else (other mugs' hellos, foreign control topics) is not data
+
+    def _mark(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[0]) != _MARK_TOPIC_BYTES or len(frames[1]) != 8:
+            return
+        raw_uuid = frames[0][len(MARK_PREFIX) :]
+        count = int.from_bytes(frames[1], "big")
+        epoch = int.from_bytes(frames[2], "big")
+        state = self._marks.get(raw_uuid)
+        if state is None and epoch == self._hello_epoch:
+            # No mark before our hello reply: the tap had no rows then; count from zero.
+            state = self._marks[raw_uuid] = [epoch, 0, self._unmarked.pop(raw_uuid, 0)]
+        if state is None or state[0] != epoch or count < state[1]:
+            # First mark (the baseline), or a restarted bartender counting from zero again.
+            self._marks[raw_uuid] = [epoch, count, 0]
+            self._unmarked.pop(raw_uuid, None)
+            return
+        missed = count - state[1] - state[2]
+        state[1] = count
+        state[2] = 0
+        if missed > 0:
+            reg = self.by_uuid.get(raw_uuid)
+            key = reg.key if reg is not None else str(uuid_module.UUID(bytes=raw_uuid))
+            self.lost += missed
+            self.lost_by_tap[key] = self.lost_by_tap.get(key, 0) + missed
+            if self.on_gap is not None:
+                self.on_gap(key, missed)
+
+    def recv_frames(self, max_messages: int = 4096, timeout: float = 0.0) -> list[list[bytes]]:
+        """Up to ``max_messages`` data messages as raw frames (the fast path: no decoding),
+        waiting up to ``timeout`` seconds for the first. Loss accounting is applied."""
+        pending = self._pending
+        if not pending:
+            self._fill(max_messages)
+            if not pending and timeout > 0:
+                self.poll_registrar()
+                if self._data.poll(max(int(timeout * 1000), 1)):
+                    self._fill(max_messages)
+        n = min(max_messages, len(pending))
+        return [pending.popleft() for _ in range(n)]
+
+    def _fill(self, limit: int) -> None:
+        """Read what the data socket holds (up to ``limit`` messages), without blocking."""
+        sock = self._data
+        for _ in range(limit):
+            try:
+                frames = _recv_frames(sock)
+            except zmq.Again:
+                return
+            if frames is not None:
+                self._take(frames)
 
     def lookup(self, raw_uuid: bytes) -> Registration | None:
         """The registration for a data message's uuid. Updates and data travel on different
@@ -482,17 +597,14 @@ class Mug:
 
     def recv_message(self, timeout: float | None = None) -> DataMessage | None:
         """The next data message (undecoded), or None after ``timeout`` seconds."""
-        early = getattr(self, "_early", None)
-        if early:
-            return parse_data_message(early.pop(0))
         deadline = None if timeout is None else time.monotonic() + timeout
+        pending = self._pending
         while True:
-            try:
-                frames = self._data.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                frames = None
-            if frames is not None:
-                if frames[0].startswith(HELLO_PREFIX) or len(frames) < 5:
+            if not pending:
+                self._fill(1024)
+            while pending:
+                frames = pending.popleft()
+                if len(frames) < 5:
                     continue
                 try:
                     return parse_data_message(frames)
