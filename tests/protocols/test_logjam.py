@@ -478,6 +478,7 @@ def test_fuzz_frame_decoder_never_crashes(data):
     (IngestParser) agrees with parse_message on every input, reason for reason."""
     frames = _frames_from(data)
     builder = BatchBuilder(received_ns=1)
+    _PARSER.start_batch(1)
     try:
         msg = lj.parse_message(frames, max_body=4096, max_decompressed=4096)
     except LogjamError as exc:
@@ -487,8 +488,14 @@ def test_fuzz_frame_decoder_never_crashes(data):
             _PARSER.add(builder, frames)
         assert info.value.reason == exc.reason
         assert len(builder) == 0
+        if len(frames) == 4:  # the fast path (four frames, as the server calls it) agrees
+            with pytest.raises(LogjamError) as info:
+                _PARSER.push(*frames)
+            assert info.value.reason == exc.reason
+            assert _PARSER.pending() == 0
         return
     ping = _PARSER.add(builder, frames)
+    assert _PARSER.push(*frames) == ping
     if isinstance(msg, lj.DataMessage):
         orjson.loads(msg.body)
         assert lj.is_valid_app_env(msg.app_env.encode())
@@ -497,10 +504,12 @@ def test_fuzz_frame_decoder_never_crashes(data):
         assert ping is None
         expected = BatchBuilder(received_ns=1)
         msg.add_to(expected)
-        assert builder.build() == expected.build()
+        expected_batch = expected.build()
+        assert builder.build() == expected_batch
+        assert _PARSER.take_batch() == expected_batch  # byte-identical from the fast path
     else:
         assert frames[0] == lj.PING
-        assert ping == msg and len(builder) == 0
+        assert ping == msg and len(builder) == 0 and _PARSER.pending() == 0
 
 
 def test_created_ms_beyond_i64_nanoseconds_is_stored_as_unknown():

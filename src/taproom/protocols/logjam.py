@@ -24,7 +24,7 @@ import lz4.block
 import orjson
 
 from ..errors import LimitExceeded, ProtocolError
-from ..records import BatchBuilder, Record
+from ..records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, BatchBuilder, EncodedBatch, Record
 
 __all__ = [
     "ACCEPTED",
@@ -38,6 +38,7 @@ __all__ = [
     "Compression",
     "DataMessage",
     "IngestParser",
+    "IngestedBody",
     "LogjamError",
     "LogjamLimit",
     "Meta",
@@ -375,14 +376,51 @@ def parse_message(
     return DataMessage(app_env.decode("ascii"), topic.decode("ascii"), data, meta)
 
 
+# The fixed strings of every logjam record (records.py layout): protocol and content type.
+_PROTOCOL = b"logjam"
+_CONTENT_TYPE = b"json"
+_FIELD_MAX = 65535  # records.py stores stream/topic/producer lengths as u16
+_pack_head = RECORD_HEAD.pack
+
+
+class IngestedBody(bytes):
+    """The body of a batch :class:`IngestParser` built: logjam records only.
+
+    The type is the mark: the PUB output, handed the same object by the hub, publishes such a
+    batch without checking each record's protocol. Equal to (and stored as) plain bytes.
+    """
+
+    __slots__ = ()
+
+
 class IngestParser:
-    """The ingest hot path: validates four frames and appends the record to a builder.
+    """The ingest hot path: validates four frames and appends the record to a batch.
 
     Same rules and errors as :func:`parse_message`, without building :class:`DataMessage`
     objects, and with the grammar checks of app-envs and topics already seen cached (bounded).
+
+    Two ways in, byte-identical results (a test proves it):
+
+    * :meth:`add` appends to a :class:`~taproom.records.BatchBuilder` (tests, odd shapes);
+    * :meth:`push` appends to the parser's own batch, writing the record head with
+      ``records.RECORD_HEAD`` directly: everything of a record but its head, times and body
+      (protocol, content type, stream, topic, producer) is one cached byte string per
+      (app-env, topic, device), so a message costs one ``struct.pack`` and three list items.
+      :meth:`start_batch` / :meth:`take_batch` frame a burst.
     """
 
-    __slots__ = ("_app_envs", "_producers", "_topics", "max_body", "max_decompressed", "relaxed")
+    __slots__ = (
+        "_app_envs",
+        "_count",
+        "_fixed",
+        "_parts",
+        "_producers",
+        "_topics",
+        "max_body",
+        "max_decompressed",
+        "received_ns",
+        "relaxed",
+    )
 
     _CACHE = 4096  # distinct app-envs/topics remembered; beyond it they are checked each time
 
@@ -393,6 +431,114 @@ class IngestParser:
         self._app_envs: dict[bytes, str] = {}
         self._topics: dict[bytes, str] = {}
         self._producers: dict[int, str] = {}
+        # (app-env, topic, device) -> (the record's fixed bytes, head length field minus the
+        # payload, len(stream), len(topic), len(producer))
+        self._fixed: dict[tuple[bytes, bytes, int], tuple[bytes, int, int, int, int]] = {}
+        self._parts: list[bytes] = []
+        self._count = 0
+        self.received_ns = 0
+
+    # --- the fast path: the parser's own batch ----------------------------------------------
+
+    def start_batch(self, received_ns: int) -> None:
+        """Start a batch whose records all carry ``received_ns`` (as one BatchBuilder does)."""
+        self._parts = []
+        self._count = 0
+        self.received_ns = received_ns
+
+    def pending(self) -> int:
+        """Records pushed since :meth:`start_batch`."""
+        return self._count
+
+    def take_batch(self) -> EncodedBatch:
+        """The records pushed since :meth:`start_batch`, as one journal batch."""
+        batch = EncodedBatch(self._count, IngestedBody(b"".join(self._parts)))
+        self._parts = []
+        self._count = 0
+        return batch
+
+    def push(
+        self, app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes
+    ) -> PingMessage | None:
+        """Validate one four-frame message and append its record to the current batch; a ping
+        is returned, not stored. Raises :class:`LogjamError` like :func:`parse_message`."""
+        size = len(meta_frame)
+        if size == 24:
+            tag, method, version, device, created, seq = _META24.unpack(meta_frame)
+        elif size == 22:
+            tag, method, version, device, created, seq = _META22.unpack(meta_frame)
+        else:
+            tag = 0
+        if tag != META_TAG or version != META_VERSION or method > 3:
+            meta = parse_meta(meta_frame)  # the byte-swapped form, or the precise error
+            method, device, created, seq = (
+                meta.compression,
+                meta.device,
+                meta.created_ms,
+                meta.sequence,
+            )
+        if app_env == PING:  # rare: the full decode is fine here
+            return PingMessage(topic.decode("ascii", "replace")[:255], parse_meta(meta_frame))
+        fixed = self._fixed.get((app_env, topic, device))
+        if fixed is None:
+            if len(app_env) > _FIELD_MAX or len(topic) > _FIELD_MAX:
+                # Over records.py's u16 field bound: the builder's checks and errors, in its
+                # order (after the body's), rather than a second copy of them here.
+                builder = BatchBuilder(self.received_ns)
+                self._add(builder, app_env, topic, body, method, device, created, seq)
+                batch = builder.build()
+                self._parts.append(batch.body)
+                self._count += batch.count
+                return None
+            fixed = self._fixed_part(app_env, topic, device)
+        if len(body) > self.max_body:
+            raise LogjamLimit(
+                f"body is {len(body)} bytes, at most {self.max_body}", reason="body_too_large"
+            )
+        data = decompress(method, body, self.max_decompressed) if method else body
+        n = len(data)
+        if n > self.max_decompressed:
+            raise LogjamLimit("body over the decompressed bound", reason="decompressed_too_large")
+        try:
+            orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise LogjamError("body is not JSON", reason="bad_json") from None
+        raw, after_len, ls, lt, lr = fixed
+        self._parts += (
+            _pack_head(
+                after_len + n,
+                self.received_ns,
+                created * 1_000_000 if created <= _MAX_CREATED_MS else 0,
+                seq,
+                6,
+                4,
+                ls,
+                lt,
+                lr,
+                0,
+                0,
+                n,
+            ),
+            raw,
+            data,
+        )
+        self._count += 1
+        return None
+
+    def _fixed_part(
+        self, app_env: bytes, topic: bytes, device: int
+    ) -> tuple[bytes, int, int, int, int]:
+        """Validate app-env and topic (cached like :meth:`add`) and make the cache entry."""
+        self._stream(app_env)
+        self._topic(topic)
+        producer = str(device).encode()
+        raw = _PROTOCOL + _CONTENT_TYPE + app_env + topic + producer
+        fixed = (raw, RECORD_HEAD_AFTER_LEN + len(raw), len(app_env), len(topic), len(producer))
+        if len(self._fixed) < self._CACHE:
+            self._fixed[(app_env, topic, device)] = fixed
+        return fixed
+
+    # --- the BatchBuilder path ----------------------------------------------------------------
 
     def add(self, builder: BatchBuilder, frames: Sequence[bytes]) -> PingMessage | None:
         """Append one data message to ``builder``; a ping is returned, not stored."""
@@ -416,6 +562,10 @@ class IngestParser:
             )
         if app_env == PING:  # rare: the full decode is fine here
             return PingMessage(topic.decode("ascii", "replace")[:255], parse_meta(meta_frame))
+        self._add(builder, app_env, topic, body, method, device, created, seq)
+        return None
+
+    def _stream(self, app_env: bytes) -> str:
         stream = self._app_envs.get(app_env)
         if stream is None:
             if not is_valid_app_env(app_env, relaxed=self.relaxed):
@@ -423,6 +573,9 @@ class IngestParser:
             stream = app_env.decode("ascii")
             if len(self._app_envs) < self._CACHE:
                 self._app_envs[app_env] = stream
+        return stream
+
+    def _topic(self, topic: bytes) -> str:
         topic_str = self._topics.get(topic)
         if topic_str is None:
             if not is_valid_topic(topic, relaxed=self.relaxed):
@@ -430,6 +583,21 @@ class IngestParser:
             topic_str = topic.decode("ascii")
             if len(self._topics) < self._CACHE:
                 self._topics[topic] = topic_str
+        return topic_str
+
+    def _add(
+        self,
+        builder: BatchBuilder,
+        app_env: bytes,
+        topic: bytes,
+        body: bytes,
+        method: int,
+        device: int,
+        created: int,
+        seq: int,
+    ) -> None:
+        stream = self._stream(app_env)
+        topic_str = self._topic(topic)
         if len(body) > self.max_body:
             raise LogjamLimit(
                 f"body is {len(body)} bytes, at most {self.max_body}", reason="body_too_large"
@@ -456,7 +624,6 @@ class IngestParser:
             ts_ns=created * 1_000_000 if created <= _MAX_CREATED_MS else 0,
             content_type="json",
         )
-        return None
 
 
 def parse_router_frames(frames: Sequence[bytes]) -> RouterMessage:

@@ -26,10 +26,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import socket
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +44,7 @@ from ..errors import ConfigError, HubStopped, ProtocolError
 from ..hub import CommittedBatch, Hub
 from ..payloads import decode_payload
 from ..protocols import logjam as lj
-from ..records import RECORD_HEAD, BatchBuilder, Record
+from ..records import RECORD_HEAD, Record
 
 __all__ = ["LogjamConfig", "LogjamService", "create_service"]
 
@@ -162,6 +163,81 @@ _RECORD_HEAD = RECORD_HEAD
 # pyzmq's Socket.send is a Python wrapper (routing ids, groups) around the Cython send; the hot
 # loops call the Cython method directly, which halves the cost of a frame (DESIGN.md decision 3).
 _raw_send = zmq.backend.Socket.send
+_raw_recv = zmq.backend.Socket.recv
+# Plain ints: pyzmq's IntFlag constants cost an __index__ call per use on the hot paths.
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_ZMQ_TYPE = int(zmq.TYPE)
+
+
+def _libzmq() -> Any:
+    """pyzmq's own libzmq through cffi (ABI mode), or None.
+
+    Why: a frame's "more" flag is the one thing the ingest loops need per frame, and pyzmq
+    makes it expensive: ``getsockopt(RCVMORE)`` builds a SocketOption enum (~1.5 us) and
+    ``recv(copy=False)`` builds a Frame object (~1 us). ``zmq_getsockopt`` through cffi is
+    ~0.5 us. The library must be the very one pyzmq loaded (the socket handle is a pointer
+    into it), so it is found in this process's memory map; with no cffi, no /proc, or any
+    doubt, the loops use pyzmq's getsockopt (slower, same results).
+    """
+    try:
+        import cffi  # installed with cryptography (a dependency); optional here
+    except ImportError:
+        return None
+    paths = set()
+    try:
+        with open(f"/proc/{os.getpid()}/maps") as maps:
+            for line in maps:
+                name = line.rsplit(None, 1)[-1]
+                if os.path.basename(name).startswith("libzmq"):
+                    paths.add(name)
+    except OSError:
+        return None
+    if len(paths) != 1:
+        return None
+    ffi = cffi.FFI()
+    ffi.cdef("int zmq_getsockopt(void *s, int option, void *optval, size_t *optvallen);")
+    try:
+        return ffi, ffi.dlopen(paths.pop())
+    except OSError:
+        return None
+
+
+_LIBZMQ: Any = None
+_LIBZMQ_LOADED = False
+
+
+def _rcvmore_reader(sock: zmq.Socket[bytes]) -> Callable[[], int]:
+    """A function giving ZMQ_RCVMORE of ``sock`` (after each recv), as cheap as possible."""
+    global _LIBZMQ, _LIBZMQ_LOADED
+    if not _LIBZMQ_LOADED:
+        _LIBZMQ, _LIBZMQ_LOADED = _libzmq(), True
+
+    def slow() -> int:
+        return int(sock.get(_RCVMORE))
+
+    if _LIBZMQ is None:
+        return slow
+    ffi, lib = _LIBZMQ
+    handle = ffi.cast("void *", sock.underlying)
+    value = ffi.new("int *")
+    size = ffi.new("size_t *")
+    getsockopt = lib.zmq_getsockopt
+
+    def more() -> int:
+        getsockopt(handle, _RCVMORE, value, size)
+        return value[0]
+
+    # The same socket seen both ways, or the slow path: the handle must be pyzmq's.
+    size[0] = ffi.sizeof("int")
+    if getsockopt(handle, _ZMQ_TYPE, value, size) != 0 or value[0] != sock.get(_ZMQ_TYPE):
+        return slow
+    size[0] = ffi.sizeof("int")
+    if more() != slow():
+        return slow
+    return more
+
 
 _META_OUT = {24: struct.Struct("!HBBIQQ"), 22: struct.Struct("!HBBHQQ")}
 
@@ -252,8 +328,8 @@ class LogjamService:
         self._xpub = pub
         self._sub = self.hub.subscribe("logjam_pub")
         self._tasks = [
-            asyncio.create_task(self._ingest_loop(router, router_sync, True), name="logjam-router"),
-            asyncio.create_task(self._ingest_loop(pull, pull_sync, False), name="logjam-pull"),
+            asyncio.create_task(self._router_loop(router, router_sync), name="logjam-router"),
+            asyncio.create_task(self._pull_loop(pull, pull_sync), name="logjam-pull"),
             asyncio.create_task(self._publish_loop(), name="logjam-pub"),
             asyncio.create_task(self._heartbeat_loop(), name="logjam-heartbeat"),
             asyncio.create_task(self._replay_loop(replay, replay_sync), name="logjam-replay"),
@@ -319,53 +395,120 @@ class LogjamService:
         else:
             self._log_suppressed += 1
 
-    async def _ingest_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket, router: bool) -> None:
+    def _parser(self) -> lj.IngestParser:
         cfg = self.config
-        hub = self.hub
-        parser = lj.IngestParser(
+        return lj.IngestParser(
             max_body=cfg.max_message_bytes,
             max_decompressed=cfg.max_decompressed_bytes,
             relaxed=self.relaxed,
         )
-        add = parser.add
+
+    def _submit(self, parser: lj.IngestParser) -> asyncio.Future[Any] | None:
+        """One burst's records to the hub as one batch; None if the hub is stopping."""
+        batch = parser.take_batch()
+        try:
+            future = self.hub.submit(batch)
+        except HubStopped:
+            return None
+        self.hub.metrics.accepted("logjam", batch.count)
+        self._pending.add(future)
+        return future
+
+    async def _pull_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
+        """PUSH agents: no replies. Messages of four frames (all of them, in practice) take
+        the unrolled path; any other shape is read whole and refused."""
+        hub = self.hub
+        parser = self._parser()
+        push = parser.push
         recv = sock.recv
-        burst = cfg.burst_messages
+        more = _rcvmore_reader(sock)
+        burst = self.config.burst_messages
         while True:
             await hub.wait_capacity()
             await self._readable(asock, sock)
-            builder = BatchBuilder()
-            acks: list[list[bytes]] = []
+            parser.start_batch(time.time_ns())
             for _ in range(burst):
-                # One multipart message without blocking; frames past the bound are read and
-                # dropped (a message is delivered whole, so the rest is already here).
-                # Frames are received uncopied only to read their `more` flag: that is cheaper
-                # than a getsockopt(RCVMORE) per frame, which goes through pyzmq's option enum.
                 try:
-                    frame = recv(zmq.NOBLOCK, False)
+                    a = recv(_NOBLOCK)
                 except zmq.Again:
                     break
-                frames = [frame.bytes]
+                # A message arrives whole, so after its first frame the rest is already here.
+                if more():
+                    b = recv(0)
+                    if more():
+                        c = recv(0)
+                        if more():
+                            d = recv(0)
+                            if not more():
+                                try:
+                                    if push(a, b, c, d) is not None:
+                                        self._m_pings.inc()
+                                except ProtocolError as exc:
+                                    self._refuse(sock, exc.reason, str(exc), None, b"")
+                                except Exception:  # a bug must not stop ingest
+                                    log.exception("logjam: internal error on a message")
+                                    self._refuse(sock, "internal_error", "", None, b"")
+                                continue
+                            count = 5
+                            recv(0)
+                            while more():  # read and drop the rest of an over-long message
+                                recv(0)
+                                count += 1
+                        else:
+                            count = 3
+                    else:
+                        count = 2
+                else:
+                    count = 1
+                self._refuse(sock, "bad_frame_count", f"{count} frames, expected 4", None, b"")
+            if parser.pending():
+                future = self._submit(parser)
+                if future is None:
+                    return
+                future.add_done_callback(self._pending.discard)
+
+    async def _router_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
+        """DEALER agents: an empty frame after the routing id asks for a reply, ``202
+        Accepted`` once the burst is durable (``400 Bad Request`` at once)."""
+        hub = self.hub
+        parser = self._parser()
+        push = parser.push
+        recv = sock.recv
+        more = _rcvmore_reader(sock)
+        burst = self.config.burst_messages
+        content_max = _MAX_FRAMES - 1
+        while True:
+            await hub.wait_capacity()
+            await self._readable(asock, sock)
+            parser.start_batch(time.time_ns())
+            acks: list[tuple[bytes, bytes]] = []
+            for _ in range(burst):
+                try:
+                    routing_id = recv(_NOBLOCK)
+                except zmq.Again:
+                    break
+                # The routing id, then [""] app-env topic body meta; frames past the bound are
+                # read and dropped (a message is delivered whole, so the rest is already here).
+                content: list[bytes] = []
                 overflow = False
-                while frame.more:
-                    frame = recv(0, False)
-                    if len(frames) < _MAX_FRAMES:
-                        frames.append(frame.bytes)
+                while more():
+                    frame = recv(0)
+                    if len(content) < content_max:
+                        content.append(frame)
                     else:
                         overflow = True
-                wants_reply = False
-                routing_id = first = b""
-                content: Sequence[bytes] = frames
+                wants_reply = bool(content) and content[0] == b""
+                if wants_reply:
+                    del content[0]
+                first = content[0] if content and len(content[0]) <= 255 else b""
                 try:
-                    if router:
-                        if len(frames) > 1 and frames[1] == b"":
-                            routing_id, wants_reply, content = frames[0], True, frames[2:]
-                        else:
-                            routing_id, content = frames[0], frames[1:]
-                    if content and len(content[0]) <= 255:
-                        first = content[0]
                     if overflow:
                         raise lj.LogjamError("too many frames", reason="bad_frame_count")
-                    ping = add(builder, content)
+                    if len(content) != 4:
+                        raise lj.LogjamError(
+                            f"{len(content)} frames, expected 4", reason="bad_frame_count"
+                        )
+                    ping = push(content[0], content[1], content[2], content[3])
                 except ProtocolError as exc:
                     self._refuse(
                         sock, exc.reason, str(exc), routing_id if wants_reply else None, first
@@ -386,16 +529,12 @@ class LogjamService:
                                 zmq.NOBLOCK,
                             )
                 elif wants_reply:
-                    acks.append([routing_id, b"", first, lj.ACCEPTED])
-            if not len(builder):
+                    acks.append((routing_id, first))
+            if not parser.pending():
                 continue
-            batch = builder.build()
-            try:
-                future = hub.submit(batch)
-            except HubStopped:
+            future = self._submit(parser)
+            if future is None:
                 return
-            hub.metrics.accepted("logjam", batch.count)
-            self._pending.add(future)
             if acks:
                 # 202s go out only once the batch is durable; reading the next burst overlaps
                 # with this commit's fsync (hub.wait_capacity bounds what is in flight).
@@ -413,7 +552,7 @@ class LogjamService:
                 sock.send_multipart(lj.reply_frames(reply_to, first, lj.BAD_REQUEST), zmq.NOBLOCK)
 
     def _send_acks(
-        self, sock: zmq.Socket, acks: list[list[bytes]], future: asyncio.Future[Any]
+        self, sock: zmq.Socket, acks: list[tuple[bytes, bytes]], future: asyncio.Future[Any]
     ) -> None:
         self._pending.discard(future)
         if future.cancelled() or future.exception() is not None:
@@ -421,13 +560,15 @@ class LogjamService:
         if sock.closed:
             return
         send = functools.partial(_raw_send, sock)
-        flags = zmq.NOBLOCK | zmq.SNDMORE
-        for frames in acks:
+        flags = _NOBLOCK | _SNDMORE
+        accepted = lj.ACCEPTED
+        for routing_id, first in acks:
+            # routing id, "" (the REQ-compatible delimiter), the agent's app-env, the status
             try:
-                send(frames[0], flags)
-                send(frames[1], flags)
-                send(frames[2], flags)
-                send(frames[3], zmq.NOBLOCK)
+                send(routing_id, flags)
+                send(b"", flags)
+                send(first, flags)
+                send(accepted, _NOBLOCK)
             except zmq.ZMQError:
                 continue  # the agent went away; ROUTER drops replies to unknown peers
 
@@ -506,6 +647,11 @@ class LogjamService:
             self._next_publish = batch.end_offset
             self._m_pub_data.inc(sent)
             return
+        if type(batch.body) is lj.IngestedBody:
+            if mapper.routed("logjam"):
+                self._publish_ingested(batch, now_ms)
+            self._next_publish = batch.end_offset
+            return
         body = batch.body
         unpack = _RECORD_HEAD.unpack_from
         head_size = _RECORD_HEAD.size
@@ -575,6 +721,85 @@ class LogjamService:
             if dropped:
                 self._m_dropped.inc(dropped)
             self._m_pub_data.inc(sent)
+
+    def _publish_ingested(self, batch: CommittedBatch, now_ms: int) -> None:
+        """A batch the ingest loops built (its body is an :class:`lj.IngestedBody`, which the
+        hub hands on as it is; read back from the journal it is plain bytes): logjam records
+        only, so no protocol checks. With no subscriber at all the messages are numbered (and indexed for
+        replay) exactly as if sent, but not handed to libzmq, which would drop every one."""
+        count = batch.count
+        k = self.published
+        if self.subscriptions == 0:
+            self._index_run(k + 1, batch.base_offset, count)
+            self.published = k + count
+            self._m_pub_data.inc(count)
+            return
+        body = batch.body
+        unpack = _RECORD_HEAD.unpack_from
+        head_size = _RECORD_HEAD.size
+        pub = self._pub
+        send = functools.partial(_raw_send, pub)
+        pack_meta = self._meta.pack
+        index = self._index
+        index_size = len(index)
+        wrap = self.config.sequence_wrap
+        device = self.config.device_number
+        tag, version = lj.META_TAG, lj.META_VERSION
+        first_flags = _NOBLOCK | _SNDMORE
+        more = _SNDMORE
+        dropped = 0
+        pos = 0
+        offset = batch.base_offset
+        end_offset = offset + count
+        try:
+            while offset < end_offset:
+                # protocol "logjam" (6) and content type "json" (4) come first: skip them
+                (length, _recv, ts_ns, _seq, _lp, _lc, ls, lt, _lr, _le, _la, ll) = unpack(
+                    body, pos
+                )
+                q = pos + head_size + 10
+                app_env = body[q : q + ls]
+                q += ls
+                topic = body[q : q + lt]
+                pos += 4 + length
+                k += 1
+                index[k % index_size] = offset
+                offset += 1
+                meta = pack_meta(
+                    tag,
+                    0,
+                    version,
+                    device,
+                    ts_ns // 1_000_000 if ts_ns > 0 else now_ms,
+                    (k - 1) % wrap + 1,
+                )
+                try:
+                    send(app_env, first_flags)
+                except zmq.Again:
+                    dropped += 1
+                    self._send_past_full(app_env, topic, body[pos - ll : pos], meta)
+                    continue
+                send(topic, more)
+                send(body[pos - ll : pos], more)
+                send(meta, 0)
+        finally:
+            sent = k - self.published
+            self.published = k
+            if dropped:
+                self._m_dropped.inc(dropped)
+            self._m_pub_data.inc(sent)
+
+    def _index_run(self, k_first: int, offset: int, count: int) -> None:
+        """Remember offsets ``offset ..`` for messages ``k_first ..`` in the replay ring."""
+        index = self._index
+        size = len(index)
+        if count > size:  # only the last ``size`` fit in the ring
+            k_first, offset, count = k_first + count - size, offset + count - size, size
+        start = k_first % size
+        head = min(count, size - start)
+        index[start : start + head] = array.array("q", range(offset, offset + head))
+        if count > head:
+            index[: count - head] = array.array("q", range(offset + head, offset + count))
 
     def _publish_others(self, batch: CommittedBatch, offsets: list[int], now_ms: int) -> int:
         wanted = set(offsets)

@@ -1,0 +1,184 @@
+"""The logjam server's fast paths over real ZeroMQ: the ZMQ_RCVMORE reader (cffi, and pyzmq's
+getsockopt as the fallback), the unrolled PULL loop on every frame count, and the PUB output's
+numbering of ingested batches when nobody subscribes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import zmq
+
+from taproom.clients.logjam import LogjamAgent, LogjamConsumer
+from taproom.protocols import logjam as lj
+from taproom.servers import logjam as server
+from tests.servers.test_logjam import (
+    QUIET,
+    rejected,
+    sample,
+    url,
+    wait_committed,
+    wait_published,
+    wait_subscriptions,
+)
+
+
+@pytest.fixture
+def pair():
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{port}")
+    yield push, pull
+    push.close(linger=0)
+    pull.close(linger=0)
+    ctx.term()
+
+
+def test_rcvmore_reader_agrees_with_pyzmq_frame_by_frame(pair):
+    push, pull = pair
+    more = server._rcvmore_reader(pull)
+    # On Linux with cffi (a dependency of cryptography) the cheap reader is the one in use.
+    assert more.__name__ == "more"
+    shapes = [1, 4, 2, 6, 4]
+    for n in shapes:
+        push.send_multipart([b"%d" % i for i in range(n)])
+    assert pull.poll(5000)
+    seen = []
+    for _ in shapes:
+        frames = [pull.recv()]
+        while True:
+            flag = more()
+            assert flag == pull.get(zmq.RCVMORE)  # the same answer as pyzmq's, each frame
+            if not flag:
+                break
+            frames.append(pull.recv())
+        seen.append(len(frames))
+    assert seen == shapes
+
+
+def test_rcvmore_reader_falls_back_when_libzmq_is_not_reachable(pair, monkeypatch):
+    push, pull = pair
+    monkeypatch.setattr(server, "_LIBZMQ", None)
+    monkeypatch.setattr(server, "_LIBZMQ_LOADED", True)
+    more = server._rcvmore_reader(pull)
+    assert more.__name__ == "slow"
+    push.send_multipart([b"a", b"b"])
+    assert pull.poll(5000)
+    pull.recv()
+    assert more() == 1
+    pull.recv()
+    assert more() == 0
+
+
+@pytest.mark.parametrize("fast_more", [True, False], ids=["cffi", "getsockopt"])
+async def test_every_frame_count_on_both_loops(tmp_path, monkeypatch, fast_more):
+    """Messages of 1..7 frames, good ones between them: only the four-frame ones are stored,
+    the others are counted as bad_frame_count and never shift the framing of the next."""
+    if not fast_more:
+        monkeypatch.setattr(server, "_LIBZMQ", None)
+        monkeypatch.setattr(server, "_LIBZMQ_LOADED", True)
+    async with running(tmp_path) as app:
+
+        def work():
+            ctx = zmq.Context()
+            push = ctx.socket(zmq.PUSH)
+            push.connect(url(app, "logjam_pull"))
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(url(app, "logjam_router"))
+            replies = []
+            stored = 0
+            for n in range(1, 8):
+                meta = lj.encode_meta(0, 0, 1, n)
+                frames = [b"app-prod", b"logs", b"[%d]" % n, meta, b"x", b"y", b"z"][:n]
+                push.send_multipart(frames)
+                push.send_multipart([b"app-prod", b"logs", b"{}", meta])
+                dealer.send_multipart([b"", *frames])
+                assert dealer.poll(5000)
+                replies.append(dealer.recv_multipart()[-1])
+                stored += 1 + (n == 4) * 2
+            wait_committed(app, stored)
+            push.close(linger=1000)
+            dealer.close(linger=0)
+            ctx.term()
+            return stored, replies
+
+        stored, replies = await asyncio.to_thread(work)
+        assert replies == [b"400 Bad Request"] * 3 + [b"202 Accepted"] + [b"400 Bad Request"] * 3
+        records = list(app.hub.journal.read(0))
+        assert len(records) == stored == 9
+        assert sorted(r.payload for r in records) == [b"[4]", b"[4]"] + [b"{}"] * 7
+        assert rejected(app, "bad_frame_count") == 12
+
+
+def running(tmp_path, **extra):
+    from tests.support import running_app
+
+    return running_app(tmp_path, enable=["logjam"], logjam=dict(QUIET, **extra))
+
+
+async def test_numbering_goes_on_while_nobody_subscribes(tmp_path):
+    """With no subscriber, ingested batches are numbered and indexed but not handed to libzmq:
+    a consumer that subscribes later sees the numbers continue, and can replay the ones
+    nobody received by sequence number."""
+    async with running(tmp_path) as app:
+        service = app.services["logjam"]
+
+        def work():
+            with LogjamAgent(url(app, "logjam_pull"), mode="push", topic="logs") as agent:
+                for i in range(50):
+                    agent.send({"i": i}, app_env="early-prod")
+            wait_committed(app, 50)
+            wait_published(app)
+            assert service.published == 50
+            consumer = LogjamConsumer(
+                url(app, "logjam_pub"), [""], replay_endpoint=url(app, "logjam_replay")
+            )
+            wait_subscriptions(app, 1)
+            with LogjamAgent(url(app, "logjam_router"), topic="logs") as agent:
+                for i in range(50, 60):
+                    agent.send({"i": i}, app_env="late-prod")
+            wait_published(app)
+            live = [consumer.recv(5) for _ in range(10)]
+            early = consumer.replay_seq(1, 50)
+            consumer.close()
+            return live, early
+
+        live, early = await asyncio.to_thread(work)
+        assert [m.meta.sequence for m in live] == list(range(51, 61))
+        assert [m.json()["i"] for m in live] == list(range(50, 60))
+        assert [(m.meta.sequence, m.json()["i"]) for m in early] == [(i + 1, i) for i in range(50)]
+        assert sample(app, "taproom_logjam_published_messages_total", kind="data") == 60
+
+
+async def test_index_ring_wraps_for_runs_numbered_without_subscribers(tmp_path):
+    """The replay index is a ring: runs numbered in one go (no subscriber) wrap around it like
+    messages numbered one by one, and only the newest ``replay_index_size`` stay."""
+    async with running(tmp_path, replay_index_size=16) as app:
+        service = app.services["logjam"]
+
+        def work():
+            with LogjamAgent(url(app, "logjam_pull"), mode="push", topic="logs") as agent:
+                for i in range(37):
+                    agent.send({"i": i}, app_env="ring-prod")
+                    if i % 10 == 9:  # several batches, so runs start at several ring places
+                        wait_committed(app, i + 1)
+            wait_committed(app, 37)
+            wait_published(app)
+
+        await asyncio.to_thread(work)
+        assert service.published == 37
+        # message k (numbered from 1) sits at k % 16 with its journal offset k - 1
+        assert service._seq_offsets(22, 37) == {k - 1: k for k in range(22, 38)}
+        assert service._seq_offsets(21, 37) is None  # number 21 has left the ring
+        service._index_run(1, 100, 40)  # a run longer than the ring keeps its newest 16
+        assert [service._index[k % 16] for k in range(25, 41)] == list(range(124, 140))
+
+
+def test_ingested_batches_are_marked():
+    parser = lj.IngestParser(max_body=1024, max_decompressed=1024)
+    parser.start_batch(time.time_ns())
+    parser.push(b"app-prod", b"logs", b"{}", lj.encode_meta(0, 0, 0, 1))
+    assert type(parser.take_batch().body) is lj.IngestedBody
