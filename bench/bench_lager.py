@@ -21,13 +21,15 @@ from typing import Any
 import numpy as np
 import orjson
 import zmq
+import zmq.backend
 
-from taproom.clients.lager import Mug, Tap
+from taproom.clients.lager import Mug, Tap, _recv_frames
+from taproom.journal.reader import JournalReader
 from taproom.protocols.lager.chp import parse_update, registration_frames
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.keg import KegFileWriter, read_keg
 
-from .common import Figure
+from .common import Figure, cpu_seconds_of_pid
 
 # 32-byte row: 4 doubles.
 XML = (
@@ -73,57 +75,145 @@ class _Serve:
         self.proc.wait(60)
 
 
-def _tap_process(registrar: str, forwarder: str, n: int, go: Any, done: Any) -> None:
+def _tap_process(registrar: str, forwarder: str, n: int, go: Any, done: Any, cpu: Any) -> None:
     tap = Tap("/Bench/Tap/", XML, registrar=registrar, forwarder=forwarder, watch=False,
               send_hwm=1_000_000).register()  # fmt: skip
     row = FORMAT.encode_row({f"v{i}": float(i) for i in range(4)})
     go.wait(60)
+    c0 = time.process_time()
     log = tap.log_row
     for i in range(n):
         while not log(row, i):
             time.sleep(0.0005)  # the bartender pushes back: wait, never drop
+    cpu.value = time.process_time() - c0
     done.set()
     time.sleep(1.0)
     tap.close()
 
 
+def _journal_rows(journal_dir: Path) -> int:
+    """Data rows in the journal (batches without the one registration)."""
+    reader = JournalReader(journal_dir)
+    return sum(
+        count for _base, count, body in reader.read_batches(0) if b"lager-registration" not in body
+    )
+
+
 def _pipeline(tmp: Path, n: int) -> list[Figure]:
     serve = _Serve(tmp)
     try:
-        go, done = _CTX.Event(), _CTX.Event()
+        go, done, tap_cpu = _CTX.Event(), _CTX.Event(), _CTX.Value("d", 0.0)
         proc = _CTX.Process(
-            target=_tap_process, args=(serve.registrar, serve.forwarder, n, go, done)
+            target=_tap_process, args=(serve.registrar, serve.forwarder, n, go, done, tap_cpu)
         )
         proc.start()
-        mug = Mug(registrar=serve.registrar, forwarder=serve.forwarder)
+        gaps: list[int] = []
+        mug = Mug(registrar=serve.registrar, forwarder=serve.forwarder,
+                  on_gap=lambda _key, missed: gaps.append(missed))  # fmt: skip
         deadline = time.monotonic() + 30
         while "/Bench/Tap/" not in mug.taps and time.monotonic() < deadline:
             mug.sync() if not mug.taps else mug.poll_registrar()
             time.sleep(0.05)
         mug.subscribe("/Bench/Tap/")
+        hub0 = cpu_seconds_of_pid(serve.proc.pid)
+        mug0 = time.process_time()
         go.set()
         received = 0
         first = last = 0.0
-        recv = mug._data.recv_multipart
-        poll = mug._data.poll
-        while received < n:
-            if not poll(10_000):
-                break
-            recv()
-            if received == 0:
-                first = time.perf_counter()
-            received += 1
-            last = time.perf_counter()
+        stalled = time.monotonic() + 30
+        # Until every row is received or counted lost (marks repeat once a HUGZ round).
+        while received + mug.lost < n and time.monotonic() < stalled:
+            got = len(mug.recv_frames(8192, timeout=0.2))
+            if got:
+                now = time.perf_counter()
+                first = first or now
+                received += got
+                last = now
+                stalled = time.monotonic() + 10
+        hub_cpu = cpu_seconds_of_pid(serve.proc.pid) - hub0
+        mug_cpu = time.process_time() - mug0
         proc.join(30)
         mug.close()
-        rate = (received - 1) / (last - first) if received > 1 and last > first else 0.0
-        return [
-            Figure("tap -> bartender (fsync=always) -> mug, 32 B rows", rate, "rows/s",
-                   ">= 200000"),
-            Figure("  rows delivered to the mug", received, f"of {n}"),
-        ]  # fmt: skip
     finally:
         serve.stop()
+    forwarded = received + mug.lost
+    rate = forwarded / (last - first) if last > first else 0.0
+    journal = _journal_rows(tmp / "journal")
+    return [
+        Figure("tap -> bartender (fsync=always) -> mug, 32 B rows", rate, "rows/s", ">= 200000"),
+        Figure("  bartender: rows per hub CPU-second", n / hub_cpu if hub_cpu else 0.0,
+               "rows/cpu-s", ">= 200000"),
+        Figure("  bartender CPU per row", hub_cpu / n * 1e6, "us"),
+        Figure("  tap CPU per row / mug CPU per row", tap_cpu.value / n * 1e6,
+               f"us / {mug_cpu / max(received, 1) * 1e6:.2f} us"),
+        Figure("  rows sent by the tap", n, "rows"),
+        Figure("  rows in the journal", journal, "rows", f"= {n}"),
+        Figure("  rows received by the mug", received, "rows"),
+        Figure("  rows the mug counted lost (marks)", mug.lost, "rows",
+               f"received + lost = {received + mug.lost}"),
+    ]  # fmt: skip
+
+
+def _ceiling_sender(address: str, n: int) -> None:
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 1_000_000)
+    pub.setsockopt(zmq.XPUB_NODROP, 1)
+    pub.connect(address)
+    pub.recv()  # the subscription: the path is up
+    row = bytes(32)
+    uuid_bytes = uuid.uuid4().bytes
+    send = zmq.backend.Socket.send
+    more, last_frame = int(zmq.SNDMORE), 0
+    for i in range(n):
+        while True:
+            try:
+                send(pub, uuid_bytes, more | int(zmq.NOBLOCK))
+                break
+            except zmq.Again:
+                time.sleep(0.0005)
+        send(pub, b"\x01\x00", more)
+        send(pub, b"\x00\x00", more)
+        send(pub, i.to_bytes(8, "big"), more)
+        send(pub, row, last_frame)
+    pub.close(linger=5000)
+    ctx.term()
+
+
+def _ceiling(n: int) -> list[Figure]:
+    """Raw pyzmq on this machine now: 5-frame PUB -> SUB, Python at both ends, no bartender.
+    The bartender receives each row like this and sends it again, so half this rate is about
+    what a Python forwarder can reach before doing any work of its own."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 1_000_000)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind("tcp://127.0.0.1:*")
+    address = sub.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
+    proc = _CTX.Process(target=_ceiling_sender, args=(address, n))
+    proc.start()
+    got = 0
+    first = last = 0.0
+    sub.poll(30_000)  # the sender's start (a spawned interpreter)
+    c0 = time.process_time()
+    while got < n and sub.poll(10_000):
+        while True:
+            try:
+                _recv_frames(sub)
+            except zmq.Again:
+                break
+            got += 1
+        now = time.perf_counter()
+        first = first or now
+        last = now
+    cpu = time.process_time() - c0
+    proc.join(30)
+    ctx.destroy(linger=0)
+    return [
+        Figure("raw pyzmq ceiling: 5-frame PUB -> SUB, Python both ends",
+               got / (last - first) if last > first else 0.0, "msgs/s"),
+        Figure("  receiver CPU per message", cpu / max(got, 1) * 1e6, "us"),
+    ]  # fmt: skip
 
 
 def _keg(tmp: Path, n: int) -> list[Figure]:
@@ -168,6 +258,19 @@ def _keg(tmp: Path, n: int) -> list[Figure]:
     keg.table(str(u1))
     keg.table(str(u2))
     figures.append(Figure("keg read, two taps of different row sizes",
+                          keg.record_count / (time.perf_counter() - t0), "rows/s", ">= 1000000"))  # fmt: skip
+    # The same taps interleaved row by row (what a keg writer recording both produces).
+    with KegFileWriter(path, {str(u1): FORMAT, str(u2): other}, fsync=False) as w:
+        write = w.write
+        b1, b2 = u1.bytes, u2.bytes
+        for i in range(n // 2):
+            write(b1, i, row)
+            write(b2, i, b"\x01")
+    t0 = time.perf_counter()
+    keg = read_keg(path)
+    keg.table(str(u1))
+    keg.table(str(u2))
+    figures.append(Figure("keg read, two taps of different row sizes, interleaved",
                           keg.record_count / (time.perf_counter() - t0), "rows/s", ">= 1000000"))  # fmt: skip
     return figures
 
@@ -228,6 +331,7 @@ def run(quick: bool) -> list[Figure]:
         figures = []
         for name, fn, arg in (
             ("pipe", _pipeline, 100_000 if quick else 1_000_000),
+            ("ceiling", lambda _tmp, k: _ceiling(k), 100_000 if quick else 500_000),
             ("keg", _keg, 300_000 if quick else 3_000_000),
             ("snap", _snapshot, 2_000 if quick else 10_000),
         ):
