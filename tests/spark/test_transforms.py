@@ -16,15 +16,14 @@ pytestmark = pytest.mark.spark
 KEY = ("minute", "app", "env", "action", "module", "frontend")
 
 
-def _rank_ok(times: list[float], value: float, q: float, accuracy: int) -> bool:
-    """``value`` is an element whose rank is within the documented error of ``q``."""
-    n = len(times)
-    below = sum(t < value for t in times)
-    at_or_below = sum(t <= value for t in times)
-    if at_or_below == below:  # not a data value at all
-        return False
-    slack = 1 / accuracy + 1 / n
-    return below / n - slack <= q <= at_or_below / n + slack
+def quantile_ok(times: list[float], value: float, q: float) -> bool:
+    """``value`` is within the documented error of the exact nearest-rank q-quantile."""
+    ordered = sorted(times)
+    rank = next(r for r in range(1, len(ordered) + 1) if r >= len(ordered) * q)
+    exact = ordered[rank - 1]
+    if exact < T.PERCENTILE_FLOOR_MS:
+        return abs(value - exact) <= T.PERCENTILE_FLOOR_MS
+    return abs(value - exact) <= T.PERCENTILE_RELATIVE_ERROR * exact * (1 + 1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +59,7 @@ def test_request_rollup_matches_reference(events_df: Any, logjam_events: Any) ->
         assert row["date"] == key[0].strftime("%Y-%m-%d")
         for q, name in ((0.5, "p50"), (0.9, "p90"), (0.95, "p95"), (0.99, "p99")):
             value = row[f"total_time_{name}"]
-            assert _rank_ok(want["times"], value, q, T.PERCENTILE_ACCURACY), (key, name, value)
+            assert quantile_ok(want["times"], value, q), (key, name, value)
 
 
 def test_request_defaults_follow_the_importer(spark: Any) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pyspark.sql.types import (
     ArrayType,
     BinaryType,
+    BooleanType,
     DoubleType,
     LongType,
     MapType,
@@ -19,11 +20,13 @@ from pyspark.sql.types import (
 )
 
 __all__ = [
+    "EVENT_PAYLOAD_SCHEMA",
     "EVENT_SCHEMA",
     "EXCEPTION_ROLLUP_SCHEMA",
     "KEG_LONG_SCHEMA",
     "LOGJAM_REQUEST_SCHEMA",
     "LOG_ROLLUP_SCHEMA",
+    "PARSED_EVENT_SCHEMA",
     "REQUEST_ROLLUP_SCHEMA",
     "TELEMETRY_ROLLUP_SCHEMA",
 ]
@@ -61,6 +64,42 @@ LOGJAM_REQUEST_SCHEMA = StructType(
         StructField("severity", LongType()),
         StructField("lines", ArrayType(ArrayType(StringType()))),
         StructField("exceptions", ArrayType(StringType())),
+    ]
+)
+
+# What one parse of any JSON payload reads: the request fields, plus the level fields the log
+# rollup wants. severity is read as text (a JSON number comes back as its digits) so that one
+# parse serves both the request's numeric severity and the log level ("3" -> "error").
+EVENT_PAYLOAD_SCHEMA = StructType(
+    [
+        *(f for f in LOGJAM_REQUEST_SCHEMA.fields if f.name != "severity"),
+        StructField("severity", StringType()),
+        StructField("level", StringType()),
+    ]
+)
+
+# One parsed row per event (transforms.parse_events), as the rollups and the parsed-segment
+# cache (spark/segcache.py) use it. Request columns are null for events that are not requests.
+PARSED_EVENT_SCHEMA = StructType(
+    [
+        StructField("protocol", StringType(), False),
+        StructField("stream", StringType(), False),
+        StructField("topic", StringType(), False),
+        StructField("log_minute", TimestampType(), False),
+        StructField("level", StringType(), False),
+        StructField("bytes", LongType(), False),
+        StructField("is_request", BooleanType(), False),
+        StructField("app", StringType(), True),
+        StructField("env", StringType(), True),
+        StructField("frontend", BooleanType(), True),
+        StructField("started", TimestampType(), True),
+        StructField("minute", TimestampType(), True),
+        StructField("action", StringType(), True),
+        StructField("module", StringType(), True),
+        StructField("code", LongType(), True),
+        StructField("total_time", DoubleType(), True),
+        StructField("severity", LongType(), True),
+        StructField("exceptions", ArrayType(StringType()), True),
     ]
 )
 

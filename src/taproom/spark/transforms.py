@@ -11,8 +11,8 @@ with ``.transform()``. What logjam's importer computes per minute is the model (
   requests, 500/2000/8000 ms for ``frontend.*`` topics; apdex = (satisfied + tolerating/2) /
   count, where satisfied includes happy;
 * counts per HTTP status class, per severity and per exception; total_time sum, max and
-  approximate percentiles (``percentile_approx`` with accuracy :data:`PERCENTILE_ACCURACY`:
-  the returned value's rank is within ``count / PERCENTILE_ACCURACY`` of the exact rank).
+  percentiles from a log-bucket histogram: each within :data:`PERCENTILE_RELATIVE_ERROR`
+  (1%) of the exact value, deterministic, the same in batch and streaming runs.
 
 Streaming jobs pass ``watermark`` (e.g. ``"10 minutes"``): rows of a minute are emitted once
 the watermark passes it, and later events for that minute are dropped, as Spark documents.
@@ -20,20 +20,24 @@ the watermark passes it, and later events for that minute are dropped, as Spark 
 
 from __future__ import annotations
 
+import math
+
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from .schemas import LOGJAM_REQUEST_SCHEMA
+from .schemas import EVENT_PAYLOAD_SCHEMA, PARSED_EVENT_SCHEMA
 
 __all__ = [
     "BACKEND_APDEX_MS",
     "DEFAULT_ACTION",
     "FRONTEND_APDEX_MS",
-    "PERCENTILE_ACCURACY",
+    "PERCENTILE_FLOOR_MS",
+    "PERCENTILE_RELATIVE_ERROR",
     "SEVERITY_NAMES",
     "exception_rollup",
     "log_rollup",
     "logjam_requests",
+    "parse_events",
     "request_rollup",
     "telemetry_rollup",
 ]
@@ -44,7 +48,16 @@ DEFAULT_ACTION = "Unknown#unknown_method"
 DEFAULT_CODE = 500
 DEFAULT_TOTAL_TIME = 1.0
 DEFAULT_SEVERITY = 1
-PERCENTILE_ACCURACY = 10_000
+# Percentiles come from a histogram of total_time with logarithmic buckets (as DDSketch
+# does): each reported percentile is within PERCENTILE_RELATIVE_ERROR of the exact value
+# (nearest rank), for values of at least PERCENTILE_FLOOR_MS; smaller values (and zero or
+# negative ones) share the lowest bucket and are reported within PERCENTILE_FLOOR_MS.
+PERCENTILE_RELATIVE_ERROR = 0.01
+PERCENTILE_FLOOR_MS = 0.001
+_GAMMA = (1 + PERCENTILE_RELATIVE_ERROR) / (1 - PERCENTILE_RELATIVE_ERROR)
+_LOG_GAMMA = math.log(_GAMMA)
+_QUANTILES = (0.5, 0.9, 0.95, 0.99)
+_QUANTILE_NAMES = ("p50", "p90", "p95", "p99")
 # Logger severities as logjam numbers them (Ruby Logger: DEBUG 0 .. FATAL 4, UNKNOWN 5).
 SEVERITY_NAMES = ("debug", "info", "warn", "error", "fatal", "unknown")
 _DIMENSIONS = ("minute", "app", "env", "action", "module", "frontend")
@@ -56,16 +69,46 @@ def _is_request_topic(topic: Column) -> Column:
     return topic.startswith("logs.") | topic.startswith("frontend.")
 
 
-def logjam_requests(events: DataFrame) -> DataFrame:
-    """One typed row per logjam request event, with the importer's defaults applied.
+def _level(content_type: Column, attrs: Column, doc: Column) -> Column:
+    """A log level name from attrs, or from a JSON payload's level / severity field."""
+    # A non-string JSON value comes back as its text, so logjam's severity 3 reads "3".
+    json_level = F.when(content_type.isin("json", "kv"), F.coalesce(doc["level"], doc["severity"]))
+    raw = F.lower(F.coalesce(attrs["level"], json_level, F.lit("unknown")))
+    names = F.create_map(
+        *[x for k, n in enumerate(SEVERITY_NAMES) for x in (F.lit(str(k)), F.lit(n))]
+    )
+    return F.coalesce(names[raw], raw)
 
-    Columns: journal, offset, received, stream, topic, app, env, frontend, started, minute,
-    date, action, module, code, total_time, severity, exceptions (array of names).
+
+def parse_events(events: DataFrame) -> DataFrame:
+    """One row per event with everything the three rollups read (:data:`PARSED_EVENT_SCHEMA`).
+
+    Each payload is parsed at most once, for the log level and (for logjam requests) the
+    request fields together. Passes ``journal`` and ``offset`` through when present. Request
+    columns are null for events that are not requests (``is_request`` false).
     """
-    requests = events.filter((F.col("protocol") == "logjam") & _is_request_topic(F.col("topic")))
-    r = F.from_json(F.col("payload").cast("string"), LOGJAM_REQUEST_SCHEMA)
-    parsed = requests.select("journal", "offset", "received", "ts", "stream", "topic", r.alias("r"))
+    topic = F.col("topic")
+    is_request = (F.col("protocol") == "logjam") & _is_request_topic(topic)
+    doc = F.when(
+        is_request | F.col("content_type").isin("json", "kv"),
+        F.from_json(F.col("payload").cast("string"), EVENT_PAYLOAD_SCHEMA),
+    )
+    parsed = events.select(
+        *[c for c in ("journal", "offset") if c in events.columns],
+        "protocol",
+        "stream",
+        "topic",
+        "ts",
+        "received",
+        F.date_trunc("minute", F.coalesce(F.col("ts"), F.col("received"))).alias("log_minute"),
+        _level(F.col("content_type"), F.col("attrs"), doc).alias("level"),
+        F.length("payload").cast("long").alias("bytes"),
+        is_request.alias("is_request"),
+        F.when(is_request, doc).alias("r"),
+    )
     line_max = F.expr("array_max(transform(r.lines, l -> try_cast(try_element_at(l, 1) AS INT)))")
+    severity_text = F.col("r.severity")
+    severity = F.when(severity_text.rlike(r"^-?[0-9]{1,18}$"), severity_text.cast("long"))
     action = F.when(
         F.col("r.action").isNull() | (F.col("r.action") == ""), F.lit(DEFAULT_ACTION)
     ).otherwise(F.col("r.action"))
@@ -76,32 +119,83 @@ def logjam_requests(events: DataFrame) -> DataFrame:
         F.col("received"),
     )
     app_env = F.regexp_extract(F.col("stream"), r"^(.+)-([^-]+)$", 1)
+    req = F.col("is_request")
+
+    def request(column: Column) -> Column:
+        return F.when(req, column)
+
     out = parsed.select(
-        "journal",
-        "offset",
-        "received",
+        *[c for c in ("journal", "offset") if c in events.columns],
+        "protocol",
         "stream",
         "topic",
-        F.when(app_env == "", F.col("stream")).otherwise(app_env).alias("app"),
-        F.regexp_extract(F.col("stream"), r"^(.+)-([^-]+)$", 2).alias("env"),
-        F.col("topic").startswith("frontend.").alias("frontend"),
-        started.alias("started"),
-        action.alias("action"),
-        F.coalesce(F.col("r.code"), F.lit(DEFAULT_CODE)).alias("code"),
-        F.coalesce(F.col("r.total_time"), F.lit(DEFAULT_TOTAL_TIME)).alias("total_time"),
-        F.coalesce(F.col("r.severity"), line_max.cast("long"), F.lit(DEFAULT_SEVERITY)).alias(
+        "log_minute",
+        "level",
+        "bytes",
+        "is_request",
+        request(F.when(app_env == "", F.col("stream")).otherwise(app_env)).alias("app"),
+        request(F.regexp_extract(F.col("stream"), r"^(.+)-([^-]+)$", 2)).alias("env"),
+        request(F.col("topic").startswith("frontend.")).alias("frontend"),
+        request(started).alias("started"),
+        request(action).alias("action"),
+        request(F.coalesce(F.col("r.code"), F.lit(DEFAULT_CODE))).alias("code"),
+        request(F.coalesce(F.col("r.total_time"), F.lit(DEFAULT_TOTAL_TIME))).alias("total_time"),
+        request(F.coalesce(severity, line_max.cast("long"), F.lit(DEFAULT_SEVERITY))).alias(
             "severity"
         ),
-        F.coalesce(F.col("r.exceptions"), F.array().cast("array<string>")).alias("exceptions"),
+        request(F.coalesce(F.col("r.exceptions"), F.array().cast("array<string>"))).alias(
+            "exceptions"
+        ),
     )
     module = F.regexp_extract(F.col("action"), r"^([^:#]+)::", 1)
     return out.select(
-        "*",
+        *[c for c in ("journal", "offset") if c in events.columns],
+        *PARSED_EVENT_SCHEMA.fieldNames()[: PARSED_EVENT_SCHEMA.fieldNames().index("minute")],
         F.date_trunc("minute", F.col("started")).alias("minute"),
-        F.when(module == "", F.lit("Others"))
-        .otherwise(F.concat(F.lit("::"), module))
-        .alias("module"),
-    ).withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
+        "action",
+        request(
+            F.when(module == "", F.lit("Others")).otherwise(F.concat(F.lit("::"), module))
+        ).alias("module"),
+        "code",
+        "total_time",
+        "severity",
+        "exceptions",
+    )
+
+
+def _parsed(df: DataFrame) -> DataFrame:
+    """``df`` as parsed rows: events are parsed, parsed rows (e.g. from the cache) pass."""
+    return df if "is_request" in df.columns else parse_events(df)
+
+
+def logjam_requests(events: DataFrame) -> DataFrame:
+    """One typed row per logjam request event, with the importer's defaults applied.
+
+    Takes raw events or parsed rows (:func:`parse_events`). Columns: journal and offset (when
+    the input has them), stream, topic, app, env, frontend, started, minute, date, action,
+    module, code, total_time, severity, exceptions (array of names).
+    """
+    parsed = _parsed(events)
+    return (
+        parsed.filter(F.col("is_request"))
+        .select(
+            *[c for c in ("journal", "offset") if c in parsed.columns],
+            "stream",
+            "topic",
+            "app",
+            "env",
+            "frontend",
+            "started",
+            "minute",
+            "action",
+            "module",
+            "code",
+            "total_time",
+            "severity",
+            "exceptions",
+        )
+        .withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
+    )
 
 
 def _watermarked(df: DataFrame, column: str, watermark: str | None) -> DataFrame:
@@ -112,8 +206,52 @@ def _count_if(condition: Column) -> Column:
     return F.count_if(condition).cast("long")
 
 
+def _bucket(t: Column) -> Column:
+    """The histogram bucket of a duration: ``ceil(log_gamma(t))``, bucket k holding
+    ``(gamma^(k-1), gamma^k]``; values below :data:`PERCENTILE_FLOOR_MS` share one bucket."""
+    return F.ceil(F.log(F.greatest(t, F.lit(PERCENTILE_FLOOR_MS))) / F.lit(_LOG_GAMMA)).cast("int")
+
+
+def _quantiles(buckets: Column, count: Column, low: Column, high: Column) -> list[Column]:
+    """p50/p90/p95/p99 from a sorted ``array<struct<b, n>>`` histogram.
+
+    The q-quantile is the value of nearest rank ``ceil(q * count)``: the first bucket whose
+    cumulative count reaches ``q * count`` holds it, and its midpoint in relative terms,
+    ``2 gamma^k / (gamma + 1)``, is within :data:`PERCENTILE_RELATIVE_ERROR` of it. Clamping
+    to the group's min and max only moves the estimate closer (and makes one-value groups
+    exact)."""
+    init = F.struct(
+        F.lit(0).cast("long").alias("c"),
+        *[F.lit(None).cast("int").alias(f"k{i}") for i in range(len(_QUANTILES))],
+    )
+
+    def step(acc: Column, x: Column) -> Column:
+        c = acc["c"] + x["n"]
+        return F.struct(
+            c.alias("c"),
+            *[
+                F.coalesce(acc[f"k{i}"], F.when(c >= count * F.lit(q), x["b"])).alias(f"k{i}")
+                for i, q in enumerate(_QUANTILES)
+            ],
+        )
+
+    found = F.aggregate(buckets, init, step)
+    gamma = F.lit(_GAMMA)
+    return [
+        F.least(high, F.greatest(low, F.lit(2.0) * F.pow(gamma, found[f"k{i}"]) / (gamma + 1)))
+        for i in range(len(_QUANTILES))
+    ]
+
+
 def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFrame:
-    """Per minute, app, env, action, module (and backend/frontend): the logjam figures."""
+    """Per minute, app, env, action, module (and backend/frontend): the logjam figures.
+
+    Two aggregations: per group and total_time bucket (every counter, plus the bucket's
+    size), then per group (sums of those, and the percentiles from the bucket histogram).
+    Both are plain hash aggregations; the histogram is exact to the bucket, deterministic,
+    and the same for batch and streaming runs. In a streaming query the two are chained
+    stateful operators on the watermarked minute.
+    """
     t = F.col("total_time")
     frontend = F.col("frontend")
     happy_ms = F.when(frontend, F.lit(FRONTEND_APDEX_MS[0])).otherwise(BACKEND_APDEX_MS[0])
@@ -121,33 +259,48 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
     tolerating_ms = F.when(frontend, F.lit(FRONTEND_APDEX_MS[2])).otherwise(BACKEND_APDEX_MS[2])
     status = F.floor(F.col("code") / 100)
     severity = F.col("severity")
-    grouped = _watermarked(requests, "minute", watermark).groupBy(*_DIMENSIONS, "date")
-    agg = grouped.agg(
-        F.count(F.lit(1)).alias("count"),
-        F.sum(t).alias("total_time_sum"),
-        F.max(t).alias("total_time_max"),
-        F.percentile_approx(t, [0.5, 0.9, 0.95, 0.99], PERCENTILE_ACCURACY).alias("_p"),
-        _count_if(t < happy_ms).alias("apdex_happy"),
-        _count_if(t < satisfied_ms).alias("apdex_satisfied"),
-        _count_if((t >= satisfied_ms) & (t < tolerating_ms)).alias("apdex_tolerating"),
-        _count_if(t >= tolerating_ms).alias("apdex_frustrated"),
-        *[_count_if(status == k).alias(f"status_{k}xx") for k in range(1, 6)],
-        _count_if((status < 1) | (status > 5)).alias("status_other"),
-        *[
-            _count_if(severity == k).alias(f"severity_{name}")
-            for k, name in enumerate(SEVERITY_NAMES[:5])
-        ],
-        _count_if((severity < 0) | (severity > 4)).alias("severity_unknown"),
-        F.sum(F.size("exceptions")).cast("long").alias("exceptions"),
-        _count_if(F.size("exceptions") > 0).alias("requests_with_exceptions"),
+    counters = {
+        "apdex_happy": t < happy_ms,
+        "apdex_satisfied": t < satisfied_ms,
+        "apdex_tolerating": (t >= satisfied_ms) & (t < tolerating_ms),
+        "apdex_frustrated": t >= tolerating_ms,
+        **{f"status_{k}xx": status == k for k in range(1, 6)},
+        "status_other": (status < 1) | (status > 5),
+        **{f"severity_{name}": severity == k for k, name in enumerate(SEVERITY_NAMES[:5])},
+        "severity_unknown": (severity < 0) | (severity > 4),
+        "requests_with_exceptions": F.size("exceptions") > 0,
+    }
+    keys = (*_DIMENSIONS, "date")
+    per_bucket = (
+        _watermarked(requests, "minute", watermark)
+        .groupBy(*keys, _bucket(t).alias("b"))
+        .agg(
+            F.count(F.lit(1)).alias("n"),
+            F.sum(t).alias("s"),
+            F.min(t).alias("lo"),
+            F.max(t).alias("hi"),
+            F.sum(F.size("exceptions")).cast("long").alias("exceptions"),
+            *[_count_if(cond).alias(name) for name, cond in counters.items()],
+        )
     )
+    agg = per_bucket.groupBy(*keys).agg(
+        F.sum("n").alias("count"),
+        F.sum("s").alias("total_time_sum"),
+        F.min("lo").alias("_lo"),
+        F.max("hi").alias("total_time_max"),
+        F.sort_array(F.collect_list(F.struct("b", "n"))).alias("_h"),
+        *[F.sum(name).alias(name) for name in (*counters, "exceptions")],
+    )
+    quantiles = _quantiles(F.col("_h"), F.col("count"), F.col("_lo"), F.col("total_time_max"))
     return agg.select(
-        *_DIMENSIONS,
-        "date",
+        *keys,
         "count",
         "total_time_sum",
         "total_time_max",
-        *[F.col("_p")[i].alias(name) for i, name in enumerate(("p50", "p90", "p95", "p99"))],
+        *[
+            q.alias(f"total_time_{name}")
+            for q, name in zip(quantiles, _QUANTILE_NAMES, strict=True)
+        ],
         "apdex_happy",
         "apdex_satisfied",
         "apdex_tolerating",
@@ -160,7 +313,7 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
         *[f"severity_{name}" for name in SEVERITY_NAMES],
         "exceptions",
         "requests_with_exceptions",
-    ).withColumnsRenamed({name: f"total_time_{name}" for name in ("p50", "p90", "p95", "p99")})
+    )
 
 
 def exception_rollup(requests: DataFrame, watermark: str | None = None) -> DataFrame:
@@ -173,31 +326,15 @@ def exception_rollup(requests: DataFrame, watermark: str | None = None) -> DataF
     )
 
 
-def _level(events_payload: Column) -> Column:
-    """A log level name from attrs, or from a JSON payload's level / severity field."""
-    # One parse for both fields (two get_json_object calls would parse every payload twice).
-    # A non-string JSON value comes back as its text, so logjam's severity 3 reads "3".
-    fields = F.from_json(events_payload.cast("string"), "level STRING, severity STRING")
-    json_level = F.when(
-        F.col("content_type").isin("json", "kv"),
-        F.coalesce(fields["level"], fields["severity"]),
-    )
-    raw = F.lower(F.coalesce(F.col("attrs")["level"], json_level, F.lit("unknown")))
-    names = F.create_map(
-        *[x for k, n in enumerate(SEVERITY_NAMES) for x in (F.lit(str(k)), F.lit(n))]
-    )
-    return F.coalesce(names[raw], raw)
-
-
 def log_rollup(events: DataFrame, watermark: str | None = None) -> DataFrame:
-    """Per minute (event time, else receive time), protocol, stream and level: count, bytes."""
-    rows = events.select(
-        F.date_trunc("minute", F.coalesce(F.col("ts"), F.col("received"))).alias("minute"),
-        "protocol",
-        "stream",
-        _level(F.col("payload")).alias("level"),
-        F.length("payload").cast("long").alias("bytes"),
-    ).withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
+    """Per minute (event time, else receive time), protocol, stream and level: count, bytes.
+
+    Takes raw events or parsed rows (:func:`parse_events`)."""
+    rows = (
+        _parsed(events)
+        .select(F.col("log_minute").alias("minute"), "protocol", "stream", "level", "bytes")
+        .withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
+    )
     return (
         _watermarked(rows, "minute", watermark)
         .groupBy("minute", "date", "protocol", "stream", "level")
