@@ -32,7 +32,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import zmq
@@ -208,35 +208,53 @@ _LIBZMQ: Any = None
 _LIBZMQ_LOADED = False
 
 
-def _rcvmore_reader(sock: zmq.Socket[bytes]) -> Callable[[], int]:
-    """A function giving ZMQ_RCVMORE of ``sock`` (after each recv), as cheap as possible."""
+class _RcvMore(NamedTuple):
+    """ZMQ_RCVMORE of one socket, for the ingest loops: they call
+    ``getsockopt(handle, _RCVMORE, flag, size)`` inline and read ``flag[0]`` (a Python call
+    fewer per frame than calling this object, which does the same)."""
+
+    getsockopt: Callable[[Any, int, Any, Any], int]
+    handle: Any
+    flag: Any  # cffi int* or a one-item list: flag[0] is the answer
+    size: Any
+    fast: bool  # zmq_getsockopt through cffi; False: pyzmq's getsockopt
+
+    def __call__(self) -> int:
+        self.getsockopt(self.handle, _RCVMORE, self.flag, self.size)
+        return int(self.flag[0])
+
+
+def _rcvmore_reader(sock: zmq.Socket[bytes]) -> _RcvMore:
+    """The cheapest way to read ZMQ_RCVMORE of ``sock`` after each recv."""
     global _LIBZMQ, _LIBZMQ_LOADED
     if not _LIBZMQ_LOADED:
         _LIBZMQ, _LIBZMQ_LOADED = _libzmq(), True
 
-    def slow() -> int:
-        return int(sock.get(_RCVMORE))
+    def pyzmq_getsockopt(_handle: Any, option: int, out: list[int], _size: Any) -> int:
+        out[0] = int(sock.get(option))
+        return 0
 
+    slow = _RcvMore(pyzmq_getsockopt, None, [0], None, False)
     if _LIBZMQ is None:
         return slow
     ffi, lib = _LIBZMQ
-    handle = ffi.cast("void *", sock.underlying)
-    value = ffi.new("int *")
-    size = ffi.new("size_t *")
-    getsockopt = lib.zmq_getsockopt
-
-    def more() -> int:
-        getsockopt(handle, _RCVMORE, value, size)
-        return value[0]
-
+    fast = _RcvMore(
+        lib.zmq_getsockopt,
+        ffi.cast("void *", sock.underlying),
+        ffi.new("int *"),
+        ffi.new("size_t *", ffi.sizeof("int")),
+        True,
+    )
     # The same socket seen both ways, or the slow path: the handle must be pyzmq's.
-    size[0] = ffi.sizeof("int")
-    if getsockopt(handle, _ZMQ_TYPE, value, size) != 0 or value[0] != sock.get(_ZMQ_TYPE):
+    kind = ffi.new("int *")
+    if (
+        lib.zmq_getsockopt(fast.handle, _ZMQ_TYPE, kind, ffi.new("size_t *", ffi.sizeof("int")))
+        != 0
+        or kind[0] != sock.get(_ZMQ_TYPE)
+        or fast() != slow()
+    ):
         return slow
-    size[0] = ffi.sizeof("int")
-    if more() != slow():
-        return slow
-    return more
+    return fast
 
 
 _META_OUT = {24: struct.Struct("!HBBIQQ"), 22: struct.Struct("!HBBHQQ")}
@@ -422,6 +440,8 @@ class LogjamService:
         push = parser.push
         recv = sock.recv
         more = _rcvmore_reader(sock)
+        getopt, handle, flag, size, _ = more
+        rcvmore = _RCVMORE
         burst = self.config.burst_messages
         while True:
             await hub.wait_capacity()
@@ -433,13 +453,17 @@ class LogjamService:
                 except zmq.Again:
                     break
                 # A message arrives whole, so after its first frame the rest is already here.
-                if more():
+                getopt(handle, rcvmore, flag, size)
+                if flag[0]:
                     b = recv(0)
-                    if more():
+                    getopt(handle, rcvmore, flag, size)
+                    if flag[0]:
                         c = recv(0)
-                        if more():
+                        getopt(handle, rcvmore, flag, size)
+                        if flag[0]:
                             d = recv(0)
-                            if not more():
+                            getopt(handle, rcvmore, flag, size)
+                            if not flag[0]:
                                 try:
                                     if push(a, b, c, d) is not None:
                                         self._m_pings.inc()
@@ -474,7 +498,8 @@ class LogjamService:
         parser = self._parser()
         push = parser.push
         recv = sock.recv
-        more = _rcvmore_reader(sock)
+        getopt, handle, flag, size, _ = _rcvmore_reader(sock)
+        rcvmore = _RCVMORE
         burst = self.config.burst_messages
         content_max = _MAX_FRAMES - 1
         while True:
@@ -487,16 +512,52 @@ class LogjamService:
                     routing_id = recv(_NOBLOCK)
                 except zmq.Again:
                     break
-                # The routing id, then [""] app-env topic body meta; frames past the bound are
-                # read and dropped (a message is delivered whole, so the rest is already here).
-                content: list[bytes] = []
+                # The routing id, then [""] app-env topic body meta (a message is delivered
+                # whole, so the rest is already here). The usual shape, a reply wanted, is
+                # unrolled; whatever else arrives is read in the loop below, with flag[0]
+                # telling whether frames are left.
+                getopt(handle, rcvmore, flag, size)
+                if not flag[0]:
+                    content: list[bytes] = []
+                else:
+                    e = recv(0)
+                    getopt(handle, rcvmore, flag, size)
+                    if not (flag[0] and not e):
+                        content = [e]
+                    else:
+                        a = recv(0)
+                        getopt(handle, rcvmore, flag, size)
+                        if not flag[0]:
+                            content = [e, a]
+                        else:
+                            b = recv(0)
+                            getopt(handle, rcvmore, flag, size)
+                            if not flag[0]:
+                                content = [e, a, b]
+                            else:
+                                c = recv(0)
+                                getopt(handle, rcvmore, flag, size)
+                                if not flag[0]:
+                                    content = [e, a, b, c]
+                                else:
+                                    d = recv(0)
+                                    getopt(handle, rcvmore, flag, size)
+                                    if not flag[0]:
+                                        self._take_reply_message(
+                                            sock, push, routing_id, a, b, c, d, acks
+                                        )
+                                        continue
+                                    content = [e, a, b, c, d]
+                # Frames past the bound are read and dropped.
                 overflow = False
-                while more():
+                while flag[0]:
                     frame = recv(0)
                     if len(content) < content_max:
                         content.append(frame)
                     else:
                         overflow = True
+                    if getopt(handle, rcvmore, flag, size) != 0:
+                        break  # cannot happen on an open socket; never loop on it
                 wants_reply = bool(content) and content[0] == b""
                 if wants_reply:
                     del content[0]
@@ -541,6 +602,37 @@ class LogjamService:
                 future.add_done_callback(functools.partial(self._send_acks, sock, acks))
             else:
                 future.add_done_callback(self._pending.discard)
+
+    def _take_reply_message(
+        self,
+        sock: zmq.Socket,
+        push: Callable[[bytes, bytes, bytes, bytes], lj.PingMessage | None],
+        routing_id: bytes,
+        a: bytes,
+        b: bytes,
+        c: bytes,
+        d: bytes,
+        acks: list[tuple[bytes, bytes]],
+    ) -> None:
+        """``routing-id "" app-env topic body meta``: store it and queue its 202, answer a
+        ping, or refuse it with a 400 at once (same handling as the general path)."""
+        try:
+            ping = push(a, b, c, d)
+        except ProtocolError as exc:
+            self._refuse(sock, exc.reason, str(exc), routing_id, a if len(a) <= 255 else b"")
+            return
+        except Exception:  # a bug must not stop ingest; nothing of this one is stored
+            log.exception("logjam: internal error on a message")
+            self._refuse(sock, "internal_error", "", routing_id, a if len(a) <= 255 else b"")
+            return
+        if ping is None:
+            acks.append((routing_id, a if len(a) <= 255 else b""))
+            return
+        self._m_pings.inc()
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send_multipart(
+                lj.reply_frames(routing_id, lj.PING, lj.PING_OK, self.hostname), zmq.NOBLOCK
+            )
 
     def _refuse(
         self, sock: zmq.Socket, reason: str, detail: str, reply_to: bytes | None, first: bytes
