@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from taproom.protocols.lager.chp import registration_frames
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.records import BatchBuilder
 from taproom.servers.lager import MARK_PREFIX, DataRecords
@@ -154,3 +155,27 @@ async def test_marks_count_forwarded_rows(bartender: tuple[Any, Peer]) -> None:
         else:
             rows += 1
     assert rows == 50
+
+
+async def test_every_tap_of_a_wide_burst_gets_its_mark(
+    bartender: tuple[Any, Peer],
+) -> None:
+    _app, peer = bartender
+    row12 = parse_format_xml(XML).encode_row({"a": 1, "b": 2.0})
+    # More taps than a batch marks at once (those marks wait for the HUGZ round).
+    taps = [uuid.uuid4().bytes for _ in range(300)]
+    for i, u in enumerate(taps):
+        await peer.collector.send_multipart(registration_frames(f"/Fleet/T{i}/", u, XML))
+    seen = 0
+    while seen < len(taps):
+        frames = await peer.next_update()
+        seen += frames[0].startswith(b"/Fleet/")
+    await peer.subscribe_data(MARK_PREFIX)
+    for u in taps:
+        await peer.data_in.send_multipart([u, b"\x01\x00", b"\x00\x00", bytes(8), row12])
+    marked: dict[bytes, int] = {}
+    while len(marked) < len(taps):
+        frames = await asyncio.wait_for(peer.data_out.recv_multipart(), 5)
+        if frames[0].startswith(MARK_PREFIX):
+            marked[frames[0][len(MARK_PREFIX) :]] = int.from_bytes(frames[1], "big")
+    assert marked == {u: 1 for u in taps}

@@ -19,9 +19,10 @@ payload = the row) and only then forwarded (DESIGN.md decision 4). The forwarder
 reached the bartender before it asks a tap to start (no lost first samples).
 
 Counted loss (``MARK_PREFIX``): ZeroMQ drops silently for a mug that falls behind its HWM. After
-each forwarded batch the forwarder publishes, per tap in it, a mark ``[MARK_PREFIX + uuid,
-u64 rows of that tap forwarded so far, u64 epoch of this process]`` on the same XPUB, so marks travel the mug's pipe in
-order with the rows. A mug subscribed to a tap's marks counts the rows it got between two marks
+each forwarded batch (of at most 256 distinct taps; else at the next HUGZ round) the forwarder
+publishes, per tap in it, a mark ``[MARK_PREFIX + uuid, u64 rows of that tap forwarded so far,
+u64 epoch of this process]`` on the same XPUB, so marks travel the mug's pipe in order with the
+rows. A mug subscribed to a tap's marks counts the rows it got between two marks
 and knows exactly how many it lost (marks themselves may be dropped: the counts are cumulative).
 Before each hello reply the forwarder sends the marks of every tap with rows so far (the mug's
 baseline; a tap without a mark then had none) and the reply carries the epoch. Marks are
@@ -96,6 +97,7 @@ log = logging.getLogger("taproom.lager")
 HELLO_PREFIX = b"\x00taproom-lager-hello/"
 # Loss accounting marks: topic MARK_PREFIX + tap uuid, then a u64 count (see the docstring).
 MARK_PREFIX = b"\x00taproom-lager-mark/"
+_BATCH_MARKS = 256  # taps per batch marked right after it; more wait for the HUGZ round
 REGISTRATION_CONTENT_TYPE = "lager-registration"
 DATA_CONTENT_TYPE = "lager"
 _STATE_VERSION = 1
@@ -782,10 +784,15 @@ class LagerService:
         counts = self._forwarded_by_tap
         rounds = self._mark_rounds
         repeat = self.config.mark_repeat
-        for raw_uuid, n in Counter(map(itemgetter(0), forwards)).items():
+        per_tap = Counter(map(itemgetter(0), forwards))
+        # A batch from a few busy taps gets its marks at once; one spread over many taps
+        # (a fleet at low rates: a mark per row or so) leaves them to the next HUGZ round.
+        now = len(per_tap) <= _BATCH_MARKS
+        for raw_uuid, n in per_tap.items():
             counts[raw_uuid] = counts.get(raw_uuid, 0) + n
             rounds[raw_uuid] = repeat
-            self._send_mark(raw_uuid)
+            if now:
+                self._send_mark(raw_uuid)
         if len(counts) > 2 * self.config.max_taps:  # re-registered uuids: forget the gone ones
             known = self.registrar.by_uuid
             for raw_uuid in [u for u in counts if u not in known]:
