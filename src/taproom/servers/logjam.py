@@ -490,6 +490,9 @@ class LogjamService:
                 if future is None:
                     return
                 future.add_done_callback(self._pending.discard)
+            # While agents keep the socket full, neither wait above suspends: yield once per
+            # burst so commits resolve, 202s and the PUB output go out, /metrics answers.
+            await asyncio.sleep(0)
 
     async def _router_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
         """DEALER agents: an empty frame after the routing id asks for a reply, ``202
@@ -591,17 +594,18 @@ class LogjamService:
                             )
                 elif wants_reply:
                     acks.append((routing_id, first))
-            if not parser.pending():
-                continue
-            future = self._submit(parser)
-            if future is None:
-                return
-            if acks:
-                # 202s go out only once the batch is durable; reading the next burst overlaps
-                # with this commit's fsync (hub.wait_capacity bounds what is in flight).
-                future.add_done_callback(functools.partial(self._send_acks, sock, acks))
-            else:
-                future.add_done_callback(self._pending.discard)
+            if parser.pending():
+                future = self._submit(parser)
+                if future is None:
+                    return
+                if acks:
+                    # 202s go out only once the batch is durable; reading the next burst
+                    # overlaps with this commit's fsync (hub.wait_capacity bounds what is in
+                    # flight).
+                    future.add_done_callback(functools.partial(self._send_acks, sock, acks))
+                else:
+                    future.add_done_callback(self._pending.discard)
+            await asyncio.sleep(0)  # let commits resolve and 202s go out (see _pull_loop)
 
     def _take_reply_message(
         self,
@@ -817,8 +821,9 @@ class LogjamService:
     def _publish_ingested(self, batch: CommittedBatch, now_ms: int) -> None:
         """A batch the ingest loops built (its body is an :class:`lj.IngestedBody`, which the
         hub hands on as it is; read back from the journal it is plain bytes): logjam records
-        only, so no protocol checks. With no subscriber at all the messages are numbered (and indexed for
-        replay) exactly as if sent, but not handed to libzmq, which would drop every one."""
+        only, so no protocol checks. With no subscriber at all the messages are numbered (and
+        indexed for replay) exactly as if sent, but not handed to libzmq, which would drop
+        every one."""
         count = batch.count
         k = self.published
         if self.subscriptions == 0:
@@ -828,42 +833,32 @@ class LogjamService:
             return
         body = batch.body
         unpack = _RECORD_HEAD.unpack_from
-        head_size = _RECORD_HEAD.size
-        pub = self._pub
-        send = functools.partial(_raw_send, pub)
+        skip = _RECORD_HEAD.size + 10  # protocol "logjam" and content type "json" come first
+        send = functools.partial(_raw_send, self._pub)
         pack_meta = self._meta.pack
-        index = self._index
-        index_size = len(index)
         wrap = self.config.sequence_wrap
+        seq = (k - 1) % wrap + 1 if k else 0  # the last number handed out
         device = self.config.device_number
         tag, version = lj.META_TAG, lj.META_VERSION
         first_flags = _NOBLOCK | _SNDMORE
         more = _SNDMORE
         dropped = 0
         pos = 0
-        offset = batch.base_offset
-        end_offset = offset + count
+        first_k = k
         try:
-            while offset < end_offset:
-                # protocol "logjam" (6) and content type "json" (4) come first: skip them
+            for _ in range(count):
                 (length, _recv, ts_ns, _seq, _lp, _lc, ls, lt, _lr, _le, _la, ll) = unpack(
                     body, pos
                 )
-                q = pos + head_size + 10
+                q = pos + skip
                 app_env = body[q : q + ls]
                 q += ls
                 topic = body[q : q + lt]
                 pos += 4 + length
                 k += 1
-                index[k % index_size] = offset
-                offset += 1
+                seq = seq + 1 if seq < wrap else 1
                 meta = pack_meta(
-                    tag,
-                    0,
-                    version,
-                    device,
-                    ts_ns // 1_000_000 if ts_ns > 0 else now_ms,
-                    (k - 1) % wrap + 1,
+                    tag, 0, version, device, ts_ns // 1_000_000 if ts_ns > 0 else now_ms, seq
                 )
                 try:
                     send(app_env, first_flags)
@@ -875,11 +870,12 @@ class LogjamService:
                 send(body[pos - ll : pos], more)
                 send(meta, 0)
         finally:
-            sent = k - self.published
+            # the replay index learns the whole run at once (offsets follow k one to one)
+            self._index_run(first_k + 1, batch.base_offset, k - first_k)
             self.published = k
             if dropped:
                 self._m_dropped.inc(dropped)
-            self._m_pub_data.inc(sent)
+            self._m_pub_data.inc(k - first_k)
 
     def _index_run(self, k_first: int, offset: int, count: int) -> None:
         """Remember offsets ``offset ..`` for messages ``k_first ..`` in the replay ring."""
