@@ -437,7 +437,7 @@ class LogjamService:
         the unrolled path; any other shape is read whole and refused."""
         hub = self.hub
         parser = self._parser()
-        push = parser.push
+        push = parser.pusher()
         recv = sock.recv
         more = _rcvmore_reader(sock)
         getopt, handle, flag, size, _ = more
@@ -499,7 +499,7 @@ class LogjamService:
         Accepted`` once the burst is durable (``400 Bad Request`` at once)."""
         hub = self.hub
         parser = self._parser()
-        push = parser.push
+        push = parser.pusher()
         recv = sock.recv
         getopt, handle, flag, size, _ = _rcvmore_reader(sock)
         rcvmore = _RCVMORE
