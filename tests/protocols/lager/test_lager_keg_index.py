@@ -22,6 +22,8 @@ UB = bytes.fromhex("abcd") + bytes(range(100, 114))
 UC = bytes(range(200, 216))
 UNKNOWN = bytes.fromhex("abcd") + bytes(14)  # shares the prefix, is no tap
 SIZES = {UA: 1, UB: 7, UC: 24}
+# Five more taps: more distinct prefixes than the compare scan takes (the table scan runs).
+MANY = {**SIZES, **{bytes([i, 7]) + bytes(14): i for i in range(1, 6)}}
 
 
 def reference_walk(
@@ -77,7 +79,8 @@ def test_mixed_walk_matches_the_reference(
         body += u + struct.pack(">Q", ts) + payload[: SIZES.get(u, 5)]
     blob = bytes(body) + b"<xml/>"
     end = max(HEADER_SIZE, len(body) - cut)
-    check(blob, end, SIZES)
+    check(blob, end, SIZES)  # the compare scan
+    check(blob, end, MANY)  # the table scan
 
 
 def test_edge_cases() -> None:

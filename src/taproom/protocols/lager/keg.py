@@ -376,7 +376,10 @@ def _index(
 
 
 # Candidate scan chunk: bounds the temporaries (a bool per byte) whatever the keg's size.
-_SCAN_CHUNK = 1 << 24
+_SCAN_CHUNK = 1 << 20
+# Up to this many distinct 2-byte uuid prefixes, comparing the sliding u16 view with each is
+# faster than a lookup table gather (~2.5x for one or two taps); more use the table.
+_SCAN_COMPARES = 4
 
 
 def _sliding(blob: bytes, dtype: str, offset: int, count: int) -> np.ndarray[Any, Any]:
@@ -405,16 +408,21 @@ def _index_mixed(
         return (*empty, begin, "record with an unknown tap uuid")
     known = np.sort(np.array(list(sizes), dtype="V16"))
     known_sizes = np.array([sizes[k.tobytes()] for k in known], dtype=np.int64)
+    keys = sorted({k.tobytes()[0] | k.tobytes()[1] << 8 for k in known})  # little-endian u16
     prefix = np.zeros(1 << 16, dtype=bool)
-    for k in known:
-        raw = k.tobytes()
-        prefix[raw[0] | raw[1] << 8] = True
+    prefix[keys] = True
     span = last - begin + 1
     found = []
     for lo in range(0, span, _SCAN_CHUNK):
         count = min(_SCAN_CHUNK, span - lo)
-        hits = np.flatnonzero(prefix[_sliding(blob, "<u2", begin + lo, count)])
-        found.append(hits + (begin + lo))
+        window = _sliding(blob, "<u2", begin + lo, count)
+        if len(keys) <= _SCAN_COMPARES:
+            mask = window == keys[0]
+            for key in keys[1:]:
+                mask |= window == key
+        else:
+            mask = prefix[window]
+        found.append(np.flatnonzero(mask) + (begin + lo))
     cand = np.concatenate(found).astype(np.int64)
     values = _sliding(blob, "V16", begin, span)[cand - begin]
     which = np.minimum(np.searchsorted(known, values), len(known) - 1)
