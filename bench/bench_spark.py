@@ -1,12 +1,18 @@
-"""Spark: the ``taproom`` source and ``taproom spark rollup`` over generated logjam requests.
+"""Spark: ``taproom spark rollup`` and the ``taproom`` source over generated logjam requests.
 
 A journal of logjam request events is written: 1,000 different request documents (apps,
 actions, start times over an hour, codes, lines, exceptions) encoded into one batch body with
-BatchBuilder and committed again and again, so generating does not dominate. On local[2]: the rollup job (all three tables, Parquet by date)
-cold (the first run in a fresh session, 1M events) and warm (10M events, or fewer when the
-warm rate says 10M would not fit the bench's time budget: the figure's name says how many),
-then the data source alone (rows/s into Spark's ``noop`` sink). Rates are journal events per
-second of wall time.
+BatchBuilder and committed again and again, so generating does not dominate. Segments are the
+hub's default 128 MiB. On local[2], over the same 10M events (300k and 16 MiB segments with
+--quick), in one session:
+
+* cold: the first rollup run (all three tables, Parquet by date) with an empty parsed-segment
+  cache: every payload is parsed, sealed segments are written to the cache;
+* warm: the same run again: sealed segments come from the cache, the last one is parsed live;
+* the data source alone (rows/s into Spark's ``noop`` sink, every column the rollup reads).
+
+Rates are journal events per second of wall time. Note that 1,000 distinct documents repeat,
+so the cache's Parquet compresses better than real traffic would (sizes are printed).
 """
 
 from __future__ import annotations
@@ -24,14 +30,12 @@ from pathlib import Path
 from bench.common import Figure
 
 FULL_EVENTS = 10_000_000
-WARMUP_EVENTS = 1_000_000  # cold and first warm run; sizes the main run
 QUICK_EVENTS = 300_000
-WARM_BUDGET_S = 60.0
+QUICK_SEGMENT_BYTES = 16 << 20
 BATCH = 1000
-BATCH_MILLION = 1_000_000
 
 
-def _journal(path: Path, events: int) -> None:
+def _journal(path: Path, events: int, segment_bytes: int = 128 << 20) -> None:
     from taproom.journal import Journal
     from taproom.records import BatchBuilder
 
@@ -64,7 +68,7 @@ def _journal(path: Path, events: int) -> None:
             content_type="json",
         )
     batch = builder.build()
-    journal = Journal(path, fsync="off")
+    journal = Journal(path, fsync="off", segment_bytes=segment_bytes)
     try:
         for _ in range(events // BATCH):
             journal.commit([batch])
@@ -72,57 +76,51 @@ def _journal(path: Path, events: int) -> None:
         journal.close()
 
 
+def _size_mib(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / (1 << 20)
+
+
 def run(quick: bool) -> list[Figure]:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    first = QUICK_EVENTS if quick else WARMUP_EVENTS
+    events = QUICK_EVENTS if quick else FULL_EVENTS
     work = Path(tempfile.mkdtemp(prefix="bench-spark-"))
     figures: list[Figure] = []
+    label = f"{events / 1e6:g}M events"
     try:
-        from taproom.spark.jobs.rollup import read_events, run_rollup
+        from taproom.spark.jobs.rollup import ROLLUP_COLUMNS, read_events, run_rollup
         from taproom.spark.jobs.session import get_session
 
-        small = work / "journal-small"
-        _journal(small, first)
+        journal = work / "journal"
+        _journal(journal, events, QUICK_SEGMENT_BYTES if quick else 128 << 20)
         started = time.monotonic()
         spark = get_session("bench-spark")
         figures.append(
             Figure("spark session start (JVM, local[2])", time.monotonic() - started, "s")
         )
-
-        def rollup(journal: Path, events: int, out: str) -> float:
+        out = work / "out"
+        for run_name in ("cold (empty cache)", "warm"):
             t0 = time.monotonic()
-            run_rollup(spark, [str(journal)], out, progress=False)
-            return events / (time.monotonic() - t0)
-
-        def label(events: int) -> str:
-            return f"{events / 1e6:g}M events"
-
-        cold = rollup(small, first, str(work / "out-cold"))
-        figures.append(Figure(f"spark rollup, {label(first)}, cold (first run)", cold, "events/s"))
-        warm = rollup(small, first, str(work / "out-warm"))
-        journal, events = small, first
-        if not quick:
-            # The full bench must stay within about 4 minutes: take 10M events only if the
-            # warm rate says the run fits in WARM_BUDGET_S, else fewer (named in the figure).
-            fit = int(warm * WARM_BUDGET_S) // BATCH_MILLION * BATCH_MILLION
-            events = max(first, min(FULL_EVENTS, fit))
-            if events > first:
-                journal = work / "journal-big"
-                _journal(journal, events)
-                warm = rollup(journal, events, str(work / "out-big"))
-        figures.append(
-            Figure(
-                f"spark rollup, {label(events)}, warm (3 tables, Parquet)",
-                warm,
-                "events/s",
-                ">= 1000000",
+            stats = run_rollup(spark, [str(journal)], str(out), progress=False)
+            rate = events / (time.monotonic() - t0)
+            detail = f"{stats.built} segments parsed and cached, {stats.cached} from cache, "
+            detail += f"{stats.live} live"
+            figures.append(
+                Figure(
+                    f"spark rollup, {label}, {run_name}: {detail}",
+                    rate,
+                    "events/s",
+                    ">= 1000000" if run_name == "warm" else "",
+                )
             )
-        )
+        figures.append(Figure("  journal size", _size_mib(journal), "MiB"))
+        figures.append(Figure("  parsed-segment cache size", _size_mib(out / "_cache"), "MiB"))
         t0 = time.monotonic()
-        read_events(spark, [str(journal)]).write.format("noop").mode("overwrite").save()
+        read_events(spark, [str(journal)], columns=ROLLUP_COLUMNS).write.format("noop").mode(
+            "overwrite"
+        ).save()
         figures.append(
             Figure(
-                f"taproom data source alone, {label(events)}, warm",
+                f"taproom data source alone, {label} (rollup columns)",
                 events / (time.monotonic() - t0),
                 "rows/s",
             )

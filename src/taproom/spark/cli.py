@@ -38,8 +38,22 @@ def cmd_rollup(args: argparse.Namespace) -> int:
 
     spark = _session(args, "rollup")
     started = time.monotonic()
-    run_rollup(spark, args.journal, args.out, args.since, args.until, progress=not args.quiet)
-    print(f"rollup: wrote {args.out} in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    cache: str | bool = False if args.no_cache else (args.cache or True)
+    stats = run_rollup(
+        spark,
+        args.journal,
+        args.out,
+        args.since,
+        args.until,
+        progress=not args.quiet,
+        cache=cache,
+    )
+    print(
+        f"rollup: wrote {args.out} in {time.monotonic() - started:.1f}s "
+        f"(sealed segments: {stats.cached} from the cache, {stats.built} parsed and cached; "
+        f"{stats.live} read live)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -92,6 +106,12 @@ def register_commands(subparsers: Any) -> None:
     p.add_argument("--since", type=_when, metavar="T", help="ISO time; widened to the UTC day")
     p.add_argument("--until", type=_when, metavar="T", help="ISO time; widened to the UTC day")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument(
+        "--cache",
+        metavar="DIR",
+        help="parsed-segment cache (default OUT/_cache; none when OUT is a URL)",
+    )
+    p.add_argument("--no-cache", action="store_true", help="parse every segment, keep nothing")
     common(p)
     p.set_defaults(func=cmd_rollup)
 

@@ -17,6 +17,8 @@ Options (``spark.read.format("taproom").option(...)``):
 * ``partitionBytes``: target bytes per partition (default 64 MiB);
 * ``columns``: comma-separated event columns to read (default all): the others are never
   decoded nor sent to the JVM;
+* ``ranges`` (batch only): JSON ``{journal: [[lo, hi], ...]}``, read only these offset
+  ranges (``hi`` null: to the end); journals missing from it are not read;
 * ``maxRecordsPerTrigger``: streaming read limit per micro-batch (default: none);
 * ``startingOffsets``: ``earliest`` (default), ``latest`` or a JSON ``{path: offset}``.
 
@@ -141,18 +143,40 @@ def _read_slice(part: JournalSlice, columns: list[str] | None) -> Iterator[Any]:
             yield batch
 
 
+def _ranges(options: Any) -> dict[str, list[tuple[int, int | None]]] | None:
+    raw = options.get("ranges")
+    if not raw:
+        return None
+    given = json.loads(str(raw))
+    return {
+        os.path.abspath(j): [(int(lo), None if hi is None else int(hi)) for lo, hi in spans]
+        for j, spans in given.items()
+    }
+
+
 class _JournalBatchReader(DataSourceReader):
-    def __init__(self, journals: list[str], target_bytes: int, columns: list[str] | None) -> None:
+    def __init__(
+        self,
+        journals: list[str],
+        target_bytes: int,
+        columns: list[str] | None,
+        ranges: dict[str, list[tuple[int, int | None]]] | None = None,
+    ) -> None:
         self.journals = journals
         self.target_bytes = target_bytes
         self.columns = columns
+        self.ranges = ranges
 
     def partitions(self) -> Sequence[InputPartition]:
         from .arrowdecode import journal_start
 
         slices: list[InputPartition] = []
         for journal in self.journals:
-            slices += _plan(journal, journal_start(journal), None, self.target_bytes)
+            if self.ranges is None:
+                slices += _plan(journal, journal_start(journal), None, self.target_bytes)
+                continue
+            for lo, hi in self.ranges.get(journal, []):
+                slices += _plan(journal, lo, hi, self.target_bytes)
         # Spark needs at least one partition; an empty slice reads nothing.
         return slices or [JournalSlice(self.journals[0], 0, 0, 0, 0, 0)]
 
@@ -275,7 +299,9 @@ class JournalDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         target = int(self.options.get("partitionBytes", _DEFAULT_PARTITION_BYTES))
-        return _JournalBatchReader(_journal_paths(self.options), target, _columns(self.options))
+        return _JournalBatchReader(
+            _journal_paths(self.options), target, _columns(self.options), _ranges(self.options)
+        )
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return _JournalStreamReader(_journal_paths(self.options), self.options)

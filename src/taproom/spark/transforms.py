@@ -89,11 +89,19 @@ def parse_events(events: DataFrame) -> DataFrame:
     """
     topic = F.col("topic")
     is_request = (F.col("protocol") == "logjam") & _is_request_topic(topic)
-    doc = F.when(
-        is_request | F.col("content_type").isin("json", "kv"),
-        F.from_json(F.col("payload").cast("string"), EVENT_PAYLOAD_SCHEMA),
+    # The parse gets a column of its own: Spark keeps a projection apart rather than copy an
+    # expensive expression into each use, so every payload is parsed once (inlined into the
+    # uses below, from_json ran up to three times per event).
+    with_doc = events.select(
+        "*",
+        is_request.alias("is_request"),
+        F.when(
+            is_request | F.col("content_type").isin("json", "kv"),
+            F.from_json(F.col("payload").cast("string"), EVENT_PAYLOAD_SCHEMA),
+        ).alias("doc"),
     )
-    parsed = events.select(
+    doc = F.col("doc")
+    parsed = with_doc.select(
         *[c for c in ("journal", "offset") if c in events.columns],
         "protocol",
         "stream",
@@ -103,8 +111,8 @@ def parse_events(events: DataFrame) -> DataFrame:
         F.date_trunc("minute", F.coalesce(F.col("ts"), F.col("received"))).alias("log_minute"),
         _level(F.col("content_type"), F.col("attrs"), doc).alias("level"),
         F.length("payload").cast("long").alias("bytes"),
-        is_request.alias("is_request"),
-        F.when(is_request, doc).alias("r"),
+        "is_request",
+        F.when(F.col("is_request"), doc).alias("r"),
     )
     line_max = F.expr("array_max(transform(r.lines, l -> try_cast(try_element_at(l, 1) AS INT)))")
     severity_text = F.col("r.severity")
@@ -198,6 +206,12 @@ def logjam_requests(events: DataFrame) -> DataFrame:
     )
 
 
+def _date() -> Column:
+    # Computed once per output row, after the aggregation (formatting it per event costs
+    # more than the whole hash aggregation).
+    return F.date_format(F.col("minute"), "yyyy-MM-dd").alias("date")
+
+
 def _watermarked(df: DataFrame, column: str, watermark: str | None) -> DataFrame:
     return df.withWatermark(column, watermark) if watermark else df
 
@@ -212,8 +226,9 @@ def _bucket(t: Column) -> Column:
     return F.ceil(F.log(F.greatest(t, F.lit(PERCENTILE_FLOOR_MS))) / F.lit(_LOG_GAMMA)).cast("int")
 
 
-def _quantiles(buckets: Column, count: Column, low: Column, high: Column) -> list[Column]:
-    """p50/p90/p95/p99 from a sorted ``array<struct<b, n>>`` histogram.
+def _quantile_buckets(buckets: Column, count: Column) -> Column:
+    """The buckets of p50/p90/p95/p99 (struct fields k0..k3) in a sorted ``array<struct<b,
+    n>>`` histogram; :func:`_bucket_value` turns one into a value.
 
     The q-quantile is the value of nearest rank ``ceil(q * count)``: the first bucket whose
     cumulative count reaches ``q * count`` holds it, and its midpoint in relative terms,
@@ -235,12 +250,13 @@ def _quantiles(buckets: Column, count: Column, low: Column, high: Column) -> lis
             ],
         )
 
-    found = F.aggregate(buckets, init, step)
+    return F.aggregate(buckets, init, step)
+
+
+def _bucket_value(found: Column, i: int, low: Column, high: Column) -> Column:
     gamma = F.lit(_GAMMA)
-    return [
-        F.least(high, F.greatest(low, F.lit(2.0) * F.pow(gamma, found[f"k{i}"]) / (gamma + 1)))
-        for i in range(len(_QUANTILES))
-    ]
+    value = F.lit(2.0) * F.pow(gamma, found[f"k{i}"]) / (gamma + 1)
+    return F.least(high, F.greatest(low, value))
 
 
 def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFrame:
@@ -270,7 +286,7 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
         "severity_unknown": (severity < 0) | (severity > 4),
         "requests_with_exceptions": F.size("exceptions") > 0,
     }
-    keys = (*_DIMENSIONS, "date")
+    keys = _DIMENSIONS
     per_bucket = (
         _watermarked(requests, "minute", watermark)
         .groupBy(*keys, _bucket(t).alias("b"))
@@ -291,9 +307,14 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
         F.sort_array(F.collect_list(F.struct("b", "n"))).alias("_h"),
         *[F.sum(name).alias(name) for name in (*counters, "exceptions")],
     )
-    quantiles = _quantiles(F.col("_h"), F.col("count"), F.col("_lo"), F.col("total_time_max"))
+    # The bucket search gets a projection of its own so that it runs once per row, not once
+    # per percentile.
+    agg = agg.select("*", _quantile_buckets(F.col("_h"), F.col("count")).alias("_q"))
+    low, high = F.col("_lo"), F.col("total_time_max")
+    quantiles = [_bucket_value(F.col("_q"), i, low, high) for i in range(len(_QUANTILES))]
     return agg.select(
         *keys,
+        _date(),
         "count",
         "total_time_sum",
         "total_time_max",
@@ -318,11 +339,12 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
 
 def exception_rollup(requests: DataFrame, watermark: str | None = None) -> DataFrame:
     """Per minute, app, env, action, module and exception class: how many were raised."""
-    exploded = requests.select(*_DIMENSIONS, "date", F.explode("exceptions").alias("exception"))
+    exploded = requests.select(*_DIMENSIONS, F.explode("exceptions").alias("exception"))
     return (
         _watermarked(exploded, "minute", watermark)
-        .groupBy(*_DIMENSIONS, "date", "exception")
+        .groupBy(*_DIMENSIONS, "exception")
         .agg(F.count(F.lit(1)).alias("count"))
+        .select(*_DIMENSIONS, _date(), "exception", "count")
     )
 
 
@@ -330,15 +352,14 @@ def log_rollup(events: DataFrame, watermark: str | None = None) -> DataFrame:
     """Per minute (event time, else receive time), protocol, stream and level: count, bytes.
 
     Takes raw events or parsed rows (:func:`parse_events`)."""
-    rows = (
-        _parsed(events)
-        .select(F.col("log_minute").alias("minute"), "protocol", "stream", "level", "bytes")
-        .withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
+    rows = _parsed(events).select(
+        F.col("log_minute").alias("minute"), "protocol", "stream", "level", "bytes"
     )
     return (
         _watermarked(rows, "minute", watermark)
-        .groupBy("minute", "date", "protocol", "stream", "level")
+        .groupBy("minute", "protocol", "stream", "level")
         .agg(F.count(F.lit(1)).alias("count"), F.sum("bytes").cast("long").alias("bytes"))
+        .select("minute", _date(), "protocol", "stream", "level", "count", "bytes")
     )
 
 

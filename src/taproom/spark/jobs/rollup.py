@@ -4,6 +4,11 @@ Tables written under ``out``: ``requests`` (:func:`~taproom.spark.transforms.req
 ``exceptions`` and ``logs``. Re-running the same range is idempotent: ``--since``/``--until``
 are widened to whole UTC days and the job overwrites exactly the date partitions it writes
 (dynamic partition overwrite), so no day is half-replaced and nothing is counted twice.
+
+Sealed journal segments are parsed once and kept in the parsed-segment cache
+(:mod:`~taproom.spark.segcache`, default ``<out>/_cache``); later runs read them as Parquet
+and parse only the last segment of each journal. The parsed rows are read once per table;
+the live part is persisted for the run so its payloads are parsed once.
 """
 
 from __future__ import annotations
@@ -17,8 +22,17 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import transforms as T
+from ..segcache import CacheStats, parsed_events
 
-__all__ = ["ROLLUP_COLUMNS", "TABLES", "day_range", "read_events", "rollup_tables", "run_rollup"]
+__all__ = [
+    "ROLLUP_COLUMNS",
+    "TABLES",
+    "day_range",
+    "default_cache",
+    "read_events",
+    "rollup_tables",
+    "run_rollup",
+]
 
 TABLES = ("requests", "exceptions", "logs")
 # What the rollups read: the source never decodes producer, seq and event_id for them.
@@ -54,7 +68,8 @@ def day_range(
 def rollup_tables(
     events: Any, lo: dt.datetime | None = None, hi: dt.datetime | None = None
 ) -> dict[str, Any]:
-    """The three rollup DataFrames for ``events``, limited to minutes in ``[lo, hi)``."""
+    """The three rollup DataFrames for ``events`` (raw or already parsed), limited to minutes
+    in ``[lo, hi)``."""
     from pyspark.sql import functions as F
 
     def in_range(df: Any) -> Any:
@@ -64,11 +79,12 @@ def rollup_tables(
             df = df.filter(F.col("minute") < F.lit(hi))
         return df
 
-    requests = events.transform(T.logjam_requests).transform(in_range)
+    parsed = T.parse_events(events) if "is_request" not in events.columns else events
+    requests = parsed.transform(T.logjam_requests).transform(in_range)
     return {
         "requests": requests.transform(T.request_rollup),
         "exceptions": requests.transform(T.exception_rollup),
-        "logs": events.transform(T.log_rollup).transform(in_range),
+        "logs": parsed.transform(T.log_rollup).transform(in_range),
     }
 
 
@@ -107,6 +123,14 @@ class _Progress:
         self._stop.set()
 
 
+def default_cache(out: str) -> str | None:
+    """``<out>/_cache`` for a local output directory; None (no cache) for a URL such as
+    ``hdfs://`` or ``s3a://``, which plain file I/O cannot reach."""
+    if "://" in out and not out.startswith("file://"):
+        return None
+    return os.path.join(out.removeprefix("file://"), "_cache")
+
+
 def run_rollup(
     spark: Any,
     journals: list[str],
@@ -116,21 +140,30 @@ def run_rollup(
     *,
     progress: bool = True,
     tables: tuple[str, ...] = TABLES,
-) -> None:
-    """Write the rollup tables for ``journals`` to ``out/<table>/date=YYYY-MM-DD/``."""
+    cache: str | bool | None = True,
+) -> CacheStats:
+    """Write the rollup tables for ``journals`` to ``out/<table>/date=YYYY-MM-DD/``.
+
+    ``cache``: True for :func:`default_cache`, a directory, or False/None for none.
+    """
     lo, hi = day_range(since, until)
-    events = read_events(spark, journals, columns=ROLLUP_COLUMNS)
-    frames = rollup_tables(events, lo, hi)
-    current = {"table": ""}
+    cache_dir = default_cache(out) if cache is True else (cache or None)
+    current = {"table": "parsing sealed segments"}
     with _Progress(spark, lambda: current["table"]) if progress else _NoProgress():
-        for name in tables:
-            current["table"] = name
-            (
-                frames[name]
-                .write.mode("overwrite")
-                .partitionBy("date")
-                .parquet(os.path.join(out, name))
-            )
+        parsed, stats = parsed_events(spark, journals, cache_dir, persist_live=True)
+        try:
+            frames = rollup_tables(parsed, lo, hi)
+            for name in tables:
+                current["table"] = name
+                (
+                    frames[name]
+                    .write.mode("overwrite")
+                    .partitionBy("date")
+                    .parquet(os.path.join(out, name))
+                )
+        finally:
+            stats.release()
+    return stats
 
 
 class _NoProgress:
