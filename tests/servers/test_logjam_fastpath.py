@@ -12,6 +12,7 @@ import zmq
 
 from taproom.clients.logjam import LogjamAgent, LogjamConsumer
 from taproom.protocols import logjam as lj
+from taproom.records import BatchBuilder
 from taproom.servers import logjam as server
 from tests.servers.test_logjam import (
     QUIET,
@@ -190,3 +191,39 @@ def test_ingested_batches_are_marked():
     parser.start_batch(time.time_ns())
     parser.push(b"app-prod", b"logs", b"{}", lj.encode_meta(0, 0, 0, 1))
     assert type(parser.take_batch().body) is lj.IngestedBody
+
+
+async def test_numbers_wrap_alike_on_mixed_plain_and_ingested_batches(tmp_path):
+    """Plain batches (any protocol: the checked path) and ingested ones (the logjam-only path)
+    share one numbering, wrapping at ``sequence_wrap`` on both, and seq replay finds them."""
+    async with running(tmp_path, sequence_wrap=4, device_number=9) as app:
+        consumer = LogjamConsumer(
+            url(app, "logjam_pub"), [""], timeout=5, replay_endpoint=url(app, "logjam_replay")
+        )
+        await asyncio.to_thread(wait_subscriptions, app, 1)
+        builder = BatchBuilder()
+        for i, protocol in enumerate(["logjam", "lumberjack", "logjam", "logjam", "eventbus"]):
+            builder.add(
+                protocol, b'{"i":%d}' % i, stream="mix-prod", topic="logs", content_type="json"
+            )
+        await app.hub.ingest(builder.build())
+        parser = lj.IngestParser(max_body=1024, max_decompressed=1024)
+        parser.start_batch(time.time_ns())
+        for i in range(5, 11):
+            parser.push(b"mix-prod", b"logs", b'{"i":%d}' % i, lj.encode_meta(0, 0, 0, i))
+        await app.hub.ingest(parser.take_batch())
+
+        def work():
+            msgs = [consumer.recv(5) for _ in range(11)]
+            replayed = consumer.replay_seq(1, 4)
+            return msgs, replayed
+
+        msgs, replayed = await asyncio.to_thread(work)
+        consumer.close()
+        assert [m.meta.sequence for m in msgs] == [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]
+        assert all(m.meta.device == 9 for m in msgs)
+        order = [m.json()["i"] if m.topic == "logs" else m.json()["payload"]["i"] for m in msgs]
+        assert order == list(range(11))
+        # "seq 1..4" is the latest round of numbers: 1, 2, 3 are offsets 8, 9, 10; its 4 is
+        # not handed out yet
+        assert [(m.meta.sequence, m.offset) for m in replayed] == [(1, 8), (2, 9), (3, 10)]

@@ -759,9 +759,10 @@ class LogjamService:
         wrap = self.config.sequence_wrap
         device = self.config.device_number
         tag, version = lj.META_TAG, lj.META_VERSION
-        first_flags = zmq.NOBLOCK | zmq.SNDMORE
-        more = zmq.SNDMORE
+        first_flags = _NOBLOCK | _SNDMORE
+        more = _SNDMORE
         k = self.published
+        seq = (k - 1) % wrap + 1 if k else 0  # the last number handed out
         sent = dropped = 0
         others: list[int] = []
         pos = 0
@@ -781,6 +782,7 @@ class LogjamService:
                         topic = body[q : q + lt]
                         q = pos + 4 + length - ll
                         k += 1
+                        seq = seq + 1 if seq < wrap else 1
                         index[k % index_size] = offset
                         meta = pack_meta(
                             tag,
@@ -788,7 +790,7 @@ class LogjamService:
                             version,
                             device,
                             ts_ns // 1_000_000 if ts_ns > 0 else now_ms,
-                            (k - 1) % wrap + 1,
+                            seq,
                         )
                         try:
                             pub_send(app_env, first_flags)
@@ -810,6 +812,7 @@ class LogjamService:
                     self.published = k
                     sent += self._publish_others(batch, others, now_ms)
                     k = self.published
+                    seq = (k - 1) % wrap + 1 if k else 0
                     others = []
         finally:
             self.published = k
