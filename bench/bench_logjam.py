@@ -357,7 +357,9 @@ def _subscriber(endpoint: str, n: int, ready: Any, results: Any) -> None:
     ctx.term()
 
 
-def _pub_hub(journal: str, ingested: bool, n: int, addr_q: Any, go: Any, started: Any) -> None:
+def _pub_hub(
+    journal: str, ingested: bool, n: int, addr_q: Any, go: Any, started: Any, finished: Any
+) -> None:
     from taproom.app import App
     from taproom.config import load_config
     from taproom.protocols.logjam import IngestParser
@@ -408,13 +410,14 @@ def _pub_hub(journal: str, ingested: bool, n: int, addr_q: Any, go: Any, started
         await asyncio.gather(*futures)
         while service.published < n:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(1.0)  # let libzmq flush to the subscribers before closing
+        # Closing the XPUB drops what libzmq has not sent yet: wait for the subscribers.
+        await asyncio.to_thread(finished.wait, 300)
         await app.stop()
 
     asyncio.run(main())
 
 
-def _raw_pub(n: int, addr_q: Any, go: Any, started: Any) -> None:
+def _raw_pub(n: int, addr_q: Any, go: Any, started: Any, finished: Any) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUB)
     sock.setsockopt(zmq.SNDHWM, 1_000_000)
@@ -430,7 +433,7 @@ def _raw_pub(n: int, addr_q: Any, go: Any, started: Any) -> None:
         send(TOPIC, more)
         send(BODY, more)
         send(meta)
-    time.sleep(1.0)
+    finished.wait(300)
     sock.close(linger=-1)
     ctx.term()
 
@@ -440,9 +443,9 @@ def _pub_run(
 ) -> tuple[float, int, float, float]:
     """(deliveries per second, deliveries, messages per publisher CPU-second, machine cores)."""
     addr_q, results = _CTX.Queue(), _CTX.Queue()
-    go, ready = _CTX.Event(), _CTX.Semaphore(0)
+    go, ready, finished = _CTX.Event(), _CTX.Semaphore(0), _CTX.Event()
     started = _CTX.Value("d", 0.0)
-    hub = _CTX.Process(target=target, args=(*args, n, addr_q, go, started))
+    hub = _CTX.Process(target=target, args=(*args, n, addr_q, go, started, finished))
     hub.start()
     endpoint = "tcp://" + addr_q.get(timeout=60)
     subs = [
@@ -459,6 +462,7 @@ def _pub_run(
     go.set()
     outcome = [results.get(timeout=300) for _ in subs]
     cpu, _cores, machine = usage.stop()
+    finished.set()
     for p in subs:
         p.join()
     hub.join(60)
