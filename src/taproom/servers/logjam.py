@@ -163,7 +163,6 @@ _RECORD_HEAD = RECORD_HEAD
 # pyzmq's Socket.send is a Python wrapper (routing ids, groups) around the Cython send; the hot
 # loops call the Cython method directly, which halves the cost of a frame (DESIGN.md decision 3).
 _raw_send = zmq.backend.Socket.send
-_raw_recv = zmq.backend.Socket.recv
 # Plain ints: pyzmq's IntFlag constants cost an __index__ call per use on the hot paths.
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
