@@ -469,7 +469,8 @@ class IngestParser:
 
     def _make_push(self) -> Callable[[bytes, bytes, bytes, bytes], PingMessage | None]:
         # A closure rather than a method: what it needs per message is in its cells, not
-        # behind attribute and global lookups (~0.5 us a message, measured).
+        # behind attribute and global lookups (~0.5 us a message, measured). The bounds are
+        # read once: a parser's settings do not change after construction.
         extend = self._parts.extend
         fixed_get = self._fixed.get
         fixed_part = self._fixed_part
