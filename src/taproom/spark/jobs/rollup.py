@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import transforms as T
@@ -152,15 +153,22 @@ def run_rollup(
     with _Progress(spark, lambda: current["table"]) if progress else _NoProgress():
         parsed, stats = parsed_events(spark, journals, cache_dir, persist_live=True)
         try:
+            current["table"] = "parsing the live segments"
+            for frame in stats.persisted:
+                frame.count()  # once, before the tables' jobs all want it at the same time
             frames = rollup_tables(parsed, lo, hi)
-            for name in tables:
-                current["table"] = name
-                (
-                    frames[name]
-                    .write.mode("overwrite")
-                    .partitionBy("date")
-                    .parquet(os.path.join(out, name))
-                )
+            current["table"] = ", ".join(tables)
+
+            def write(name: str) -> None:
+                path = os.path.join(out, name)
+                frames[name].write.mode("overwrite").partitionBy("date").parquet(path)
+
+            # The tables' jobs run side by side: while one is in a serial part (planning, its
+            # last task, the commit), the other cores work on the next (about 20% less wall
+            # time than one after the other on local[2]).
+            with ThreadPoolExecutor(max(1, len(tables)), thread_name_prefix="rollup-write") as pool:
+                for done in [pool.submit(write, name) for name in tables]:
+                    done.result()
         finally:
             stats.release()
     return stats
