@@ -56,6 +56,7 @@ from ..protocols.lager.chp import (
 from ..protocols.lager.formats import DataFormat, parse_format_xml
 from ..protocols.lager.keg import KegContents, KegError, KegFileWriter, read_keg
 from ..protocols.lager.messages import DataMessage, parse_data_message
+from ..zmqframes import recv_frames
 
 __all__ = [
     "DuplicateTap",
@@ -78,23 +79,6 @@ _TS_BYTES = 8
 _SNDMORE = int(zmq.SNDMORE)
 _MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 _raw_send = zmq.backend.Socket.send
-_raw_recv = zmq.backend.Socket.recv
-_NOBLOCK = int(zmq.NOBLOCK)
-
-
-def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes] | None:
-    """One whole message, NOBLOCK (raises zmq.Again); None if over ``_MAX_DATA_FRAMES``.
-    Uncopied frames and their ``more`` flag: ~1/3 of pyzmq's ``recv_multipart`` cost."""
-    frame: Any = _raw_recv(sock, _NOBLOCK, False)
-    frames = [frame.bytes]
-    over = False
-    while frame.more:
-        frame = _raw_recv(sock, 0, False)
-        if len(frames) < _MAX_DATA_FRAMES:
-            frames.append(frame.bytes)
-        else:
-            over = True
-    return None if over else frames
 
 
 class LagerClientError(TaproomError):
@@ -508,7 +492,7 @@ class Mug:
                 if left <= 0 or not self._data.poll(int(left * 1000) + 1):
                     raise LagerClientError("forwarder did not confirm the subscription in time")
                 try:
-                    frames = _recv_frames(self._data)
+                    frames = recv_frames(self._data, _MAX_DATA_FRAMES)
                 except zmq.Again:
                     continue
                 if frames is not None and frames[0] == token:
@@ -579,7 +563,7 @@ class Mug:
         sock = self._data
         for _ in range(limit):
             try:
-                frames = _recv_frames(sock)
+                frames = recv_frames(sock, _MAX_DATA_FRAMES)
             except zmq.Again:
                 return
             if frames is not None:

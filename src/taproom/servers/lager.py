@@ -78,6 +78,7 @@ from ..records import (
     EncodedBatch,
     iter_batch,
 )
+from ..zmqframes import recv_frames
 
 __all__ = [
     "HELLO_PREFIX",
@@ -231,21 +232,6 @@ def _send(sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
     last = len(frames) - 1
     for i, frame in enumerate(frames):
         sock.send(frame, zmq.NOBLOCK | zmq.SNDMORE if i < last else zmq.NOBLOCK)
-
-
-def _recv_frames(sock: zmq.Socket[bytes], max_frames: int) -> list[bytes] | None:
-    """Like :func:`_recv_bounded`, for the data path: reading frames uncopied and asking each
-    for ``more`` costs ~1/3 of a ``getsockopt(RCVMORE)`` call per frame."""
-    frame: Any = _raw_recv(sock, _NOBLOCK, False)
-    frames = [frame.bytes]
-    over = False
-    while frame.more:
-        frame = _raw_recv(sock, 0, False)
-        if len(frames) < max_frames:
-            frames.append(frame.bytes)
-        else:
-            over = True
-    return None if over else frames
 
 
 # The record head split around ts_ns: [length, received_ns] | ts_ns | [seq, field lengths].
@@ -678,7 +664,7 @@ class LagerService:
         max_frames = cfg.max_message_frames
         max_batch = cfg.max_batch_messages
         records = self._records
-        recv = _recv_frames
+        recv = recv_frames
         while True:
             await hub.wait_capacity()
             if not _readable(raw):
