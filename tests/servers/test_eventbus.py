@@ -201,6 +201,25 @@ class TestCollector:
             assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1
             assert [r.topic for r in app.hub.journal.read(0)] == ["/z/ok"]
 
+    async def test_a_message_of_too_many_frames_is_refused_and_counted(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"/")
+            sub.connect("tcp://" + app.addresses["eventbus_publisher"])
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + app.addresses["eventbus_collector"])
+            await asyncio.sleep(0.2)
+            await dealer.send_multipart([*_pub("/f/many", 1), *[b"x"] * 10_000])
+            await dealer.send_multipart(_pub("/f/ok", 1))
+            assert await sub.poll(5000)
+            event = parse_broadcast(await sub.recv_multipart())
+            assert isinstance(event, Event) and event.topic == "/f/ok" and event.sequence == 1
+            labels = {"protocol": "eventbus", "reason": "frame_count"}
+            assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1
+            assert [r.topic for r in app.hub.journal.read(0)] == ["/f/ok"]
+
     async def test_retried_uuid_is_broadcast_once(
         self, tmp_path: Path, ctx: zmq.asyncio.Context
     ) -> None:

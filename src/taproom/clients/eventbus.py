@@ -50,6 +50,7 @@ from ..protocols.eventbus import (
     pub_frames,
     syncstart_frames,
 )
+from ..zmqframes import recv_frames
 
 __all__ = ["EventBusClient", "register_send", "register_tail"]
 
@@ -69,21 +70,9 @@ def _endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
-# pyzmq's recv_multipart wraps the Cython recv in Python costing microseconds a frame; the live
-# loop calls the Cython methods directly.
-_base_recv = zmq.backend.Socket.recv
-_NOBLOCK = int(zmq.NOBLOCK)
-
-
-def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
-    """``recv_multipart(NOBLOCK)``, faster; raises ``zmq.Again`` when nothing is waiting."""
-    # A Frame's ``more`` is one C call; getsockopt(RCVMORE) builds an enum every time.
-    frame = _base_recv(sock, _NOBLOCK, False)
-    parts = [frame.bytes]
-    while frame.more:
-        frame = _base_recv(sock, _NOBLOCK, False)
-        parts.append(frame.bytes)
-    return parts
+# The most frames of a snapshot reply (SYNC + 6 event frames): longer messages are refused
+# before their frames are kept.
+_MAX_FRAMES = 16
 
 
 @dataclass(slots=True)
@@ -285,9 +274,12 @@ class EventBusClient:
                 return False
             while True:  # drain what is there without a future per message
                 try:
-                    frames = _recv_frames(raw)
+                    frames = recv_frames(raw, _MAX_FRAMES)
                 except zmq.Again:
                     break
+                if frames is None:
+                    log.warning("eventbus client: snapshot message over %d frames", _MAX_FRAMES)
+                    continue
                 try:
                     reply = parse_snapshot_reply(frames, self.limits)
                 except EventBusError as exc:
@@ -328,9 +320,12 @@ class EventBusClient:
             else:
                 for _ in range(10_000):  # then yield to the loop, even under a flood
                     try:
-                        frames = _recv_frames(raw)
+                        frames = recv_frames(raw, _MAX_FRAMES)
                     except zmq.Again:
                         break
+                    if frames is None:
+                        log.warning("eventbus client: broadcast over %d frames", _MAX_FRAMES)
+                        continue
                     try:
                         message = parse_broadcast(frames, self.limits)
                     except EventBusError as exc:

@@ -71,6 +71,7 @@ from ..protocols.eventbus import (
     syncstart_frames,
 )
 from ..records import BatchBuilder
+from ..zmqframes import recv_frames
 
 __all__ = [
     "BusState",
@@ -368,20 +369,11 @@ def _endpoint(host: str, port: int) -> str:
 # pyzmq's Socket.send / recv_multipart wrap the Cython methods in Python that costs several
 # microseconds a frame; the hot loops call the Cython methods directly with int flags.
 _base_send = zmq.backend.Socket.send
-_base_recv = zmq.backend.Socket.recv
 _MORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
-
-
-def _recv_frames(sock: zmq.Socket[bytes]) -> list[bytes]:
-    """``recv_multipart(NOBLOCK)``, faster; raises ``zmq.Again`` when nothing is waiting."""
-    # A Frame's ``more`` is one C call; getsockopt(RCVMORE) builds an enum every time.
-    frame = _base_recv(sock, _NOBLOCK, False)
-    parts = [frame.bytes]
-    while frame.more:
-        frame = _base_recv(sock, _NOBLOCK, False)
-        parts.append(frame.bytes)
-    return parts
+# The most frames of any command here (ROUTER identity + SYNC + 6 event frames is 8): a longer
+# message is refused before its frames are kept.
+_MAX_FRAMES = 16
 
 
 def _send_event(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes]) -> None:
@@ -642,9 +634,12 @@ class EventBusService:
         pack = SEQUENCE.pack
         for _ in range(self.config.max_burst):
             try:
-                msg = _recv_frames(raw)
+                msg = recv_frames(raw, _MAX_FRAMES)
             except zmq.Again:
                 break
+            if msg is None:
+                self._reject("frame_count", f"COLLECTOR: message over {_MAX_FRAMES} frames")
+                continue
             if len(msg) == 3 and msg[1] == Command.REPLICATE.value:
                 self._on_replicate(msg[0], msg[1:])
                 continue
@@ -783,9 +778,13 @@ class EventBusService:
                     return
                 while True:
                     try:
-                        reply = parse_snapshot_reply(_recv_frames(raw), self.limits)
+                        frames = recv_frames(raw, _MAX_FRAMES)
                     except zmq.Again:
                         break
+                    if frames is None:
+                        log.warning("eventbus: peer snapshot message over %d frames", _MAX_FRAMES)
+                        continue
+                    reply = parse_snapshot_reply(frames, self.limits)
                     if isinstance(reply, SyncEnd):
                         end = reply
                         break
@@ -902,9 +901,12 @@ class EventBusService:
             await self._snapshot.poll()
             while True:
                 try:
-                    msg = _recv_frames(raw)
+                    msg = recv_frames(raw, _MAX_FRAMES)
                 except zmq.Again:
                     break
+                if msg is None:
+                    self._reject("frame_count", f"SNAPSHOT: message over {_MAX_FRAMES} frames")
+                    continue
                 try:
                     request = parse_syncstart(msg[1:], self.limits)
                 except EventBusError as exc:
