@@ -92,6 +92,17 @@ def _meta(seq: int) -> bytes:
     return encode_meta(0, 0, 1_700_000_000_000, seq)
 
 
+def _send_messages(sock: zmq.Socket[bytes], metas: list[bytes]) -> None:
+    """Four-frame data messages, one per meta frame, as fast as pyzmq sends them."""
+    send = sock.send
+    more = zmq.SNDMORE
+    for meta in metas:
+        send(APP_ENV, more)
+        send(TOPIC, more)
+        send(BODY, more)
+        send(meta)
+
+
 # --- ingest -----------------------------------------------------------------------------------
 
 
@@ -144,13 +155,7 @@ def _push_agent(endpoint: str, n: int, started: Any) -> None:
     time.sleep(0.2)
     metas = [_meta(i + 1) for i in range(n)]
     started.value = time.time()
-    send = sock.send
-    more = zmq.SNDMORE
-    for meta in metas:
-        send(APP_ENV, more)
-        send(TOPIC, more)
-        send(BODY, more)
-        send(meta)
+    _send_messages(sock, metas)
     sock.close(linger=-1)
     ctx.term()
 
@@ -426,13 +431,7 @@ def _raw_pub(n: int, addr_q: Any, go: Any, started: Any, finished: Any) -> None:
     metas = [_meta(i + 1) for i in range(n)]
     go.wait()
     started.value = time.time()
-    send = sock.send
-    more = zmq.SNDMORE
-    for meta in metas:
-        send(APP_ENV, more)
-        send(TOPIC, more)
-        send(BODY, more)
-        send(meta)
+    _send_messages(sock, metas)
     finished.wait(300)
     sock.close(linger=-1)
     ctx.term()
