@@ -125,15 +125,18 @@ def _build(spark: Any, root: str, missing: list[Segment]) -> None:
     from pyspark.sql import functions as F
 
     journals = sorted({s.journal for s in missing})
+    # Partition value of each segment's rows: "<journal id>.<entry>", unique across journals.
+    names = {
+        seg: f"{os.path.basename(_journal_dir(root, seg.journal))}.{seg.entry}" for seg in missing
+    }
     ranges: dict[str, list[list[int | None]]] = {}
     entry = F.lit(None).cast("string")
     for seg in missing:
         ranges.setdefault(seg.journal, []).append([seg.base, seg.end])
-        name = f"{os.path.basename(_journal_dir(root, seg.journal))}.{seg.entry}"
         where = (F.col("journal") == seg.journal) & F.col("offset").between(
             seg.base, int(seg.end or 0) - 1
         )
-        entry = F.when(where, F.lit(name)).otherwise(entry)
+        entry = F.when(where, F.lit(names[seg])).otherwise(entry)
     tmp = os.path.join(root, f".tmp-{uuid.uuid4().hex}")
     try:
         (
@@ -144,8 +147,7 @@ def _build(spark: Any, root: str, missing: list[Segment]) -> None:
         )
         for seg in missing:
             final = os.path.join(_journal_dir(root, seg.journal), seg.entry)
-            name = f"{os.path.basename(_journal_dir(root, seg.journal))}.{seg.entry}"
-            built = os.path.join(tmp, f"entry={name}")
+            built = os.path.join(tmp, f"entry={names[seg]}")
             if not os.path.isdir(built):  # a segment with no records
                 os.makedirs(built)
             os.rename(built, final)

@@ -38,6 +38,7 @@ __all__ = [
     "log_rollup",
     "logjam_requests",
     "parse_events",
+    "parsed_rows",
     "request_rollup",
     "telemetry_rollup",
 ]
@@ -87,6 +88,7 @@ def parse_events(events: DataFrame) -> DataFrame:
     request fields together. Passes ``journal`` and ``offset`` through when present. Request
     columns are null for events that are not requests (``is_request`` false).
     """
+    keep = [c for c in ("journal", "offset") if c in events.columns]  # passed through
     topic = F.col("topic")
     is_request = (F.col("protocol") == "logjam") & _is_request_topic(topic)
     # The parse gets a column of its own: Spark keeps a projection apart rather than copy an
@@ -102,7 +104,7 @@ def parse_events(events: DataFrame) -> DataFrame:
     )
     doc = F.col("doc")
     parsed = with_doc.select(
-        *[c for c in ("journal", "offset") if c in events.columns],
+        *keep,
         "protocol",
         "stream",
         "topic",
@@ -133,7 +135,7 @@ def parse_events(events: DataFrame) -> DataFrame:
         return F.when(req, column)
 
     out = parsed.select(
-        *[c for c in ("journal", "offset") if c in events.columns],
+        *keep,
         "protocol",
         "stream",
         "topic",
@@ -157,7 +159,7 @@ def parse_events(events: DataFrame) -> DataFrame:
     )
     module = F.regexp_extract(F.col("action"), r"^([^:#]+)::", 1)
     return out.select(
-        *[c for c in ("journal", "offset") if c in events.columns],
+        *keep,
         *PARSED_EVENT_SCHEMA.fieldNames()[: PARSED_EVENT_SCHEMA.fieldNames().index("minute")],
         F.date_trunc("minute", F.col("started")).alias("minute"),
         "action",
@@ -171,7 +173,7 @@ def parse_events(events: DataFrame) -> DataFrame:
     )
 
 
-def _parsed(df: DataFrame) -> DataFrame:
+def parsed_rows(df: DataFrame) -> DataFrame:
     """``df`` as parsed rows: events are parsed, parsed rows (e.g. from the cache) pass."""
     return df if "is_request" in df.columns else parse_events(df)
 
@@ -183,7 +185,7 @@ def logjam_requests(events: DataFrame) -> DataFrame:
     the input has them), stream, topic, app, env, frontend, started, minute, date, action,
     module, code, total_time, severity, exceptions (array of names).
     """
-    parsed = _parsed(events)
+    parsed = parsed_rows(events)
     return (
         parsed.filter(F.col("is_request"))
         .select(
@@ -352,7 +354,7 @@ def log_rollup(events: DataFrame, watermark: str | None = None) -> DataFrame:
     """Per minute (event time, else receive time), protocol, stream and level: count, bytes.
 
     Takes raw events or parsed rows (:func:`parse_events`)."""
-    rows = _parsed(events).select(
+    rows = parsed_rows(events).select(
         F.col("log_minute").alias("minute"), "protocol", "stream", "level", "bytes"
     )
     return (

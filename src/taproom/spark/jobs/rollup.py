@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import transforms as T
-from ..segcache import CacheStats, parsed_events
+from ..segcache import PARSE_COLUMNS, CacheStats, parsed_events
 
 __all__ = [
     "ROLLUP_COLUMNS",
@@ -36,8 +36,8 @@ __all__ = [
 ]
 
 TABLES = ("requests", "exceptions", "logs")
-# What the rollups read: the source never decodes producer, seq and event_id for them.
-ROLLUP_COLUMNS = "journal,offset,received,ts,protocol,stream,topic,content_type,payload,attrs"
+# What the rollups read (what parse_events needs): producer, seq and event_id are never decoded.
+ROLLUP_COLUMNS = PARSE_COLUMNS
 
 
 def read_events(spark: Any, journals: list[str], **options: str) -> Any:
@@ -80,7 +80,7 @@ def rollup_tables(
             df = df.filter(F.col("minute") < F.lit(hi))
         return df
 
-    parsed = T.parse_events(events) if "is_request" not in events.columns else events
+    parsed = T.parsed_rows(events)
     requests = parsed.transform(T.logjam_requests).transform(in_range)
     return {
         "requests": requests.transform(T.request_rollup),
