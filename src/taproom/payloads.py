@@ -16,7 +16,7 @@ __all__ = ["decode_payload", "register_decoder"]
 
 _DECODERS: dict[str, Callable[[bytes], object]] = {}
 # Content types whose decoders live in a protocol module, imported on first use.
-_LAZY = {"protobuf": "taproom.protocols.logtk", "bson": "taproom.protocols.logtk"}
+_LAZY = {"protobuf": "taproom.protocols.logtk.entries", "bson": "taproom.protocols.logtk.entries"}
 
 
 def register_decoder(content_type: str, decoder: Callable[[bytes], object]) -> None:
