@@ -1,0 +1,132 @@
+"""The shared state of the Event BUS service, which the parts below build on."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ...hub import Hub
+from ...hub.core import Commit
+from ...protocols.eventbus import (
+    BinaryStar,
+    Event,
+)
+from .config import EventBusConfig
+from .state import PROTOCOL, Dedup, Entry
+
+log = logging.getLogger("taproom.eventbus")
+
+
+@dataclass(slots=True)
+class Burst:
+    """Events submitted as one journal batch, waiting to be applied (and broadcast)."""
+
+    future: asyncio.Future[Commit]
+    entries: list[Entry]
+    needs_peer_ack: bool = False
+    reply_to: bytes | None = None  # mirror bursts: the active peer's identity, to REPLICATED
+
+
+class BusBase:
+    """The state every part of the bus shares: hashmap, sequences, queues, sockets, metrics."""
+
+    # Bound by the service's start(); each has a synchronous shadow for NOBLOCK hot loops.
+    _snapshot: zmq.asyncio.Socket
+    _publisher: zmq.asyncio.Socket
+    _collector: zmq.asyncio.Socket
+    _snapshot_raw: zmq.Socket[bytes]
+    _publisher_raw: zmq.Socket[bytes]
+    _collector_raw: zmq.Socket[bytes]
+
+    def __init__(self, hub: Hub, config: EventBusConfig) -> None:
+        self.hub = hub
+        self.config = config
+        self.limits = config.limits()
+        # Largest frame the COLLECTOR accepts (ZMQ_MAXMSGSIZE, checked before ZeroMQ allocates):
+        # one event's data, or a REPLICATE chunk of at most a MiB, plus room for the rest.
+        self._max_frame = max(self.limits.max_data_bytes, 1024 * 1024) + 65536
+        self.name = hub.config.hub.name
+        self.fsm = BinaryStar(config.role, config.peer_timeout_ms / 1000, time.monotonic())
+        self.hashmap: dict[bytes, Entry] = {}
+        self.last_seq = 0  # highest sequence committed and applied (the snapshot's cut)
+        self.assigned_seq = 0  # highest sequence handed to the journal
+        self.dedup = Dedup(config.dedup_window)
+        self.synced = config.role != "backup"  # a passive server is in step with its peer
+        self.peer_synced = False
+        self.peer_acked = 0
+        self._ack_event = asyncio.Event()
+        self._degraded_until = 0
+        self._resyncing = False
+        self._resync_buffer: list[tuple[bytes, list[Event]]] = []
+        self._resync_buffered = 0
+        self._resync_overflow = False
+        self._inflight: asyncio.Queue[Burst] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._resync_task: asyncio.Task[None] | None = None
+        self._applied_offset = 0  # journal offset up to which bus records are applied
+        self._snapshot_slots = asyncio.Semaphore(config.max_snapshots)
+        self._snapshot_tasks: set[asyncio.Task[None]] = set()
+        self._checkpointed_offset = 0
+        # The last copied events, and after a takeover those of them not known to be broadcast.
+        self._recent_mirror: deque[Entry] = deque(maxlen=4 * config.max_burst)
+        self._uncertain: dict[str, Entry] = {}
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sockets: list[zmq.Socket[Any]] = []
+        self._reject_log_budget = 0.0
+        self._stopping = False
+        m = hub.metrics
+        self._m_broadcast = m.counter("eventbus", "broadcast", "events", "BROADCASTs sent")
+        self._m_duplicates = m.counter(
+            "eventbus", "duplicates", "events", "PUBs dropped as repeats of a known event UUID"
+        )
+        self._m_snapshots = m.counter("eventbus", "snapshots", "calls", "Snapshots served")
+        self._m_replicated = m.counter(
+            "eventbus", "replicated", "events", "Events copied from the Binary Star peer"
+        )
+        self._m_unreplicated = m.counter(
+            "eventbus",
+            "unreplicated",
+            "events",
+            "Events broadcast before the peer confirmed them (peer dead, slow or resyncing)",
+        )
+        self._m_transitions = m.counter(
+            "eventbus", "failover_transitions", "calls", "Binary Star state changes", ("kind",)
+        )
+        m.gauge_fn("eventbus", "keys", "count", "Topics in the snapshot hashmap", self._keys)
+        m.gauge_fn("eventbus", "sequence", "count", "Last broadcast sequence", self._seq)
+        m.gauge_fn(
+            "eventbus", "bstar_state", "code", "1 primary 2 backup 3 active 4 passive", self._state
+        )
+
+    def _keys(self) -> float:
+        return len(self.hashmap)
+
+    def _seq(self) -> float:
+        return self.last_seq
+
+    def _state(self) -> float:
+        return int(self.fsm.state)
+
+    def _socket(self, kind: int, **options: int) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        for name, value in options.items():
+            sock.setsockopt(getattr(zmq, name), value)
+        self._sockets.append(sock)
+        return sock
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.hub.metrics.rejected(PROTOCOL, reason)
+        now = time.monotonic()
+        # At most ~10 reject lines a second: a broken producer must not flood the log.
+        if now >= self._reject_log_budget:
+            self._reject_log_budget = now + 0.1
+            log.warning("eventbus: dropped command (%s): %s", reason, detail)

@@ -1,0 +1,103 @@
+"""The ``[eventbus]`` configuration section: ports, roles, limits and timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import config_section, setting
+from ...errors import ConfigError
+from ...protocols.eventbus import (
+    Limits,
+)
+
+
+@config_section("eventbus")
+@dataclass(frozen=True)
+class EventBusConfig:
+    enabled: bool = setting(True, "the durable Clone-pattern bus")
+    host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
+    port: int = setting(
+        5556,
+        "P: SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2 (the seed; zguide's 5556)",
+        min=0,
+        max=65533,
+    )
+    role: str = setting(
+        "standalone",
+        "one bus needs no peer; primary/backup form a Binary Star pair (set peer too)",
+        choices=("standalone", "primary", "backup"),
+    )
+    peer: str = setting(
+        "", "the other server's host:P when role is primary or backup (zguide uses 5556/5566)"
+    )
+    heartbeat_ms: int = setting(
+        1000, "HUGZ once a second, as the Clone pattern does", min=10, max=60_000
+    )
+    peer_timeout_ms: int = setting(
+        3000,
+        "a peer silent for 3 heartbeats is taken as dead (bstar uses 2; one spare for GC pauses)",
+        min=20,
+        max=600_000,
+    )
+    replicate_timeout_ms: int = setting(
+        2000,
+        "longest a broadcast waits for the peer's REPLICATED before going out unreplicated",
+        min=10,
+        max=600_000,
+    )
+    snapshot_timeout_ms: int = setting(
+        10_000, "a snapshot (to a client or from the peer) that takes longer is abandoned", min=100
+    )
+    max_topic_bytes: int = setting(1024, "topics are paths, not payloads", min=8, max=65535)
+    max_producer_bytes: int = setting(256, "a producer id names a process", min=1, max=65535)
+    max_data_bytes: int = setting(
+        1024 * 1024,
+        "events are state updates; a MiB is far above any sane one",
+        min=64,
+        max=63 * 1024 * 1024,  # under the journal's 64 MiB per record, with room for the rest
+    )
+    max_subtrees: int = setting(64, "subtrees per SYNCSTART", min=1, max=4096)
+    max_snapshots: int = setting(
+        16, "snapshots sent at once; more SYNCSTARTs wait (each holds a list of its keys)", min=1
+    )
+    dedup_window: int = setting(
+        100_000, "event UUIDs remembered to drop a retrying producer's duplicates", min=0
+    )
+    max_burst: int = setting(
+        4096, "PUB commands drained into one journal batch before yielding", min=1, max=65536
+    )
+    collector_hwm: int = setting(
+        10_000, "PUB commands ZeroMQ queues before the COLLECTOR stops reading peers", min=1
+    )
+    publisher_hwm: int = setting(
+        100_000,
+        "BROADCASTs queued per subscriber before ZeroMQ drops (a client then sees a gap)",
+        min=1,
+    )
+    snapshot_hwm: int = setting(
+        100_000, "SYNC commands queued per snapshot client: a 100k-key snapshot in one go", min=1
+    )
+    checkpoint_interval_s: float = setting(
+        60.0,
+        "how often the hashmap is saved beside the journal so a restart reads only the tail "
+        "(0: never; the whole journal is scanned)",
+        min=0,
+    )
+    resync_buffer: int = setting(
+        1_000_000,
+        "replicated events a passive server holds while it copies a snapshot from its peer",
+        min=1,
+    )
+
+    def validate(self) -> None:
+        if self.role != "standalone" and not self.peer:
+            raise ConfigError("role primary/backup needs peer = 'host:port'", key="peer")
+        if self.peer:
+            host, _, port = self.peer.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65533:
+                raise ConfigError("peer must be 'host:port' (the peer's P)", key="peer")
+
+    def limits(self) -> Limits:
+        return Limits(
+            self.max_topic_bytes, self.max_producer_bytes, self.max_data_bytes, self.max_subtrees
+        )

@@ -1,0 +1,174 @@
+"""The Event BUS service: start (rebuild, bind, tasks), stop, checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from ...hub import Hub
+from .checkpoint import BusState, checkpoint_path, rebuild_state, write_checkpoint
+from .config import EventBusConfig
+from .snapshot import SnapshotServer
+from .wire import endpoint
+
+log = logging.getLogger("taproom.eventbus")
+
+
+class EventBusService(SnapshotServer):
+    """The three sockets, the broadcaster, the heartbeat and the Binary Star peer link."""
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, str]:
+        started = time.monotonic()
+        state = await asyncio.to_thread(
+            rebuild_state, self.hub, self.config.dedup_window, checkpoint_path(self.hub)
+        )
+        self.hashmap = state.hashmap
+        self.last_seq = self.assigned_seq = state.sequence
+        self._applied_offset = state.offset
+        # A state rebuilt by a full scan is saved at the first chance.
+        self._checkpointed_offset = state.offset if state.from_checkpoint else -1
+        for key in state.recent_uuids:
+            self.dedup.add(key)
+        log.info(
+            "eventbus: %d topics, sequence %d rebuilt from %s in %.2fs; role %s",
+            len(self.hashmap),
+            self.last_seq,
+            "a checkpoint and the journal" if state.from_checkpoint else "the journal",
+            time.monotonic() - started,
+            self.config.role,
+        )
+        self._ctx = zmq.asyncio.Context()
+        addresses = self._bind()
+        loops = [
+            self._collector_loop(),
+            self._snapshot_loop(),
+            self._broadcast_loop(),
+            self._heartbeat_loop(),
+            self._checkpoint_loop(),
+        ]
+        if self.config.role != "standalone":
+            self._connect_peer()
+            loops += [self._peer_hugz_loop(), self._peer_ack_loop()]
+        self._tasks = [asyncio.create_task(c) for c in loops]
+        return addresses
+
+    def _bind(self) -> dict[str, str]:
+        """SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2; port 0 finds three free ones."""
+        cfg = self.config
+        max_frame = self._max_frame
+        for _attempt in range(100):
+            snapshot = self._socket(
+                zmq.ROUTER,
+                SNDHWM=cfg.snapshot_hwm,
+                ROUTER_MANDATORY=1,
+                MAXMSGSIZE=self.limits.max_topic_bytes * self.limits.max_subtrees + 4096,
+            )
+            publisher = self._socket(zmq.PUB, SNDHWM=cfg.publisher_hwm)
+            collector = self._socket(zmq.ROUTER, RCVHWM=cfg.collector_hwm, MAXMSGSIZE=max_frame)
+            try:
+                if cfg.port:
+                    base = cfg.port
+                    snapshot.bind(endpoint(cfg.host, base))
+                else:
+                    snapshot.bind(endpoint(cfg.host, 0).rsplit(":", 1)[0] + ":*")
+                    bound = snapshot.getsockopt(zmq.LAST_ENDPOINT)
+                    assert isinstance(bound, bytes)
+                    base = int(bound.rsplit(b":", 1)[1])
+                    if base > 65533:
+                        raise zmq.ZMQError(errno.EADDRINUSE)
+                publisher.bind(endpoint(cfg.host, base + 1))
+                collector.bind(endpoint(cfg.host, base + 2))
+            except zmq.ZMQError as exc:
+                for sock in (snapshot, publisher, collector):
+                    sock.close(0)
+                    self._sockets.remove(sock)
+                if cfg.port or exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+            self._snapshot, self._publisher, self._collector = snapshot, publisher, collector
+            # Synchronous shadows of the same sockets: NOBLOCK sends and receives in hot loops
+            # without a future per call.
+            self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(snapshot.underlying)
+            self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(publisher.underlying)
+            self._collector_raw: zmq.Socket[bytes] = zmq.Socket.shadow(collector.underlying)
+            return {
+                "eventbus_snapshot": f"{cfg.host}:{base}",
+                "eventbus_publisher": f"{cfg.host}:{base + 1}",
+                "eventbus_collector": f"{cfg.host}:{base + 2}",
+            }
+        raise OSError(errno.EADDRINUSE, "no three consecutive free ports for the event bus")
+
+    async def stop(self) -> None:
+        """Stop reading, let submitted bursts commit and go out, close the sockets."""
+        self._stopping = True
+        broadcaster = self._tasks[2] if len(self._tasks) > 2 else None
+        others = [t for t in self._tasks if t is not broadcaster]
+        if self._resync_task is not None:
+            others.append(self._resync_task)
+        others.extend(self._snapshot_tasks)
+        for task in others:
+            task.cancel()
+        if broadcaster is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._inflight.join(), self.hub.config.hub.grace_period_s)
+            broadcaster.cancel()
+            others.append(broadcaster)
+        for task in others:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self.config.checkpoint_interval_s:
+            try:
+                await self.checkpoint()
+            except OSError as exc:
+                log.warning("eventbus: checkpoint at stop failed: %s", exc)
+        for sock in self._sockets:
+            sock.close(0)
+        self._sockets.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+        self._m_snapshots.inc()
+
+    # --- checkpoint ------------------------------------------------------------------------
+
+    def _capture(self) -> BusState:
+        """The applied state, taken in one step on the loop (entries are immutable tuples)."""
+        return BusState(
+            hashmap=dict(self.hashmap),
+            sequence=self.last_seq,
+            recent_uuids=list(self.dedup.recent()),
+            offset=self._applied_offset,
+        )
+
+    async def checkpoint(self) -> None:
+        """Save the applied state beside the journal (a no-op when nothing changed)."""
+        if self._applied_offset == self._checkpointed_offset:
+            return
+        state = self._capture()
+        await asyncio.to_thread(write_checkpoint, checkpoint_path(self.hub), state)
+        self._checkpointed_offset = state.offset
+
+    async def _checkpoint_loop(self) -> None:
+        interval = self.config.checkpoint_interval_s
+        if not interval:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.checkpoint()
+            except OSError as exc:
+                log.warning("eventbus: checkpoint failed: %s", exc)
+
+
+def create_service(hub: Hub, config: EventBusConfig) -> EventBusService:
+    return EventBusService(hub, config)
