@@ -23,11 +23,12 @@ import orjson
 import zmq
 import zmq.backend
 
-from taproom.clients.lager import Mug, Tap, _recv_frames
+from taproom.clients.lager import Mug, Tap
 from taproom.journal.reader import JournalReader
 from taproom.protocols.lager.chp import parse_update, registration_frames
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.keg import KegFileWriter, read_keg
+from taproom.zmqframes import recv_frames
 
 from .common import Figure, cpu_seconds_of_pid
 
@@ -206,7 +207,7 @@ def _ceiling(n: int) -> list[Figure]:
     while got < n and sub.poll(10_000):
         while True:
             try:
-                _recv_frames(sub)
+                recv_frames(sub, 5)
             except zmq.Again:
                 break
             got += 1
