@@ -1,4 +1,4 @@
-"""clients/lager.py end to end against a real bartender: Tap, Mug, KegWriter, taproom keg."""
+"""clients/lager/ end to end against a real bartender: Tap, Mug, KegWriter, taproom keg."""
 
 from __future__ import annotations
 

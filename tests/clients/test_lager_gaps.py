@@ -1,4 +1,4 @@
-"""clients/lager.py: a mug that falls behind loses rows inside ZeroMQ, and now knows exactly
+"""clients/lager/: a mug that falls behind loses rows inside ZeroMQ, and now knows exactly
 how many (issue 7): every row logged after ``subscribe()`` is received or counted as lost, for
 a tap that had no rows at subscribe time and for one that had (the hello-time baseline)."""
 

@@ -1,4 +1,4 @@
-"""servers/lager.py over real ZeroMQ sockets: registrar (collector, snapshot, publisher, HUGZ,
+"""servers/lager/ over real ZeroMQ sockets: registrar (collector, snapshot, publisher, HUGZ,
 duplicates, persistence) and forwarder (validation, journal, commit-then-forward), fuzzed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""servers/lager.py hot path (issue 7): records written from per-tap constant parts are
+"""servers/lager/forwarder.py hot path (issue 7): records written from per-tap constant parts are
 byte-identical to ``BatchBuilder``'s, and the per-tap cache follows format changes."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Three sockets on the registrar (seed, "Registrar"): the COLLECTOR takes tap regi
 (5 frames: key, sequence, uuid, properties, value), the SNAPSHOT answers ``ICANHAZ?`` with the
 matching tap descriptions and ``KTHXBAI``, the PUBLISHER sends every hashmap update as it
 happens and ``HUGZ`` when idle. This module holds the frames and the hashmap
-(:class:`Registrar`); the sockets live in ``servers/lager.py`` and ``clients/lager.py``.
+(:class:`Registrar`); the sockets live in ``servers/lager/`` and ``clients/lager/``.
 
 Pure code: no I/O, no clock (STYLE.md rule 1).
 """

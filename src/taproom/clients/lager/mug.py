@@ -1,0 +1,370 @@
+"""The Lager :class:`Mug`: synchronises the tap list, watches updates and HUGZ, subscribes to
+taps and decodes their rows.
+
+Synchronous and single-threaded: a Mug owns its ZeroMQ sockets and must be used from one
+thread. ``Mug.recv`` polls the registrar updates and the data socket together, so HUGZ and
+updates are processed while data flows.
+
+No lost first samples on the bartender -> mug hop: ``Mug.subscribe`` subscribes to the chosen
+taps and then to a unique "hello" topic; the forwarder echoes the hello, and because one ZeroMQ
+pipe applies subscriptions in order, every data subscription is in place when the hello
+arrives. ``subscribe`` returns only then. Start logging after that and no sample is lost.
+
+Counted loss: a mug that falls behind loses rows inside ZeroMQ (its HWM), silently. A taproom
+bartender publishes per-tap marks (cumulative rows forwarded, see ``servers/lager``) in the
+same pipe as the rows; the Mug subscribes to the marks of its taps and, at each mark, compares
+the rows it received since the previous mark with the bartender's count. The difference is
+added to ``Mug.lost`` / ``Mug.lost_by_tap`` and reported through ``on_gap(key, missed)``.
+Every row after ``subscribe()`` returns is accounted for: received, or counted as lost.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import uuid as uuid_module
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from ...errors import ProtocolError
+from ...protocols.lager.chp import Command, Registration, parse_update, snapshot_request_frames
+from ...protocols.lager.messages import DataMessage, parse_data_message
+from ...zmqframes import recv_frames
+from .common import HELLO_PREFIX, MARK_PREFIX, LagerClientError, base, tcp
+
+__all__ = ["Mug", "Sample"]
+
+_MARK_TOPIC_BYTES = len(MARK_PREFIX) + 16
+_MAX_DATA_FRAMES = 1028  # the bartender forwards 5; bounded like its input
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One decoded row."""
+
+    key: str
+    uuid: bytes
+    ts_ns: int
+    values: dict[str, Any]
+
+
+class Mug:
+    """A Lager data sink: synchronise the tap list, watch updates and HUGZ, subscribe, decode.
+
+    ``on_silence()`` is called once when no HUGZ or update arrived for ``silence_s``;
+    ``on_update(registration)`` for every hashmap change after :meth:`sync`;
+    ``on_gap(key, missed)`` when a mark shows rows of a tap that this mug did not receive
+    (``key`` is the tap key, or the uuid string for a tap not in :attr:`taps`). ``lost`` and
+    ``lost_by_tap`` keep the totals; ``received`` counts data messages read.
+    """
+
+    def __init__(
+        self,
+        *,
+        registrar: str,
+        forwarder: str,
+        silence_s: float = 3.0,
+        recv_hwm: int = 1_000_000,
+        on_silence: Callable[[], None] | None = None,
+        on_update: Callable[[Registration], None] | None = None,
+        on_gap: Callable[[str, int], None] | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.on_gap = on_gap
+        self.lost = 0
+        self.lost_by_tap: dict[str, int] = {}
+        self.received = 0
+        # uuid -> [bartender epoch, its count at the last mark, rows received since]
+        self._marks: dict[bytes, list[int]] = {}
+        # After a confirmed subscribe: rows of taps that had no mark yet. The bartender marked
+        # every tap with rows before its hello reply, so such a tap's count started at zero.
+        self._hello_epoch: int | None = None
+        self._unmarked: dict[bytes, int] = {}
+        self._pending: deque[list[bytes]] = deque()
+        self._reg_host, self._reg_port = base(registrar)
+        self._fwd_host, self._fwd_port = base(forwarder)
+        self._ctx = context or zmq.Context.instance()
+        self.silence_s = silence_s
+        self.on_silence = on_silence
+        self.on_update = on_update
+        self.taps: dict[str, Registration] = {}
+        self.by_uuid: dict[bytes, Registration] = {}
+        self.sequence = 0
+        self.subtree = ""
+        self.silent = False
+        self.hugz = 0
+        self._last_heard = time.monotonic()
+        self._updates = self._ctx.socket(zmq.SUB)
+        self._updates.setsockopt(zmq.LINGER, 0)
+        self._data = self._ctx.socket(zmq.SUB)
+        self._data.setsockopt(zmq.LINGER, 0)
+        self._data.setsockopt(zmq.RCVHWM, recv_hwm)
+        self._data.connect(tcp(self._fwd_host, self._fwd_port + 1))
+        self._poller = zmq.Poller()
+        self._poller.register(self._updates, zmq.POLLIN)
+        self._poller.register(self._data, zmq.POLLIN)
+        self._subscribed: set[bytes] = set()
+
+    # --- registration flow ----------------------------------------------------------------
+
+    def sync(self, subtree: str = "", timeout: float = 10.0) -> dict[str, Registration]:
+        """Snapshot of the taps under ``subtree`` (CHP: subscribe to updates first, then
+        ``ICANHAZ?``; updates older than the snapshot are ignored)."""
+        self.subtree = subtree
+        self._updates.setsockopt(zmq.SUBSCRIBE, subtree.encode("utf-8"))
+        self._updates.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+        self._updates.connect(tcp(self._reg_host, self._reg_port + 1))
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(tcp(self._reg_host, self._reg_port))
+        try:
+            dealer.send_multipart(snapshot_request_frames(subtree))
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not dealer.poll(int(left * 1000) + 1):
+                    raise LagerClientError("no snapshot from the registrar in time")
+                update = parse_update(dealer.recv_multipart())
+                if update.command is Command.KTHXBAI:
+                    self.sequence = update.sequence
+                    break
+                if update.registration is not None:
+                    self._store(update.registration)
+        finally:
+            dealer.close()
+        self._last_heard = time.monotonic()
+        return dict(self.taps)
+
+    def _store(self, reg: Registration) -> None:
+        old = self.taps.get(reg.key)
+        if old is not None:
+            self.by_uuid.pop(old.uuid, None)
+        self.taps[reg.key] = reg
+        self.by_uuid[reg.uuid] = reg
+
+    def _handle_update(self, frames: list[bytes]) -> None:
+        self._last_heard = time.monotonic()
+        if self.silent:
+            self.silent = False
+        try:
+            update = parse_update(frames)
+        except ProtocolError:
+            return
+        if update.command is Command.HUGZ:
+            self.hugz += 1
+            return
+        reg = update.registration
+        if reg is None or (update.sequence <= self.sequence and reg.key in self.taps):
+            return
+        self.sequence = max(self.sequence, update.sequence)
+        self._store(reg)
+        if self.on_update is not None:
+            self.on_update(reg)
+
+    def poll_registrar(self) -> None:
+        """Process pending updates/HUGZ and check for silence (``recv`` calls this)."""
+        while True:
+            try:
+                frames = self._updates.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._handle_update(frames)
+        if not self.silent and time.monotonic() - self._last_heard >= self.silence_s:
+            self.silent = True
+            if self.on_silence is not None:
+                self.on_silence()
+
+    # --- data -----------------------------------------------------------------------------
+
+    def subscribe(self, *taps: str | bytes | Registration, everything: bool = False,
+                  timeout: float = 10.0, confirm: bool = True) -> None:  # fmt: skip
+        """Subscribe to taps (keys, uuids or registrations; ``everything`` for all) and
+        return once the bartender has the subscriptions (see the module docstring).
+        ``confirm=False`` skips that handshake (a bartender other than taproom)."""
+        topics: list[bytes] = []
+        if everything:
+            topics.append(b"")
+        for tap in taps:
+            if isinstance(tap, Registration):
+                topics.append(tap.uuid)
+            elif isinstance(tap, bytes):
+                topics.append(tap)
+            else:
+                reg = self.taps.get(tap)
+                if reg is None:
+                    raise LagerClientError(f"unknown tap {tap!r}; sync() first")
+                topics.append(reg.uuid)
+        for topic in topics:
+            if topic not in self._subscribed:
+                self._data.setsockopt(zmq.SUBSCRIBE, topic)
+                if topic:  # "" already receives every mark
+                    self._data.setsockopt(zmq.SUBSCRIBE, MARK_PREFIX + topic)
+                self._subscribed.add(topic)
+        if not confirm:
+            return
+        token = HELLO_PREFIX + secrets.token_hex(8).encode()
+        self._data.setsockopt(zmq.SUBSCRIBE, token)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._data.poll(int(left * 1000) + 1):
+                    raise LagerClientError("forwarder did not confirm the subscription in time")
+                try:
+                    frames = recv_frames(self._data, _MAX_DATA_FRAMES)
+                except zmq.Again:
+                    continue
+                if frames is not None and frames[0] == token:
+                    if len(frames) == 2 and len(frames[1]) == 8:  # a bartender that marks
+                        self._hello_epoch = int.from_bytes(frames[1], "big")
+                    return
+                if frames is not None:
+                    self._take(frames)  # data that raced the hello is kept; marks counted
+        finally:
+            self._data.setsockopt(zmq.UNSUBSCRIBE, token)
+
+    def _take(self, frames: list[bytes]) -> None:
+        """Sort one forwarder message: data is queued and counted, a mark is accounted."""
+        first = frames[0]
+        if len(first) == 16:
+            self._pending.append(frames)
+            self.received += 1
+            state = self._marks.get(first)
+            if state is not None:
+                state[2] += 1
+            elif self._hello_epoch is not None:
+                self._unmarked[first] = self._unmarked.get(first, 0) + 1
+        elif first.startswith(MARK_PREFIX):
+            self._mark(frames)
+        # anything else (other mugs' hellos, foreign control topics) is not data
+
+    def _mark(self, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[0]) != _MARK_TOPIC_BYTES or len(frames[1]) != 8:
+            return
+        raw_uuid = frames[0][len(MARK_PREFIX) :]
+        count = int.from_bytes(frames[1], "big")
+        epoch = int.from_bytes(frames[2], "big")
+        state = self._marks.get(raw_uuid)
+        if state is None and epoch == self._hello_epoch:
+            # No mark before our hello reply: the tap had no rows then; count from zero.
+            state = self._marks[raw_uuid] = [epoch, 0, self._unmarked.pop(raw_uuid, 0)]
+        if state is None or state[0] != epoch or count < state[1]:
+            # First mark (the baseline), or a restarted bartender counting from zero again.
+            self._marks[raw_uuid] = [epoch, count, 0]
+            self._unmarked.pop(raw_uuid, None)
+            return
+        missed = count - state[1] - state[2]
+        state[1] = count
+        state[2] = 0
+        if missed > 0:
+            reg = self.by_uuid.get(raw_uuid)
+            key = reg.key if reg is not None else str(uuid_module.UUID(bytes=raw_uuid))
+            self.lost += missed
+            self.lost_by_tap[key] = self.lost_by_tap.get(key, 0) + missed
+            if self.on_gap is not None:
+                self.on_gap(key, missed)
+
+    def recv_frames(self, max_messages: int = 4096, timeout: float = 0.0) -> list[list[bytes]]:
+        """Up to ``max_messages`` data messages as raw frames (the fast path: no decoding),
+        waiting up to ``timeout`` seconds for the first. Loss accounting is applied."""
+        pending = self._pending
+        if not pending:
+            self._fill(max_messages)
+            if not pending and timeout > 0:
+                self.poll_registrar()
+                if self._data.poll(max(int(timeout * 1000), 1)):
+                    self._fill(max_messages)
+        n = min(max_messages, len(pending))
+        return [pending.popleft() for _ in range(n)]
+
+    def _fill(self, limit: int) -> None:
+        """Read what the data socket holds (up to ``limit`` messages), without blocking."""
+        sock = self._data
+        for _ in range(limit):
+            try:
+                frames = recv_frames(sock, _MAX_DATA_FRAMES)
+            except zmq.Again:
+                return
+            if frames is not None:
+                self._take(frames)
+
+    def lookup(self, raw_uuid: bytes) -> Registration | None:
+        """The registration for a data message's uuid. Updates and data travel on different
+        connections, so a new tap's first row can overtake its update: read pending updates
+        once before giving up."""
+        reg = self.by_uuid.get(raw_uuid)
+        if reg is None:
+            self.poll_registrar()
+            reg = self.by_uuid.get(raw_uuid)
+        return reg
+
+    def recv_message(self, timeout: float | None = None) -> DataMessage | None:
+        """The next data message (undecoded), or None after ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = self._pending
+        while True:
+            if not pending:
+                self._fill(1024)
+            while pending:
+                frames = pending.popleft()
+                if len(frames) < 5:
+                    continue
+                try:
+                    return parse_data_message(frames)
+                except ProtocolError:
+                    continue
+            self.poll_registrar()
+            wait = 200.0 if deadline is None else min(200.0, (deadline - time.monotonic()) * 1000)
+            if wait <= 0:
+                return None
+            self._poller.poll(max(int(wait), 1))
+
+    def recv(self, timeout: float | None = None) -> Sample | None:
+        """The next row decoded to typed values, or None after ``timeout`` seconds."""
+        while True:
+            msg = self.recv_message(timeout)
+            if msg is None:
+                return None
+            reg = self.lookup(msg.uuid)
+            if reg is None or len(msg.payload) != reg.format.row_size:
+                continue  # a tap this mug has no (current) format for
+            return Sample(reg.key, msg.uuid, msg.ts_ns, reg.format.decode_row(msg.payload))
+
+    def recv_columns(
+        self, max_rows: int = 100_000, timeout: float = 0.1
+    ) -> dict[str, dict[str, np.ndarray[Any, Any]]]:
+        """Drain up to ``max_rows`` rows and decode them per tap key as numpy columns
+        (``timestamp_ns`` plus one array per item)."""
+        rows: dict[bytes, tuple[list[int], list[bytes]]] = {}
+        first = self.recv_message(timeout)
+        msg = first
+        n = 0
+        while msg is not None and n < max_rows:
+            if msg.uuid in self.by_uuid:
+                ts, payloads = rows.setdefault(msg.uuid, ([], []))
+                ts.append(msg.ts_ns)
+                payloads.append(msg.payload)
+                n += 1
+            msg = self.recv_message(0)
+        out: dict[str, dict[str, np.ndarray[Any, Any]]] = {}
+        for raw_uuid, (ts, payloads) in rows.items():
+            reg = self.by_uuid[raw_uuid]
+            columns = {"timestamp_ns": np.array(ts, dtype=np.uint64)}
+            columns.update(reg.format.decode_rows(payloads))
+            out[reg.key] = columns
+        return out
+
+    def close(self) -> None:
+        self._updates.close()
+        self._data.close()
+
+    def __enter__(self) -> Mug:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

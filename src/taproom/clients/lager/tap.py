@@ -1,0 +1,256 @@
+"""The Lager :class:`Tap`: registers a data format with the registrar, then logs rows.
+
+Synchronous and single-threaded: a Tap owns its ZeroMQ sockets and must be used from one
+thread. No lost first samples on the tap -> bartender hop: the tap's registration and data
+sockets are XPUB, not PUB. An XPUB sees the bartender's subscription arrive; ``Tap.register``
+waits for it on both sockets before returning, so the first ``log`` is never sent into a pipe
+that would drop it. The registration is also re-sent until the registrar echoes it (when
+``watch`` is on).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid as uuid_module
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+import zmq.backend
+
+from ...errors import ProtocolError
+from ...protocols.lager.chp import (
+    Command,
+    Registration,
+    parse_update,
+    registration_frames,
+    snapshot_request_frames,
+)
+from ...protocols.lager.formats import DataFormat, parse_format_xml
+from .common import DuplicateTap, LagerClientError, base, tcp
+
+__all__ = ["Tap"]
+
+_TS_BYTES = 8
+# Plain ints and the backend send: pyzmq's wrappers cost more than the send itself.
+_SNDMORE = int(zmq.SNDMORE)
+_MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+_raw_send = zmq.backend.Socket.send
+
+
+def _wait_subscription(sock: zmq.Socket[bytes], deadline: float, what: str) -> None:
+    """On an XPUB: block until a subscriber's subscription message arrives."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise LagerClientError(f"no {what} subscription from the bartender in time")
+        if sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            frame = sock.recv()
+            if frame[:1] == b"\x01":
+                return
+
+
+class Tap:
+    """A Lager data source.
+
+    Configuration phase: ``Tap(key, format, registrar=, forwarder=)`` then :meth:`register`.
+    Execution phase: :meth:`log` (typed values) or :meth:`log_row` (an encoded row).
+
+    ``registrar`` is the registrar's base address ``host:P`` (snapshot P, publisher P+1,
+    collector P+2); ``forwarder`` the forwarder's base ``host:P`` (taps publish to P).
+    With ``watch`` (default) the tap subscribes to the registrar's publisher: registration
+    is confirmed by the echo, a duplicate key raises :class:`DuplicateTap` (and later calls
+    ``on_duplicate``), and ``log`` returns whether the bartender was heard from within
+    ``silence_s`` (HUGZ at 1 Hz or updates). Without ``watch`` the registration is confirmed
+    once through the snapshot socket (``ICANHAZ?`` for the tap's key). Either way
+    ``register`` returns only when the registrar holds the tap, so no row is refused as
+    coming from an unknown tap.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        format: DataFormat | str,
+        *,
+        registrar: str,
+        forwarder: str,
+        uuid: bytes | None = None,
+        watch: bool = True,
+        silence_s: float = 3.0,
+        send_hwm: int = 100_000,
+        on_duplicate: Callable[[Registration], None] | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        self.key = key
+        self.format = parse_format_xml(format) if isinstance(format, str) else format
+        self.xml = format if isinstance(format, str) else self.format.to_xml()
+        self.uuid = uuid or uuid_module.uuid4().bytes
+        self.watch = watch
+        self.silence_s = silence_s
+        self.on_duplicate = on_duplicate
+        self.dropped = 0
+        self.sent = 0
+        self.registered = False
+        self.duplicate_of: Registration | None = None
+        self._reg_host, self._reg_port = base(registrar)
+        self._fwd_host, self._fwd_port = base(forwarder)
+        self._ctx = context or zmq.Context.instance()
+        self._send_hwm = send_hwm
+        self._last_heard = 0.0
+        self._next_check = 0.0
+        self._collector: zmq.Socket[bytes] | None = None
+        self._updates: zmq.Socket[bytes] | None = None
+        self._data: zmq.Socket[bytes] | None = None
+
+    @property
+    def uuid_str(self) -> str:
+        return str(uuid_module.UUID(bytes=self.uuid))
+
+    def register(self, timeout: float = 10.0) -> Tap:
+        """Register, and return once the data path to the bartender is up."""
+        deadline = time.monotonic() + timeout
+        ctx = self._ctx
+        self._collector = ctx.socket(zmq.XPUB)
+        self._collector.setsockopt(zmq.LINGER, 1000)
+        self._collector.connect(tcp(self._reg_host, self._reg_port + 2))
+        if self.watch:
+            self._updates = ctx.socket(zmq.SUB)
+            self._updates.setsockopt(zmq.LINGER, 0)
+            self._updates.setsockopt(zmq.SUBSCRIBE, self.key.encode("utf-8"))
+            self._updates.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+            self._updates.connect(tcp(self._reg_host, self._reg_port + 1))
+        self._data = ctx.socket(zmq.XPUB)
+        self._data.setsockopt(zmq.LINGER, 2000)
+        self._data.setsockopt(zmq.SNDHWM, self._send_hwm)
+        # At the HWM a send fails (log() returns False and counts it) instead of ZeroMQ
+        # silently dropping the row, as PUB would.
+        self._data.setsockopt(zmq.XPUB_NODROP, 1)
+        self._data.connect(tcp(self._fwd_host, self._fwd_port))
+        _wait_subscription(self._collector, deadline, "collector")
+        frames = registration_frames(self.key, self.uuid, self.xml)
+        if self.watch:
+            assert self._updates is not None
+            while not self.registered:
+                self._collector.send_multipart(frames)
+                # Resend until echoed: the first may precede our SUB's subscription upstream.
+                until = min(deadline, time.monotonic() + 0.5)
+                while time.monotonic() < until and not self.registered:
+                    if self._updates.poll(max(int((until - time.monotonic()) * 1000), 1)):
+                        self._handle_update(self._updates.recv_multipart())
+                    if self.duplicate_of is not None:
+                        raise DuplicateTap(
+                            f"{self.key} is registered by tap {self.duplicate_of.uuid_str}"
+                        )
+                if time.monotonic() >= deadline and not self.registered:
+                    raise LagerClientError(f"registrar did not confirm {self.key} in time")
+        else:
+            self._confirm_by_snapshot(frames, deadline)
+        _wait_subscription(self._data, deadline, "forwarder")
+        return self
+
+    def _confirm_by_snapshot(self, frames: list[bytes], deadline: float) -> None:
+        """Without a publisher subscription: ask the snapshot socket for our key until the
+        registrar holds it, so data sent after register() is never refused as unknown."""
+        assert self._collector is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(tcp(self._reg_host, self._reg_port))
+        try:
+            while True:
+                self._collector.send_multipart(frames)
+                dealer.send_multipart(snapshot_request_frames(self.key))
+                holder = None
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not dealer.poll(int(left * 1000) + 1):
+                        raise LagerClientError(f"registrar did not confirm {self.key} in time")
+                    update = parse_update(dealer.recv_multipart())
+                    if update.command is Command.KTHXBAI:
+                        break
+                    if update.registration and update.registration.key == self.key:
+                        holder = update.registration
+                if holder is not None and holder.uuid == self.uuid:
+                    self.registered = True
+                    return
+                if holder is not None:
+                    self.duplicate_of = holder
+                    raise DuplicateTap(f"{self.key} is registered by tap {holder.uuid_str}")
+                time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+        finally:
+            dealer.close()
+
+    def _handle_update(self, frames: list[bytes]) -> None:
+        self._last_heard = time.monotonic()
+        try:
+            update = parse_update(frames)
+        except ProtocolError:
+            return
+        reg = update.registration
+        if reg is None or reg.key != self.key:
+            return
+        if reg.uuid == self.uuid:
+            self.registered = True
+        else:
+            self.duplicate_of = reg
+            if self.on_duplicate is not None:
+                self.on_duplicate(reg)
+
+    def _poll_registrar(self) -> None:
+        sock = self._updates
+        if sock is None:
+            return
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle_update(frames)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the bartender was heard from within ``silence_s`` (True without watch)."""
+        if self._updates is None:
+            return True
+        return time.monotonic() - self._last_heard < self.silence_s
+
+    def log(self, ts_ns: int | None = None, **values: Any) -> bool:
+        """Encode and send one row. Returns False when the row could not be queued or (with
+        ``watch``) the bartender has gone silent."""
+        return self.log_row(self.format.encode_row(values), ts_ns)
+
+    def log_row(self, row: bytes, ts_ns: int | None = None) -> bool:
+        sock = self._data
+        if sock is None:
+            raise LagerClientError("register() first")
+        ts = time.time_ns() if ts_ns is None else ts_ns
+        send = _raw_send
+        try:
+            # NOBLOCK on the first frame only: ZeroMQ queues a message whole or not at all.
+            send(sock, self.uuid, _MORE_NOBLOCK)
+            send(sock, b"\x01\x00", _SNDMORE)
+            send(sock, b"\x00\x00", _SNDMORE)
+            send(sock, ts.to_bytes(_TS_BYTES, "big"), _SNDMORE)
+            send(sock, row, 0)
+        except zmq.Again:
+            self.dropped += 1
+            return False
+        self.sent += 1
+        if self._updates is not None:
+            now = time.monotonic()
+            if now >= self._next_check:  # poll the registrar at most every 50 ms
+                self._next_check = now + 0.05
+                self._poll_registrar()
+            return time.monotonic() - self._last_heard < self.silence_s
+        return True
+
+    def close(self) -> None:
+        for sock in (self._collector, self._updates, self._data):
+            if sock is not None:
+                sock.close()
+        self._collector = self._updates = self._data = None
+
+    def __enter__(self) -> Tap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,66 @@
+"""The ``[lager]`` configuration section: ports, limits and timers of the Bartender."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import config_section, setting
+
+__all__ = ["LagerConfig"]
+
+
+@config_section("lager")
+@dataclass(frozen=True)
+class LagerConfig:
+    enabled: bool = setting(True, "robot telemetry taps and mugs")
+    host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
+    registrar_port: int = setting(
+        12345, "CHP registrar: SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2", min=0, max=65533
+    )
+    forwarder_port: int = setting(
+        12348, "forwarder: taps publish to P, mugs subscribe at P+1", min=0, max=65534
+    )
+    hugz_interval_s: float = setting(
+        1.0, "seed: 'a HUGZ message at an interval of 1Hz' when no update was sent", min=0.01
+    )
+    max_taps: int = setting(
+        100_000, "hashmap entries; a fleet of robots is thousands, not millions", min=1
+    )
+    max_key_bytes: int = setting(255, "a /Namespace/Tap/ key is a short name", min=8, max=65535)
+    max_format_bytes: int = setting(
+        64 * 1024, "a BEERR01 format of ~1000 items fits; bounds XML parsing work", min=256
+    )
+    max_format_items: int = setting(1024, "items per row; rows are telemetry, not blobs", min=1)
+    max_payload_bytes: int = setting(
+        1024 * 1024, "one row; also ZMQ_MAXMSGSIZE on the forwarder input", min=64
+    )
+    max_message_frames: int = setting(
+        1028, "5 frames per seed message; C++ taps send one frame per item (4 + items)", min=5
+    )
+    max_batch_messages: int = setting(
+        8192, "data messages drained into one journal batch before yielding the loop", min=1
+    )
+    forward_hwm: int = setting(
+        100_000,
+        "messages queued per mug before ZeroMQ drops for that slow mug only (counted by the "
+        "mug through marks); 100k 5-frame rows of 32 B is ~30 MB per stuck mug",
+        min=1,
+    )
+    input_hwm: int = setting(
+        100_000,
+        "messages queued from taps before ZeroMQ pushes back on them; ~30 MB at 32 B rows",
+        min=1,
+    )
+    mark_repeat: int = setting(
+        60,
+        "HUGZ rounds a tap's loss mark is repeated after its last row, so a mug that was "
+        "behind (its marks dropped with the rows) still learns the final count",
+        min=1,
+    )
+    checkpoint_interval_s: float = setting(
+        1.0, "registrar checkpoint at most this often; the journal covers the rest", min=0.01
+    )
+    state_file: str = setting(
+        "", "registrar checkpoint; empty means <journal dir>/lager-registrar.json"
+    )
+    port_retries: int = setting(50, "port 0: tries to find consecutive free ports", min=1)

@@ -1,0 +1,346 @@
+"""The Bartender's registrar: CHP over three sockets, with the journal as its memory.
+
+SNAPSHOT ROUTER at P answers ``ICANHAZ?``; PUBLISHER PUB at P+1 sends each hashmap change and
+``HUGZ`` when idle; COLLECTOR SUB at P+2 takes tap registrations. A registration is committed
+to the journal (content type ``lager-registration``, stream = tap key, producer = tap uuid,
+payload = the format XML) before the hashmap changes and the update is published, so the
+journal is the source of truth. ``<journal dir>/lager-registrar.json`` is a checkpoint of the
+hashmap plus the journal offset it covers (written atomically at most every
+``checkpoint_interval_s`` and at stop); on start the checkpoint is loaded and the journal
+replayed from that offset (from the start if there is no checkpoint), so registrations survive
+a restart and even a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid as uuid_module
+from collections.abc import Awaitable, Callable
+
+import orjson
+import zmq
+import zmq.asyncio
+
+from ...errors import HubStopped, ProtocolError
+from ...hub import Hub
+from ...protocols.lager.chp import (
+    ChpError,
+    Registrar,
+    Registration,
+    hugz_frames,
+    kthxbai_frames,
+    parse_registration,
+    parse_snapshot_request,
+)
+from ...protocols.lager.formats import parse_format_xml
+from ...records import BatchBuilder, iter_batch
+from .config import LagerConfig
+from .sockets import bind_range, readable, recv_bounded, send
+
+__all__ = ["REGISTRATION_CONTENT_TYPE", "RegistrarServer"]
+
+log = logging.getLogger("taproom.lager")
+
+REGISTRATION_CONTENT_TYPE = "lager-registration"
+_STATE_VERSION = 1
+
+
+class RegistrarServer:
+    """The registrar's sockets, loops and persistence around a :class:`Registrar` hashmap.
+
+    ``on_change`` runs before a committed registration changes the map (the forwarder drops
+    what it cached about formats); ``on_hugz`` runs at every HUGZ round.
+    """
+
+    def __init__(
+        self,
+        hub: Hub,
+        config: LagerConfig,
+        reject: Callable[[str, str], None],
+        *,
+        on_change: Callable[[], None],
+        on_hugz: Callable[[], None],
+    ) -> None:
+        self.hub = hub
+        self.config = config
+        self._reject = reject
+        self._on_change = on_change
+        self._on_hugz = on_hugz
+        self.registrar = Registrar(max_taps=config.max_taps)
+        self.state_path = config.state_file or os.path.join(
+            hub.config.journal.dir, "lager-registrar.json"
+        )
+        self._registered_offset = 0  # journal end covered by the hashmap
+        self._dirty = False
+        self._last_publish = 0.0
+        m = hub.metrics
+        self._m_hugz = m.counter("lager", "hugz", "messages", "HUGZ sent by the registrar")
+        self._m_registered = m.counter(
+            "lager", "registrations", "messages", "Registrations that changed the hashmap"
+        )
+        self._m_snapshots = m.counter("lager", "snapshots", "requests", "ICANHAZ? answered")
+        m.gauge_fn("lager", "taps", "count", "Taps in the registrar's hashmap", self._tap_count)
+
+    def _tap_count(self) -> float:
+        return len(self.registrar)
+
+    def open(self, ctx: zmq.asyncio.Context) -> None:
+        cfg = self.config
+        self.snapshot = ctx.socket(zmq.ROUTER)
+        self.publisher = ctx.socket(zmq.PUB)
+        self.collector = ctx.socket(zmq.SUB)
+        for sock in self.sockets:
+            sock.setsockopt(zmq.LINGER, 0)
+        registrar_max = cfg.max_format_bytes + cfg.max_key_bytes
+        self.collector.setsockopt(zmq.MAXMSGSIZE, registrar_max)
+        self.collector.setsockopt(zmq.SUBSCRIBE, b"")
+        self.snapshot.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 16)
+        self.snapshot.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A snapshot is up to max_taps messages in one burst: the HWM must hold all of them.
+        self.snapshot.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
+        self.publisher.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
+
+    @property
+    def sockets(self) -> tuple[zmq.asyncio.Socket, ...]:
+        return (self.snapshot, self.publisher, self.collector)
+
+    def bind(self) -> dict[str, str]:
+        cfg = self.config
+        base = bind_range(list(self.sockets), cfg.host, cfg.registrar_port, cfg.port_retries)
+        # Synchronous shadows of the same sockets for NOBLOCK bursts (DESIGN.md decision 3).
+        self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.snapshot.underlying)
+        self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.publisher.underlying)
+        self._collector_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.collector.underlying)
+        self._last_publish = time.monotonic()
+        return {
+            "lager_registrar_snapshot": f"{cfg.host}:{base}",
+            "lager_registrar_publisher": f"{cfg.host}:{base + 1}",
+            "lager_registrar_collector": f"{cfg.host}:{base + 2}",
+        }
+
+    @property
+    def loops(self) -> tuple[Callable[[], Awaitable[None]], ...]:
+        return (self._collector_loop, self._snapshot_loop, self._hugz_loop, self._checkpoint_loop)
+
+    async def close(self) -> None:
+        if self._dirty:
+            await asyncio.to_thread(self.checkpoint)
+        for sock in self.sockets:
+            sock.close(linger=0)
+
+    # --- persistence ----------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Checkpoint, then every registration the journal holds after it."""
+        journal = self.hub.journal
+        start = journal.first_offset
+        try:
+            with open(self.state_path, "rb") as f:
+                state = orjson.loads(f.read())
+            entries = []
+            for tap in state["taps"]:
+                fmt = parse_format_xml(tap["value"], max_bytes=1 << 30, max_items=1 << 20)
+                entries.append(
+                    Registration(
+                        tap["key"], bytes.fromhex(tap["uuid"]), tap["value"], fmt, tap["sequence"]
+                    )
+                )
+            self.registrar.restore(entries)
+            self.registrar.sequence = max(self.registrar.sequence, int(state["sequence"]))
+            start = max(start, int(state["journal_offset"]))
+        except FileNotFoundError:
+            pass
+        except (ValueError, KeyError, TypeError, ProtocolError) as exc:
+            log.error(
+                "lager: checkpoint %s unreadable (%s); replaying the journal", self.state_path, exc
+            )
+            self.registrar = Registrar(max_taps=self.config.max_taps)
+        replayed = 0
+        marker = REGISTRATION_CONTENT_TYPE.encode()
+        for base, _count, body in journal.read_batches(start):
+            if marker not in body:  # data batches never mention it; skip decoding them
+                continue
+
+            for record in iter_batch(body, base):
+                if record.offset < start or record.content_type != REGISTRATION_CONTENT_TYPE:
+                    continue
+                try:
+                    reg = parse_registration(
+                        [record.stream.encode(), bytes(8), uuid_module.UUID(record.producer).bytes,
+                         b"", record.payload],
+                        max_xml_bytes=1 << 30,
+                        max_items=1 << 20,
+                    )  # fmt: skip
+                    if self.registrar.check(reg):
+                        self.registrar.apply(reg)
+                        replayed += 1
+                except (ProtocolError, ValueError) as exc:
+                    log.warning("lager: journal registration at %d skipped: %s", record.offset, exc)
+        self._registered_offset = journal.end_offset
+        self._dirty = replayed > 0
+        log.info(
+            "lager: %d taps registered (%d replayed from the journal)",
+            len(self.registrar),
+            replayed,
+        )
+
+    def checkpoint(self) -> None:
+        state = {
+            "version": _STATE_VERSION,
+            "journal_offset": self._registered_offset,
+            "sequence": self.registrar.sequence,
+            "taps": [
+                {"key": r.key, "uuid": r.uuid.hex(), "value": r.value, "sequence": r.sequence}
+                for r in self.registrar.snapshot()
+            ],
+        }
+        tmp = self.state_path + ".tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(self.state_path)), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(orjson.dumps(state))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.state_path)
+        fd = os.open(os.path.dirname(os.path.abspath(self.state_path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_interval_s)
+            if self._dirty:
+                self._dirty = False
+                try:
+                    await asyncio.to_thread(self.checkpoint)
+                except OSError as exc:
+                    self._dirty = True
+                    log.error("lager: checkpoint failed (%s); the journal still has it all", exc)
+
+    # --- sockets --------------------------------------------------------------------------
+
+    def _publish(self, frames: list[bytes]) -> None:
+        try:
+            send(self._publisher_raw, frames)
+        except zmq.Again:
+            self.hub.metrics.rejected("lager", "publisher_hwm")
+        self._last_publish = time.monotonic()
+
+    async def _collector_loop(self) -> None:
+        cfg = self.config
+        raw = self._collector_raw
+        while True:
+            await self.hub.wait_capacity()
+            if not readable(raw):
+                await self.collector.poll(timeout=1000)
+            accepted: list[Registration] = []
+            pending_keys: dict[str, Registration] = {}
+            pending_uuids: dict[bytes, Registration] = {}
+            echoes: list[list[bytes]] = []
+            for _ in range(cfg.max_batch_messages):
+                try:
+                    frames = recv_bounded(raw, 5)
+                except zmq.Again:
+                    break
+                if frames is None:
+                    self._reject("frame_count", "registration with more than 5 frames")
+                    continue
+                try:
+                    reg = parse_registration(
+                        frames,
+                        max_key_bytes=cfg.max_key_bytes,
+                        max_xml_bytes=cfg.max_format_bytes,
+                        max_items=cfg.max_format_items,
+                    )
+                    held = pending_keys.get(reg.key)
+                    other = pending_uuids.get(reg.uuid)
+                    if held is not None and held.uuid != reg.uuid:
+                        raise ChpError("key registered by another tap", reason="duplicate_key")
+                    if other is not None and other.key != reg.key:
+                        raise ChpError("uuid registered under another key", reason="duplicate_uuid")
+                    changes = self.registrar.check(reg)
+                except ProtocolError as exc:
+                    self._reject(exc.reason, str(exc))
+                    if exc.reason == "duplicate_key":
+                        # Show the holder to the refused tap (it watches the publisher).
+                        holder = pending_keys.get(reg.key) or self.registrar.by_key.get(reg.key)
+                        if holder is not None:
+                            echoes.append(holder.frames())
+                    continue
+                if changes and reg.key not in pending_keys:
+                    pending_keys[reg.key] = reg
+                    pending_uuids[reg.uuid] = reg
+                    accepted.append(reg)
+                elif reg.key in self.registrar.by_key:
+                    echoes.append(self.registrar.by_key[reg.key].frames())  # a repeat: confirm it
+            if accepted:
+                builder = BatchBuilder()
+                for reg in accepted:
+                    builder.add(
+                        "lager",
+                        reg.value.encode("utf-8"),
+                        stream=reg.key,
+                        topic="registration",
+                        producer=reg.uuid_str,
+                        event_id=reg.uuid_str,
+                        content_type=REGISTRATION_CONTENT_TYPE,
+                        attrs={"version": reg.format.version},
+                    )
+                try:
+                    commit = await self.hub.ingest(builder.build())
+                except HubStopped:
+                    return
+                self._on_change()  # a tap's format may have changed
+                for reg in accepted:  # only this loop changes the map: the checks still hold
+                    stored = self.registrar.apply(reg)
+                    self._m_registered.inc()
+                    self._publish(stored.frames())
+                self._registered_offset = max(self._registered_offset, commit.end_offset)
+                self._dirty = True
+            for frames in echoes:
+                self._publish(frames)
+            await asyncio.sleep(0)  # a flood of refused registrations must not starve the loop
+
+    async def _snapshot_loop(self) -> None:
+        cfg = self.config
+        raw = self._snapshot_raw
+        while True:
+            if not readable(raw):
+                await self.snapshot.poll(timeout=1000)
+            for _ in range(256):
+                try:
+                    frames = recv_bounded(raw, 3)
+                except zmq.Again:
+                    break
+                if frames is None or len(frames) < 2:
+                    self._reject("bad_request", "snapshot request framing")
+                    continue
+                identity, request = frames[0], frames[1:]
+                try:
+                    subtree = parse_snapshot_request(request, max_key_bytes=cfg.max_key_bytes)
+                except ChpError as exc:
+                    self._reject(exc.reason, str(exc))
+                    continue
+                self._m_snapshots.inc()
+                try:
+                    for reg in self.registrar.snapshot(subtree):
+                        send(raw, [identity, *reg.frames()])
+                    send(raw, [identity, *kthxbai_frames(self.registrar.sequence)])
+                except zmq.ZMQError as exc:  # the mug went away (EHOSTUNREACH) or is stuck
+                    self._reject("snapshot_undeliverable", str(exc))
+                await asyncio.sleep(0)
+
+    async def _hugz_loop(self) -> None:
+        interval = self.config.hugz_interval_s
+        while True:
+            idle = time.monotonic() - self._last_publish
+            if idle >= interval:
+                self._publish(hugz_frames())
+                self._m_hugz.inc()
+                idle = 0.0
+                self._on_hugz()
+            await asyncio.sleep(max(interval - idle, 0.001))

@@ -1,0 +1,102 @@
+"""The Bartender service: the registrar and the forwarder on one ZeroMQ context, started and
+stopped together on the hub's event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from ...errors import HubStopped
+from ...hub import Hub
+from .config import LagerConfig
+from .forwarder import Forwarder
+from .registrar import RegistrarServer
+
+__all__ = ["LagerService", "create_service"]
+
+log = logging.getLogger("taproom.lager")
+
+
+class LagerService:
+    """The Bartender: registrar + forwarder. ``start()`` binds; ``stop()`` checkpoints."""
+
+    def __init__(self, hub: Hub, config: LagerConfig) -> None:
+        self.hub = hub
+        self.config = config
+        self._ctx: zmq.asyncio.Context | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._last_log: dict[str, float] = {}
+        self.forwarder = Forwarder(hub, config, lambda: self.registrar.registrar, self._reject)
+        self.registrar = RegistrarServer(
+            hub,
+            config,
+            self._reject,
+            on_change=self.forwarder.formats_changed,
+            on_hugz=self.forwarder.repeat_marks,
+        )
+
+    async def start(self) -> dict[str, str]:
+        await asyncio.to_thread(self.registrar.restore)
+        self._ctx = ctx = zmq.asyncio.Context()
+        self.registrar.open(ctx)
+        self.forwarder.open(ctx)
+        try:
+            addresses = self.registrar.bind()
+            addresses.update(self.forwarder.bind())
+        except (zmq.ZMQError, OSError):
+            ctx.destroy(linger=0)  # the app never calls stop() for a service that failed
+            self._ctx = None
+            raise
+        for loop in (*self.registrar.loops, *self.forwarder.loops):
+            self._tasks.append(asyncio.create_task(self._guard(loop)))
+        return addresses
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        inflight = self.forwarder.inflight
+        if inflight:  # rows already accepted: let their commits land and forward them
+            await asyncio.wait(set(inflight), timeout=self.hub.config.hub.grace_period_s)
+        self.forwarder.closing = True
+        await self.registrar.close()
+        self.forwarder.close()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def _guard(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Keep a socket loop running: a bug is logged and counted, never a dead socket."""
+        while not self.forwarder.closing:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                raise
+            except HubStopped:
+                return
+            except Exception:
+                log.exception("lager: %s failed; restarting it", loop.__name__)
+                self.hub.metrics.rejected("lager", "internal_error")
+                await asyncio.sleep(0.1)
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.hub.metrics.rejected("lager", reason)
+        now = time.monotonic()
+        if now - self._last_log.get(reason, 0.0) >= 1.0:  # a flood of bad input, one line a second
+            self._last_log[reason] = now
+            log.warning("lager: rejected (%s): %s", reason, detail[:200])
+
+
+def create_service(hub: Hub, section: LagerConfig) -> LagerService:
+    return LagerService(hub, section)
