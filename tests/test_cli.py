@@ -6,11 +6,13 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from taproom.journal import Journal
 from taproom.records import BatchBuilder
@@ -142,3 +144,87 @@ def test_config_defaults_lists_reasons():
     result = run("config", "defaults")
     assert result.returncode == 0
     assert "journal.fsync = 'always'  # ack only what is on disk" in result.stdout
+
+
+def _serve_config(tmp_path: Path, journal: Path, **ports: int) -> Path:
+    """Web and Lumberjack on (ports given or 0), every other service off."""
+    config = tmp_path / "serve.toml"
+    config.write_text(
+        f'[journal]\ndir = "{journal}"\n'
+        f"[web]\nport = {ports.get('web', 0)}\n"
+        f"[lumberjack]\nport = {ports.get('lumberjack', 0)}\n"
+        + "".join(f"[{s}]\nenabled = false\n" for s in ("logtk", "logjam", "eventbus", "lager"))
+    )
+    return config
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    """The last stderr line, after checking no traceback was printed."""
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", ["validate", "serve"])
+def test_config_not_utf8_is_one_line_exit_78(tmp_path, command):
+    config = tmp_path / "latin1.toml"
+    config.write_bytes(b'[hub]\nname = "caf\xe9"\n')
+    result = run(command, "--config", str(config))
+    assert result.returncode == 78
+    assert _one_line_error(result).startswith(f"taproom: config error: {config}:2: not UTF-8")
+
+
+@pytest.mark.parametrize("command", ["validate", "serve"])
+@pytest.mark.parametrize("below", ["", "/sub"])
+def test_journal_dir_that_is_a_file_is_one_line_exit_78(tmp_path, command, below):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    result = run(command, "--config", str(_serve_config(tmp_path, Path(f"{afile}{below}"))))
+    assert result.returncode == 78
+    line = _one_line_error(result)
+    assert line.startswith("taproom: config error: ") and ":2: journal.dir: " in line
+    assert f"{afile} is not a directory" in line
+
+
+def test_journal_dir_that_cannot_be_created_is_one_line_exit_1(tmp_path):
+    # Nobody, not even root, can create a directory in /proc: a runtime error, not config.
+    journal = Path("/proc/taproom-test/journal")
+    result = run("serve", "--config", str(_serve_config(tmp_path, journal)))
+    assert result.returncode == 1
+    assert _one_line_error(result) == (
+        f"taproom: journal.dir {journal}: cannot open: No such file or directory"
+        " (/proc/taproom-test)"
+    )
+
+
+@pytest.mark.parametrize("listener", ["web", "lumberjack"])
+def test_listener_port_in_use_is_one_line_exit_1(tmp_path, listener):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = _serve_config(tmp_path, tmp_path / "j", **{listener: port})
+        assert run("validate", "--config", str(config)).returncode == 0
+        result = run("serve", "--config", str(config))
+    assert result.returncode == 1
+    line = _one_line_error(result)
+    assert line.startswith(f"taproom: [{listener}] cannot listen: ")
+    assert f"('127.0.0.1', {port})" in line and "address already in use" in line
+
+
+def test_zmq_port_in_use_is_one_line_exit_1(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = tmp_path / "zmq.toml"
+        config.write_text(
+            f'[journal]\ndir = "{tmp_path / "j"}"\n[web]\nport = 0\n'
+            f"[logjam]\nrouter_port = {port}\npull_port = 0\npub_port = 0\nreplay_port = 0\n"
+            + "".join(
+                f"[{s}]\nenabled = false\n" for s in ("lumberjack", "logtk", "eventbus", "lager")
+            )
+        )
+        result = run("serve", "--config", str(config))
+    assert result.returncode == 1
+    line = _one_line_error(result)
+    assert line.startswith("taproom: [logjam] cannot listen: ") and f":{port}" in line

@@ -101,3 +101,76 @@ def test_environment_override_is_validated():
     with pytest.raises(ConfigError) as err:
         load("", env={"TAPROOM_JOURNAL__FSYNC": "never"})
     assert err.value.key == "journal.fsync"
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "fragment"),
+    [
+        ('enabled = "false"', "web.enabled", "expected true or false, got 'false'"),
+        ('port = "8080"', "web.port", "expected an integer, got '8080'"),
+        ("port = 80.5", "web.port", "expected an integer, got 80.5"),
+        ("host = 127", "web.host", "expected a string, got 127"),
+        ("max_connections = true", "web.max_connections", "expected an integer, got True"),
+    ],
+)
+def test_a_toml_value_of_the_wrong_type_names_file_line_and_key(tmp_path, line, key, fragment):
+    # Strings stand for numbers and booleans only where they come from the environment: a
+    # quoted "false" in the file is a mistake, and silently reading it as false (or, worse,
+    # as true) hides it.
+    path = tmp_path / "t.toml"
+    path.write_text(f"# ops endpoints\n[web]\n{line}\n")
+    with pytest.raises(ConfigError) as err:
+        load("", path=str(path))
+    assert str(err.value).startswith(f"{path}:3: {key}: ")
+    assert fragment in err.value.message
+
+
+def test_interpolated_strings_still_stand_for_booleans_and_numbers():
+    config = load(
+        '[web]\nenabled = "${WEB_ON}"\nport = "${PORT}"\n[hub]\ngrace_period_s = "${GRACE}"\n',
+        env={"WEB_ON": "false", "PORT": "0x10", "GRACE": "2.5"},
+    )
+    assert config.web.enabled is False and config.web.port == 16
+    assert config.hub.grace_period_s == 2.5
+
+
+def test_environment_text_is_taken_as_text_for_string_settings():
+    # TAPROOM_HUB__NAME=123 names the hub "123"; it is not the integer 123.
+    config = load("", env={"TAPROOM_HUB__NAME": "123", "TAPROOM_LUMBERJACK__HOST": "true"})
+    assert config.hub.name == "123" and config.lumberjack.host == "true"
+    config = load("", env={"TAPROOM_LUMBERJACK__STREAM_FIELDS": '["app", "service"]'})
+    assert config.lumberjack.stream_fields == ("app", "service")
+
+
+def test_a_bad_environment_override_names_the_variable_not_the_file_line(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('[journal]\nfsync = "always"\n')
+    with pytest.raises(ConfigError) as err:
+        load("", path=str(path), env={"TAPROOM_JOURNAL__FSYNC": "never"})
+    message = str(err.value)
+    assert message.startswith("environment variable TAPROOM_JOURNAL__FSYNC: journal.fsync: ")
+    assert "'never' is not one of" in message
+    assert f"{path}:2" not in message and err.value.line is None
+    with pytest.raises(ConfigError) as err:
+        load("[web]\nport = 1\n", env={"TAPROOM_WEB__PORT__X": "1"})
+    assert str(err.value).startswith("environment variable TAPROOM_WEB__PORT__X: web.port: ")
+
+
+def test_a_config_file_that_is_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_bytes(b'[hub]\n# operator\nname = "caf\xe9"\n')
+    with pytest.raises(ConfigError) as err:
+        load("", path=str(path))
+    assert str(err.value).startswith(f"{path}:3: not UTF-8")
+
+
+@pytest.mark.parametrize("below", ["", "/sub"])
+def test_a_journal_dir_that_is_a_file_is_a_config_error(tmp_path, below):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    path = tmp_path / "t.toml"
+    path.write_text(f'[journal]\ndir = "{afile}{below}"\n')
+    with pytest.raises(ConfigError) as err:
+        load("", path=str(path))
+    assert str(err.value).startswith(f"{path}:2: journal.dir: ")
+    assert f"{afile} is not a directory" in err.value.message

@@ -18,8 +18,10 @@ import signal
 from typing import Any
 
 import orjson
+import zmq
 
 from .config import Config
+from .errors import StartupError
 from .hub import Hub
 from .servers import SERVICE_MODULES, Service
 from .web.ops import OpsServer
@@ -35,7 +37,15 @@ class App:
     def __init__(self, config: Config, *, only: list[str] | None = None) -> None:
         self.config = config
         self.only = only
-        self.hub = Hub(config)
+        try:
+            self.hub = Hub(config)
+        except OSError as exc:
+            where = (
+                f" ({exc.filename})" if exc.filename and exc.filename != config.journal.dir else ""
+            )
+            raise StartupError(
+                f"journal.dir {config.journal.dir}: cannot open: {exc.strerror}{where}"
+            ) from None
         self.services: dict[str, Service] = {}
         self.addresses: dict[str, str] = {}
         self._ops: OpsServer | None = None
@@ -54,7 +64,7 @@ class App:
             self._ops = OpsServer(
                 self.hub.metrics, self.readiness, web.host, web.port, web.max_connections
             )
-            self.addresses.update(await self._ops.start())
+            await self._listen("web", self._ops)
         for name, module_name in SERVICE_MODULES.items():
             section = self.config.section(name) if name in self.config.names else None
             if section is None or not getattr(section, "enabled", False):
@@ -67,10 +77,18 @@ class App:
                 log.warning("%s: no server in this build; section ignored", name)
                 continue
             service = create(self.hub, section)
-            self.addresses.update(await service.start())
+            await self._listen(name, service)
             self.services[name] = service
         self.listeners_up = True
         return self
+
+    async def _listen(self, name: str, service: Service | OpsServer) -> None:
+        try:
+            self.addresses.update(await service.start())
+        except (OSError, zmq.ZMQError) as exc:
+            # asyncio's message names the address; pyzmq's names the endpoint.
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise StartupError(f"[{name}] cannot listen: {reason}") from None
 
     async def stop(self) -> None:
         self.listeners_up = False

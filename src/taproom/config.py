@@ -8,8 +8,12 @@ that declare sections so ``taproom validate`` knows all of them.
 
 Resolution order for a value: the dataclass default, then the TOML file (with ``${VAR}``,
 ``${VAR:-default}`` and ``${VAR:?message}`` interpolated in strings), then
-``TAPROOM_SECTION__KEY`` environment variables (``__`` separates nested keys; the value is
-read as a TOML literal when it parses as one, else as a string).
+``TAPROOM_SECTION__KEY`` environment variables (``__`` separates nested keys).
+
+Types are strict for what the file says: ``enabled = "false"`` is an error, not a boolean.
+Text that comes from the environment (an interpolated string, an override) is read as the
+setting's type: ``"8080"`` for an integer, ``"false"`` for a boolean, the text itself for a
+string, a TOML literal for a list. An error in an override names the variable, not a file line.
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ SECTION_MODULES = (
 )
 
 _SECTIONS: dict[str, type] = {}
+
+
+class _Text(str):
+    """A string from the environment (interpolated or an override): it may stand for a number,
+    a boolean or a TOML literal, where a string written in the file may not."""
+
+    __slots__ = ()
 
 
 def config_section(name: str) -> Callable[[type[T]], type[T]]:
@@ -110,6 +121,19 @@ class JournalConfig:
         "one group commit writes at most this much so one fsync never waits on a huge write",
         min=64 * 1024,
     )
+
+    def validate(self) -> None:
+        """A journal directory that is a file, or lies below one, can never be opened.
+
+        Permissions are left to ``taproom serve`` (a runtime error there): ``taproom tail``
+        and ``validate`` may run as a user who cannot write the journal.
+        """
+        path = Path(self.dir)
+        for candidate in (path, *path.parents):
+            if os.path.exists(candidate):
+                if not os.path.isdir(candidate):
+                    raise ConfigError(f"{candidate} is not a directory", key="dir")
+                return
 
 
 @config_section("hub")
@@ -205,7 +229,8 @@ def _interpolate(value: str, env: Mapping[str, str], where: Callable[[str], Conf
     return _VAR.sub(replace, value)
 
 
-def _env_literal(text: str) -> Any:
+def _literal(text: _Text) -> Any:
+    """Environment text where the setting wants a list or table: a TOML literal, if it is one."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -232,7 +257,7 @@ def _line_index(text: str) -> dict[tuple[str, ...], int]:
 
 
 def _convert(value: Any, hint: Any, path: str) -> Any:
-    """Check ``value`` against ``hint``; strings from interpolation are coerced to scalars."""
+    """Check ``value`` against ``hint``; only environment text is read as another type."""
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
@@ -247,14 +272,15 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
             except ConfigError as exc:
                 errors.append(exc.message)
         raise ConfigError("; ".join(errors), key=path)
+    from_env = isinstance(value, _Text)
     if hint is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        if from_env and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         if not isinstance(value, bool):
             raise ConfigError(f"expected true or false, got {value!r}", key=path)
         return value
     if hint is int:
-        if isinstance(value, str):
+        if from_env:
             try:
                 value = int(value.replace("_", ""), 0)
             except ValueError:
@@ -263,7 +289,7 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
             raise ConfigError(f"expected an integer, got {value!r}", key=path)
         return value
     if hint is float:
-        if isinstance(value, str):
+        if from_env:
             try:
                 value = float(value)
             except ValueError:
@@ -274,7 +300,9 @@ def _convert(value: Any, hint: Any, path: str) -> Any:
     if hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"expected a string, got {value!r}", key=path)
-        return value
+        return str(value)
+    if from_env:
+        value = _literal(value)
     if origin in (list, tuple):
         if not isinstance(value, list):
             raise ConfigError(f"expected a list, got {value!r}", key=path)
@@ -341,6 +369,22 @@ def _walk_strings(value: Any, fn: Callable[[str, str], str], path: str) -> Any:
     return value
 
 
+def _read_utf8(path: Path, source: str | None) -> str:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=source) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(
+            f"not UTF-8 (byte {raw[exc.start]:#04x}): TOML files are UTF-8",
+            file=source,
+            line=line,
+        ) from None
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -351,10 +395,7 @@ def load_config(
     env = os.environ if env is None else env
     source = str(path) if path is not None else None
     if text is None and path is not None:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"cannot read: {exc.strerror}", file=source) from None
+        text = _read_utf8(Path(path), source)
     text = text or ""
     try:
         data = tomllib.loads(text)
@@ -364,54 +405,58 @@ def load_config(
             f"not valid TOML: {exc}", file=source, line=int(m.group(1)) if m else None
         ) from None
     lines = _line_index(text)
+    overrides: dict[tuple[str, ...], str] = {}  # key path -> the variable that set it
 
-    def line_of(key: str) -> int | None:
-        parts = tuple(p for p in re.split(r"\.|\[\d+\]", key) if p)
-        while parts:
-            if parts in lines:
-                return lines[parts]
-            parts = parts[:-1]
-        return None
+    def located(exc: ConfigError) -> ConfigError:
+        """``exc`` at the variable that set its key, else at the key's line in the file."""
+        parts = tuple(p for p in re.split(r"\.|\[\d+\]", exc.key) if p)
+        for end in range(len(parts), 0, -1):
+            if parts[:end] in overrides:
+                variable = f"environment variable {overrides[parts[:end]]}"
+                return ConfigError(exc.message, file=variable, key=exc.key)
+        for end in range(len(parts), 0, -1):
+            if parts[:end] in lines:
+                return ConfigError(exc.message, file=source, line=lines[parts[:end]], key=exc.key)
+        return ConfigError(exc.message, file=source, key=exc.key)
 
     def interpolate(value: str, key: str) -> str:
-        return _interpolate(value, env, lambda msg: ConfigError(msg, key=key))
+        if "${" not in value:
+            return value
+        return _Text(_interpolate(value, env, lambda msg: ConfigError(msg, key=key)))
 
     try:
         data = _walk_strings(data, interpolate, "")
     except ConfigError as exc:
-        raise ConfigError(exc.message, file=source, line=line_of(exc.key), key=exc.key) from None
+        raise located(exc) from None
 
     for name, raw in env.items():
         if not name.startswith("TAPROOM_") or "__" not in name:
             continue
-        parts = [p.lower() for p in name[len("TAPROOM_") :].split("__")]
+        parts = tuple(p.lower() for p in name[len("TAPROOM_") :].split("__"))
+        overrides[parts] = name
         node = data
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1], start=1):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError("cannot override inside a non-table value", key=name)
-        node[parts[-1]] = _env_literal(raw)
+                overrides[parts[:depth]] = name
+                key = ".".join(parts[:depth])
+                raise located(ConfigError("not a table: cannot override a key inside it", key=key))
+        node[parts[-1]] = _Text(raw)
 
     sections = known_sections()
     built: dict[str, Any] = {}
     for name in data:
         if name not in sections:
-            raise ConfigError(
-                f"unknown section (known: {', '.join(sorted(sections))})",
-                file=source,
-                line=line_of(name),
-                key=name,
-            )
+            known = ", ".join(sorted(sections))
+            raise located(ConfigError(f"unknown section (known: {known})", key=name))
     for name, cls in sections.items():
         table = data.get(name, {})
         if not isinstance(table, dict):
-            raise ConfigError("expected a table", file=source, line=line_of(name), key=name)
+            raise located(ConfigError("expected a table", key=name))
         try:
             built[name] = _build(cls, table, name)
         except ConfigError as exc:
-            raise ConfigError(
-                exc.message, file=source, line=line_of(exc.key), key=exc.key
-            ) from None
+            raise located(exc) from None
     return Config(built, source)
 
 

@@ -11,7 +11,8 @@ Every exception taproom raises on purpose derives from :class:`TaproomError`::
      │    ├── CorruptSegment    a CRC or framing check failed inside a segment
      │    ├── DiskFull          ENOSPC while appending: acks stop until space returns
      │    └── JournalFailed     an fsync or write failed; the journal refuses further appends
-     └── HubStopped             ingest after shutdown began
+     ├── HubStopped             ingest after shutdown began
+     └── StartupError           serve cannot start: an address in use, a journal it cannot open
 
 Decoders raise only :class:`ProtocolError` subclasses. Anything else escaping a decoder is a
 bug and servers turn it into an internal-error close that leaks no detail.
@@ -28,6 +29,7 @@ __all__ = [
     "JournalFailed",
     "LimitExceeded",
     "ProtocolError",
+    "StartupError",
     "TaproomError",
 ]
 
@@ -96,3 +98,8 @@ class JournalFailed(JournalError):
 
 class HubStopped(TaproomError):
     """The hub is shutting down and takes no more ingest."""
+
+
+class StartupError(TaproomError):
+    """``taproom serve`` cannot start (a runtime problem, exit 1): a listener address in use,
+    a journal directory it cannot create. The message names the key or address and the cause."""
