@@ -1,4 +1,4 @@
-"""protocols/logjam.py: frames, meta, compression, grammar, output mapping, replay requests."""
+"""protocols/logjam/: frames, meta, compression, grammar, output mapping, replay requests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""servers/logjam.py over real ZeroMQ sockets: ingest, acks after commit, PUB output, replay."""
+"""servers/logjam/ over real ZeroMQ sockets: ingest, acks after commit, PUB output, replay."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def wait_published(app, timeout=10.0):
     """Until the PUB output has handled everything committed so far."""
     service = app.services["logjam"]
     deadline = time.monotonic() + timeout
-    while service._sub.next_offset < app.hub.journal.end_offset:
+    while service.pub.subscription.next_offset < app.hub.journal.end_offset:
         assert time.monotonic() < deadline, "PUB output did not catch up"
         time.sleep(0.01)
 

@@ -13,7 +13,7 @@ import zmq
 from taproom.clients.logjam import LogjamAgent, LogjamConsumer
 from taproom.protocols import logjam as lj
 from taproom.records import BatchBuilder
-from taproom.servers import logjam as server
+from taproom.servers.logjam import zmqio
 from tests.servers.test_logjam import (
     QUIET,
     rejected,
@@ -40,7 +40,7 @@ def pair():
 
 def test_rcvmore_reader_agrees_with_pyzmq_frame_by_frame(pair):
     push, pull = pair
-    more = server._rcvmore_reader(pull)
+    more = zmqio.rcvmore_reader(pull)
     # On Linux with cffi (a dependency of cryptography) the cheap reader is the one in use.
     assert more.fast
     shapes = [1, 4, 2, 6, 4]
@@ -62,9 +62,9 @@ def test_rcvmore_reader_agrees_with_pyzmq_frame_by_frame(pair):
 
 def test_rcvmore_reader_falls_back_when_libzmq_is_not_reachable(pair, monkeypatch):
     push, pull = pair
-    monkeypatch.setattr(server, "_LIBZMQ", None)
-    monkeypatch.setattr(server, "_LIBZMQ_LOADED", True)
-    more = server._rcvmore_reader(pull)
+    monkeypatch.setattr(zmqio, "_LIBZMQ", None)
+    monkeypatch.setattr(zmqio, "_LIBZMQ_LOADED", True)
+    more = zmqio.rcvmore_reader(pull)
     assert not more.fast
     push.send_multipart([b"a", b"b"])
     assert pull.poll(5000)
@@ -79,8 +79,8 @@ async def test_every_frame_count_on_both_loops(tmp_path, monkeypatch, fast_more)
     """Messages of 1..7 frames, good ones between them: only the four-frame ones are stored,
     the others are counted as bad_frame_count and never shift the framing of the next."""
     if not fast_more:
-        monkeypatch.setattr(server, "_LIBZMQ", None)
-        monkeypatch.setattr(server, "_LIBZMQ_LOADED", True)
+        monkeypatch.setattr(zmqio, "_LIBZMQ", None)
+        monkeypatch.setattr(zmqio, "_LIBZMQ_LOADED", True)
     async with running(tmp_path) as app:
 
         def work():
@@ -141,7 +141,7 @@ async def test_numbering_goes_on_while_nobody_subscribes(tmp_path):
                     agent.send({"i": i}, app_env="early-prod")
             wait_committed(app, 50)
             wait_published(app)
-            assert service.published == 50
+            assert service.pub.published == 50
             consumer = LogjamConsumer(
                 url(app, "logjam_pub"), [""], replay_endpoint=url(app, "logjam_replay")
             )
@@ -178,12 +178,12 @@ async def test_index_ring_wraps_for_runs_numbered_without_subscribers(tmp_path):
             wait_published(app)
 
         await asyncio.to_thread(work)
-        assert service.published == 37
+        assert service.pub.published == 37
         # message k (numbered from 1) sits at k % 16 with its journal offset k - 1
-        assert service._seq_offsets(22, 37) == {k - 1: k for k in range(22, 38)}
-        assert service._seq_offsets(21, 37) is None  # number 21 has left the ring
-        service._index_run(1, 100, 40)  # a run longer than the ring keeps its newest 16
-        assert [service._index[k % 16] for k in range(25, 41)] == list(range(124, 140))
+        assert service.pub.seq_offsets(22, 37) == {k - 1: k for k in range(22, 38)}
+        assert service.pub.seq_offsets(21, 37) is None  # number 21 has left the ring
+        service.pub._index_run(1, 100, 40)  # a run longer than the ring keeps its newest 16
+        assert [service.pub._index[k % 16] for k in range(25, 41)] == list(range(124, 140))
 
 
 def test_ingested_batches_are_marked():

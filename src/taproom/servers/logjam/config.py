@@ -1,0 +1,112 @@
+"""The ``[logjam]`` configuration section: ports, limits, output and replay settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import config_section, setting
+from ...errors import ConfigError
+from ...protocols import logjam as lj
+
+__all__ = ["LogjamConfig"]
+
+
+@config_section("logjam")
+@dataclass(frozen=True)
+class LogjamConfig:
+    enabled: bool = setting(True, "logjam agents and consumers")
+    host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
+    router_port: int = setting(
+        9604, "logjam-device's ROUTER port for DEALER agents", min=0, max=65535
+    )
+    pull_port: int = setting(9605, "logjam-device's PULL port for PUSH agents", min=0, max=65535)
+    pub_port: int = setting(9606, "logjam-device's PUB port for consumers", min=0, max=65535)
+    replay_port: int = setting(
+        9607, "replay side channel: the port after logjam-device's three", min=0, max=65535
+    )
+    rcv_hwm: int = setting(
+        100_000,
+        "messages ZeroMQ queues per agent connection before PUSH agents block (logjam-device)",
+        min=1,
+    )
+    snd_hwm: int = setting(
+        100_000,
+        "messages queued per subscriber (about 50 MB of logjam requests) before drops",
+        min=1,
+    )
+    max_message_bytes: int = setting(
+        4 * 1024 * 1024,
+        "ZMQ_MAXMSGSIZE per frame: logjam request bodies are KBs; bigger means a broken agent",
+        min=1024,
+        max=1 << 30,
+    )
+    max_decompressed_bytes: int = setting(
+        16 * 1024 * 1024,
+        "a body may inflate to at most this (zlib bombs), checked before allocating",
+        min=1024,
+        max=64 * 1024 * 1024,
+    )
+    burst_messages: int = setting(
+        4096, "messages drained per read before one batch goes to the journal", min=1
+    )
+    device_number: int = setting(
+        1,
+        "non-zero so importers track gaps; must be unique across logjam producers (seed)",
+        min=0,
+        max=(1 << 32) - 1,
+    )
+    heartbeat_interval_s: float = setting(
+        5.0, "logjam-device publishes a heartbeat every 5 s", min=0.01, max=3600
+    )
+    sequence_wrap: int = setting(
+        (1 << 64) - 1,
+        "the last sequence number before restarting at 1 (seed); lower only for tests",
+        min=2,
+        max=(1 << 64) - 1,
+    )
+    output_compression: str = setting(
+        "none",
+        "logjam-device forwards uncompressed by default; consumers decompress any method",
+        choices=("none", "zlib", "snappy", "lz4"),
+    )
+    meta_size: int = setting(
+        24, "24-byte meta is what logjam-tools reads; 22 is the seed's form", choices=(22, 24)
+    )
+    grammar: str = setting(
+        "seed",
+        "the seed's app-env/topic grammar; 'relaxed' also allows digits, '_' and '-'",
+        choices=("seed", "relaxed"),
+    )
+    routes: tuple[str, ...] = setting(
+        ("*",), "protocols whose events reach the PUB output; '*' is every protocol"
+    )
+    default_app_env: str = setting(
+        "taproom-{protocol}",
+        "app-env for events whose stream is not a valid app-env",
+    )
+    event_protocols: tuple[str, ...] = setting(
+        ("eventbus", "lager"), "protocols mapped to events.* topics (others to logs.*)"
+    )
+    replay_max_count: int = setting(
+        10_000, "events examined per replay request: bounds one reply's memory", min=1
+    )
+    replay_index_size: int = setting(
+        1_000_000,
+        "sequence numbers remembered for 'seq' replay requests (8 bytes each)",
+        min=16,
+        max=100_000_000,
+    )
+    hostname: str = setting("", "heartbeat and ping replies; empty means this host's name")
+
+    def validate(self) -> None:
+        if self.meta_size == 22 and self.device_number > 0xFFFF:
+            raise ConfigError("the 22-byte meta holds a 16-bit device number", key="device_number")
+        try:
+            sample = self.default_app_env.format(protocol="lumberjack")
+        except (KeyError, IndexError, ValueError):
+            raise ConfigError("only {protocol} may be filled in", key="default_app_env") from None
+        if not lj.is_valid_app_env(sample.encode(), relaxed=self.grammar == "relaxed"):
+            raise ConfigError(
+                f"gives {sample!r}, not an app-env (application-environment)",
+                key="default_app_env",
+            )

@@ -1,0 +1,110 @@
+"""The logjam service: binds the four sockets and runs ingest, the PUB output and replay."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import zmq
+import zmq.asyncio
+
+from ...hub import Hub
+from ...payloads import decode_payload
+from ...protocols import logjam as lj
+from .config import LogjamConfig
+from .ingest import Ingest, RejectLog
+from .pub import PubOutput
+from .replay import ReplayChannel
+
+__all__ = ["LogjamService", "create_service"]
+
+
+class LogjamService:
+    """The logjam ROUTER/PULL ingest, XPUB output and replay channel."""
+
+    def __init__(self, hub: Hub, config: LogjamConfig) -> None:
+        self.hub = hub
+        self.config = config
+        self.hostname = (config.hostname or socket.getfqdn() or "localhost").encode()
+        mapper = lj.OutputMapper(
+            routes=config.routes,
+            default_app_env=config.default_app_env,
+            event_protocols=config.event_protocols,
+            payload_decoder=decode_payload,
+        )
+        reject = RejectLog(hub.metrics)
+        self.ingest = Ingest(hub, config, self.hostname, reject)
+        self.pub = PubOutput(hub, config, self.hostname, mapper)
+        self.replay = ReplayChannel(hub, config, self.pub, reject)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sockets: list[zmq.asyncio.Socket] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self.addresses: dict[str, str] = {}
+
+    def _bind(self, kind: int, port: int, name: str) -> tuple[zmq.asyncio.Socket, zmq.Socket]:
+        assert self._ctx is not None
+        cfg = self.config
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
+        sock.setsockopt(zmq.SNDHWM, cfg.snd_hwm)
+        if kind == zmq.XPUB:
+            sock.setsockopt(zmq.XPUB_NODROP, 1)
+        self._sockets.append(sock)
+        sock.bind(f"tcp://{cfg.host}:{port or '*'}")
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.addresses[name] = endpoint.removeprefix("tcp://")
+        return sock, zmq.Socket.shadow(sock.underlying)
+
+    async def start(self) -> dict[str, str]:
+        cfg = self.config
+        self._ctx = zmq.asyncio.Context()
+        try:
+            router, router_sync = self._bind(zmq.ROUTER, cfg.router_port, "logjam_router")
+            pull, pull_sync = self._bind(zmq.PULL, cfg.pull_port, "logjam_pull")
+            _, pub_sync = self._bind(zmq.XPUB, cfg.pub_port, "logjam_pub")
+            replay, replay_sync = self._bind(zmq.ROUTER, cfg.replay_port, "logjam_replay")
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self.pub.attach(pub_sync, self.addresses["logjam_pub"].rsplit(":", 1)[1])
+        self._tasks = [
+            asyncio.create_task(self.ingest.router_loop(router, router_sync), name="logjam-router"),
+            asyncio.create_task(self.ingest.pull_loop(pull, pull_sync), name="logjam-pull"),
+            asyncio.create_task(self.pub.publish_loop(), name="logjam-pub"),
+            asyncio.create_task(self.pub.heartbeat_loop(), name="logjam-heartbeat"),
+            asyncio.create_task(self.replay.replay_loop(replay, replay_sync), name="logjam-replay"),
+        ]
+        return dict(self.addresses)
+
+    async def stop(self) -> None:
+        """Stop reading; let submitted batches commit so their 202s go out; close."""
+        for task in self._tasks[:2]:
+            task.cancel()
+        if self.ingest.pending:
+            await asyncio.wait(set(self.ingest.pending), timeout=self.hub.config.hub.grace_period_s)
+        for task in self._tasks[2:]:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.pub.subscription.close()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets = []
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    def subscriber_count(self) -> int:
+        """Live SUB subscriptions (prefixes) the XPUB has seen, after reading pending ones."""
+        return self.pub.subscriber_count()
+
+
+def create_service(hub: Hub, config: LogjamConfig) -> LogjamService:
+    return LogjamService(hub, config)
