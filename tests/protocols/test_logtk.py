@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import taproom.protocols.logtk as logtk
+import taproom.protocols.logtk.frames as frames_module
 from taproom.payloads import decode_payload
 from taproom.protocols.logtk import (
     Ack,
@@ -272,6 +273,42 @@ class TestMalformedAndLimits:
         assert decoder.error is not None and decoder.error.reason == "bad_format"
 
 
+class TestIncrementalDecoding:
+    """Issue 19 item 11: an unfinished frame is read once, not again from its start on each
+    read (a peer trickling a long frame cost the hub's loop 83-124 ms per byte)."""
+
+    def test_each_op_of_an_unfinished_frame_is_read_once(self, monkeypatch):
+        calls = 0
+        read_varuint = frames_module._varuint
+
+        def counting(buf, pos, end):
+            nonlocal calls
+            calls += 1
+            return read_varuint(buf, pos, end)
+
+        monkeypatch.setattr(frames_module, "_varuint", counting)
+        ops = 1000  # init's ping_min_delta op repeated: legal, every value overwrites the last
+        stream = b"\x02" + h("03 87 68") * ops + h("02 00000007 00")
+        decoder = FrameDecoder()
+        got: list[object] = []
+        feeds = 0
+        for i in range(0, len(stream), 2):
+            got += decoder.feed(stream[i : i + 2])
+            feeds += 1
+        assert got == [Init(None, 7, 1000, None)] and decoder.error is None
+        # Each op is read once, plus at most one unfinished attempt per read.
+        assert calls <= ops + feeds
+
+    def test_a_long_data_field_is_not_reparsed(self):
+        decoder = FrameDecoder()
+        frame = encode_frame(Data(bytes(range(256)) * 1000, 9))
+        got: list[object] = []
+        for i in range(0, len(frame), 1000):
+            got += decoder.feed(frame[i : i + 1000])
+            assert decoder.buffered <= i + 1000
+        assert got == [Data(bytes(range(256)) * 1000, 9)]
+
+
 def tcp_server(**kw):
     settings = ServerSettings(**kw)
     tokens = {TOKEN: "myapp"}
@@ -330,6 +367,22 @@ class TestServerConnection:
         events = conn.receive_data(first, now=0)
         assert events == [Violation("not_authenticated", events[0].message)]
         assert conn.data_to_send() == INVALID_AUTH_CLOSE and conn.closed
+
+    def test_unfinished_frame_before_auth_is_bounded(self):
+        # Issue 19 item 11: an unauthenticated peer gets room for the auth frame, no more.
+        conn = tcp_server(max_auth_frame_bytes=100)
+        events = conn.receive_data(b"\x01" + b"\x02\x01" * 30, now=0)
+        assert events == [] and not conn.closed  # 61 bytes: could still become an auth frame
+        events = conn.receive_data(b"\x02\x01" * 1000, now=0)
+        assert [e.reason for e in events] == ["auth_frame_too_large"]
+        assert conn.closed and conn.data_to_send() == INVALID_AUTH_CLOSE
+
+    def test_frames_pipelined_after_auth_get_the_normal_bounds(self):
+        conn = tcp_server(max_auth_frame_bytes=100)
+        big = encode_frame(Data(bytes(5000), 1))
+        events = conn.receive_data(b"\x01\x01" + TOKEN + b"\x00" + CLIENT_INIT + big, now=0)
+        assert [type(e).__name__ for e in events] == ["Authenticated", "Initialized", "Data"]
+        assert events[2] == Data(bytes(5000), 1)
 
     def test_auth_frames_after_auth_are_ignored(self):
         conn = tcp_server()

@@ -212,6 +212,13 @@ class TestTCP:
             assert decoded[1:] == [Init("json", None, 1000, True), Ack(1)]
             assert rejected(app, "bad_token") == 1 and rejected(app, "missing_token") == 1
 
+    async def test_unauthenticated_peer_gets_room_for_the_auth_frame_only(self, tmp_path):
+        # Issue 19 item 11: a frame that never ends is cut before it can cost the loop.
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            out = await tcp_exchange(app, b"\x01" + b"\x02\x01" * 1000)
+            assert out == INVALID_AUTH_CLOSE
+            assert rejected(app, "auth_frame_too_large") == 1
+
     async def test_1000_wrong_tries_are_rate_limited(self, tmp_path):
         async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
             wrong = b"\x01\x01" + OTHER + b"\x00"

@@ -93,6 +93,12 @@ class LogTKConfig:
     max_data_bytes: int = setting(
         512 * 1024, "the serialized entry inside a data frame", min=16, max=64 * 1024 * 1024
     )
+    max_auth_frame_bytes: int = setting(
+        256,
+        "TCP: an auth frame is 67 bytes; an unauthenticated peer gets no more room than this",
+        min=69,
+        max=65536,
+    )
     max_unacked: int = setting(
         4096, "data frames read but not yet acked per connection before reading pauses", min=1
     )
@@ -154,6 +160,7 @@ class LogTKConfig:
             formats=tuple(self.formats),
             max_frame_bytes=self.max_frame_bytes,
             max_data_bytes=min(self.max_data_bytes, self.max_frame_bytes),
+            max_auth_frame_bytes=self.max_auth_frame_bytes,
             ping_recv=self.ping_enabled,
             ping_min_delta_ms=self.ping_min_delta_ms,
             pong_policy=PongPolicy(self.pong_policy),

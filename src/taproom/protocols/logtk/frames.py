@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ...errors import LimitExceeded, ProtocolError
 
@@ -79,6 +79,8 @@ MALFORMED_REASON = "malformed frame received"
 INVALID_AUTH_REASON = "invalid auth"
 _U32 = struct.Struct(">I")
 _U32_MAX = 0xFFFFFFFF
+# The decoder reads a read's bytes, or its own buffer while a frame is unfinished.
+Buffer = bytes | bytearray
 
 
 class LogTKError(ProtocolError):
@@ -196,10 +198,19 @@ def encode_varuint32(value: int) -> bytes:
 
 
 class _Incomplete(Exception):
-    """More bytes are needed to finish the frame (internal to the decoder)."""
+    """More bytes are needed to finish the frame (internal to the decoder).
+
+    ``at`` is where reading resumes (the start of the op that did not finish), ``ftype`` and
+    ``fields`` the frame's type and the ops read so far, so no op is ever read twice.
+    """
+
+    def __init__(self, at: int = 0, ftype: int = -1, fields: dict[int, Any] | None = None):
+        self.at = at
+        self.ftype = ftype
+        self.fields = fields if fields is not None else {}
 
 
-def _varuint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
+def _varuint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
     value = 0
     for _ in range(5):
         if pos >= end:
@@ -284,212 +295,231 @@ def _unknown_op(ftype: int, op: int) -> LogTKError:
     return LogTKError(f"unknown op {op:#04x} in frame type {ftype:#04x}", reason="unknown_op")
 
 
-def _parse_frame(buf: bytes, pos: int, end: int, max_data: int) -> tuple[Frame, int]:
-    """One frame starting at ``pos``; raises ``_Incomplete`` or :class:`LogTKError`."""
-    ftype = buf[pos]
-    p = pos + 1
-    if ftype == 0x03:  # data: the hot path
-        # Canonical layout first (data then idem, length in 1-2 bytes), as every client sends.
-        if p + 2 < end and buf[p] == 1:
-            b0 = buf[p + 1]
-            if b0 < 0x80:
-                n, q = b0, p + 2
-            else:
-                b1 = buf[p + 2]
-                n, q = ((b0 & 0x7F) << 7 | b1, p + 3) if b1 < 0x80 else (-1, 0)
-            e = q + n
-            if 0 <= n <= max_data and e + 6 <= end and buf[e] == 2 and buf[e + 5] == 0:
-                return Data(buf[q:e], _U32.unpack_from(buf, e + 1)[0]), e + 6
-        data: bytes | None = None
-        idem: int | None = None
-        while True:
-            if p >= end:
-                raise _Incomplete
-            op = buf[p]
-            p += 1
-            if op == 0:
-                break
-            if op == 1:
-                n, p = _varuint(buf, p, end)
+# How each op's value is encoded, per frame type (docs/protocols/logtk.md, "Frames"). Ops carry
+# no length, so an op missing here leaves the rest of the stream unreadable.
+_BYTE, _BOOL, _UINT32, _VARUINT, _CSTRING, _STRING, _TOKEN, _VARBYTES = range(8)
+_OPS: dict[int, dict[int, int]] = {
+    FrameType.CLOSE: {1: _BYTE, 2: _STRING},
+    FrameType.AUTH: {1: _TOKEN, 2: _BOOL},
+    FrameType.INIT: {1: _CSTRING, 2: _UINT32, 3: _VARUINT, 4: _BOOL},
+    FrameType.DATA: {1: _VARBYTES, 2: _UINT32},
+    FrameType.ACK: {1: _UINT32},
+    FrameType.PING: {1: _UINT32},
+    FrameType.PONG: {1: _UINT32},
+}
+
+
+def _read_ops(
+    buf: Buffer, p: int, end: int, ftype: int, fields: dict[int, Any], max_data: int
+) -> int:
+    """Reads ops from ``p`` into ``fields`` up to the frame's ``0x00``; returns the position
+    after it. Raises :class:`_Incomplete` (resumable at the unfinished op) or LogTKError."""
+    ops = _OPS[ftype]
+    while True:
+        if p >= end:
+            raise _Incomplete(p, ftype, fields)
+        op = buf[p]
+        if op == 0:
+            return p + 1
+        kind = ops.get(op)
+        if kind is None:
+            raise _unknown_op(ftype, op)
+        q = p + 1
+        try:
+            if kind == _UINT32:
+                if q + 4 > end:
+                    raise _Incomplete
+                fields[op] = _U32.unpack_from(buf, q)[0]
+                q += 4
+            elif kind in (_VARBYTES, _STRING):
+                n, q = _varuint(buf, q, end)
                 if n > max_data:
+                    if kind == _STRING:
+                        raise LogTKLimitExceeded("close reason too long", reason="reason_too_long")
                     raise LogTKLimitExceeded(
                         f"data field of {n} bytes, at most {max_data}", reason="data_too_large"
                     )
-                if p + n > end:
+                if q + n > end:
                     raise _Incomplete
-                data = buf[p : p + n]
-                p += n
-            elif op == 2:
-                if p + 4 > end:
+                if kind == _STRING:
+                    try:
+                        fields[op] = buf[q : q + n].decode("utf-8")
+                    except UnicodeDecodeError:
+                        raise LogTKError("close reason is not UTF-8", reason="bad_utf8") from None
+                else:
+                    fields[op] = bytes(buf[q : q + n])
+                q += n
+            elif kind in (_BYTE, _BOOL):
+                if q >= end:
                     raise _Incomplete
-                idem = _U32.unpack_from(buf, p)[0]
-                p += 4
-            else:
-                raise _unknown_op(ftype, op)
-        if data is None or idem is None:
-            raise LogTKError("data frame without data or idem", reason="data_missing_field")
-        return Data(data, idem), p
-    if ftype in (0x04, 0x80, 0x81):
-        value: int | None = None
-        while True:
-            if p >= end:
-                raise _Incomplete
-            op = buf[p]
-            p += 1
-            if op == 0:
-                break
-            if op != 1:
-                raise _unknown_op(ftype, op)
-            if p + 4 > end:
-                raise _Incomplete
-            value = _U32.unpack_from(buf, p)[0]
-            p += 4
-        if value is None:
-            raise LogTKError("frame without its uint32 field", reason="missing_field")
-        if ftype == 0x04:
-            return Ack(value), p
-        return (Ping(value) if ftype == 0x80 else Pong(value)), p
-    if ftype == 0x00:
-        code: int | None = None
-        reason: str | None = None
-        while True:
-            if p >= end:
-                raise _Incomplete
-            op = buf[p]
-            p += 1
-            if op == 0:
-                break
-            if op == 1:
-                if p >= end:
+                # boolean: the reference decoder takes any non-zero byte as true
+                fields[op] = buf[q] if kind == _BYTE else buf[q] != 0
+                q += 1
+            elif kind == _VARUINT:
+                fields[op], q = _varuint(buf, q, end)
+            elif kind == _TOKEN:
+                if q + TOKEN_BYTES > end:
                     raise _Incomplete
-                code = buf[p]
-                p += 1
-            elif op == 2:
-                n, p = _varuint(buf, p, end)
-                if n > max_data:
-                    raise LogTKLimitExceeded("close reason too long", reason="reason_too_long")
-                if p + n > end:
-                    raise _Incomplete
-                try:
-                    reason = buf[p : p + n].decode("utf-8")
-                except UnicodeDecodeError:
-                    raise LogTKError("close reason is not UTF-8", reason="bad_utf8") from None
-                p += n
-            else:
-                raise _unknown_op(ftype, op)
-        return Close(code, reason), p
-    if ftype == 0x01:
-        token: bytes | None = None
-        status: bool | None = None
-        while True:
-            if p >= end:
-                raise _Incomplete
-            op = buf[p]
-            p += 1
-            if op == 0:
-                break
-            if op == 1:
-                if p + TOKEN_BYTES > end:
-                    raise _Incomplete
-                token = buf[p : p + TOKEN_BYTES]
-                p += TOKEN_BYTES
-            elif op == 2:
-                if p >= end:
-                    raise _Incomplete
-                status = buf[p] != 0  # the reference decoder: any non-zero byte is true
-                p += 1
-            else:
-                raise _unknown_op(ftype, op)
-        return Auth(token, status), p
-    if ftype == 0x02:
-        fmt: str | None = None
-        ident: int | None = None
-        delta: int | None = None
-        recv: bool | None = None
-        while True:
-            if p >= end:
-                raise _Incomplete
-            op = buf[p]
-            p += 1
-            if op == 0:
-                break
-            if op == 1:
-                nul = buf.find(b"\x00", p, min(end, p + MAX_FORMAT_BYTES + 1))
+                fields[op] = bytes(buf[q : q + TOKEN_BYTES])
+                q += TOKEN_BYTES
+            else:  # _CSTRING: the format name
+                nul = buf.find(b"\x00", q, min(end, q + MAX_FORMAT_BYTES + 1))
                 if nul < 0:
-                    if end - p > MAX_FORMAT_BYTES:
+                    if end - q > MAX_FORMAT_BYTES:
                         raise LogTKError("format cstring too long", reason="bad_format")
                     raise _Incomplete
                 try:
-                    fmt = buf[p:nul].decode("ascii")
+                    fields[op] = buf[q:nul].decode("ascii")
                 except UnicodeDecodeError:
                     raise LogTKError("format is not ASCII", reason="bad_format") from None
-                p = nul + 1
-            elif op == 2:
-                if p + 4 > end:
-                    raise _Incomplete
-                ident = _U32.unpack_from(buf, p)[0]
-                p += 4
-            elif op == 3:
-                delta, p = _varuint(buf, p, end)
-            elif op == 4:
-                if p >= end:
-                    raise _Incomplete
-                recv = buf[p] != 0
-                p += 1
-            else:
-                raise _unknown_op(ftype, op)
-        return Init(fmt, ident, delta, recv), p
-    raise LogTKError(f"unknown frame type {ftype:#04x}", reason="unknown_frame_type")
+                q = nul + 1
+        except _Incomplete:
+            raise _Incomplete(p, ftype, fields) from None
+        p = q
+
+
+def _build(ftype: int, fields: dict[int, Any]) -> Frame:
+    """The frame value once its ``0x00`` was read; a required field missing is malformed."""
+    if ftype == FrameType.DATA:
+        if 1 not in fields or 2 not in fields:
+            raise LogTKError("data frame without data or idem", reason="data_missing_field")
+        return Data(fields[1], fields[2])
+    if ftype == FrameType.CLOSE:
+        return Close(fields.get(1), fields.get(2))
+    if ftype == FrameType.AUTH:
+        return Auth(fields.get(1), fields.get(2))
+    if ftype == FrameType.INIT:
+        return Init(fields.get(1), fields.get(2), fields.get(3), fields.get(4))
+    if 1 not in fields:
+        raise LogTKError("frame without its uint32 field", reason="missing_field")
+    if ftype == FrameType.ACK:
+        return Ack(fields[1])
+    return Ping(fields[1]) if ftype == FrameType.PING else Pong(fields[1])
+
+
+def _parse_frame(buf: bytes, pos: int, end: int, max_data: int) -> tuple[Frame, int]:
+    """One frame starting at ``pos``; raises :class:`_Incomplete` or :class:`LogTKError`."""
+    ftype = buf[pos]
+    p = pos + 1
+    if ftype == 0x03 and p + 2 < end and buf[p] == 1:  # data: the hot path
+        # Canonical layout first (data then idem, length in 1-2 bytes), as every client sends.
+        b0 = buf[p + 1]
+        if b0 < 0x80:
+            n, q = b0, p + 2
+        else:
+            b1 = buf[p + 2]
+            n, q = ((b0 & 0x7F) << 7 | b1, p + 3) if b1 < 0x80 else (-1, 0)
+        e = q + n
+        if 0 <= n <= max_data and e + 6 <= end and buf[e] == 2 and buf[e + 5] == 0:
+            return Data(buf[q:e], _U32.unpack_from(buf, e + 1)[0]), e + 6
+    elif ftype == 0x04 and p + 5 < end and buf[p] == 1 and buf[p + 5] == 0:  # ack: the client's
+        return Ack(_U32.unpack_from(buf, p + 1)[0]), p + 6
+    if ftype not in _OPS:
+        raise LogTKError(f"unknown frame type {ftype:#04x}", reason="unknown_frame_type")
+    fields: dict[int, Any] = {}
+    p = _read_ops(buf, p, end, ftype, fields, max_data)
+    return _build(ftype, fields), p
 
 
 class FrameDecoder:
     """Incremental decoder: :meth:`feed` bytes in any split, get whole frames out.
 
-    After a malformed or over-limit frame the decoder stops for good and keeps the error in
-    :attr:`error`; the frames decoded before it in the same :meth:`feed` are still returned.
+    An unfinished frame is kept as the ops read so far plus the bytes of the op being read, so
+    a long frame arriving in small pieces costs each byte once. After a malformed or over-limit
+    frame the decoder stops for good and keeps the error in :attr:`error`; the frames decoded
+    before it in the same :meth:`feed` are still returned.
     """
 
-    __slots__ = ("_buf", "error", "max_data_bytes", "max_frame_bytes")
+    __slots__ = ("_buf", "_held", "_unfinished", "error", "max_data_bytes", "max_frame_bytes")
 
     def __init__(self, max_frame_bytes: int = 1 << 20, max_data_bytes: int = 1 << 20) -> None:
+        self.set_limits(max_frame_bytes, max_data_bytes)
+        self._buf = bytearray()  # bytes not decoded yet (from the unfinished op on)
+        self._unfinished: tuple[int, dict[int, Any]] | None = None  # (type, ops read so far)
+        self._held = 0  # bytes of the unfinished frame already read into its ops
+        self.error: LogTKError | None = None
+
+    def set_limits(self, max_frame_bytes: int, max_data_bytes: int) -> None:
+        """Bounds for the frames decoded from now on (a server tightens them before auth)."""
         self.max_frame_bytes = max_frame_bytes
         self.max_data_bytes = min(max_data_bytes, max_frame_bytes)
-        self._buf = b""
-        self.error: LogTKError | None = None
 
     @property
     def buffered(self) -> int:
-        """Bytes of an unfinished frame held back."""
-        return len(self._buf)
+        """Bytes of unfinished or not yet decoded frames held back."""
+        return self._held + len(self._buf)
 
-    def feed(self, data: bytes) -> list[Frame]:
+    def feed(self, data: bytes, max_frames: int = -1) -> list[Frame]:
+        """The frames ``data`` completes; with ``max_frames`` >= 0 at most that many, the rest
+        staying buffered for the next call."""
         if self.error is not None:
             return []
-        buf = self._buf + data if self._buf else bytes(data)
-        end = len(buf)
-        pos = 0
         frames: list[Frame] = []
-        max_frame = self.max_frame_bytes
-        max_data = self.max_data_bytes
         try:
-            while pos < end:
-                try:
-                    frame, nxt = _parse_frame(buf, pos, end, max_data)
-                except _Incomplete:
-                    if end - pos > max_frame:
-                        raise LogTKLimitExceeded(
-                            f"frame over {max_frame} bytes", reason="frame_too_large"
-                        ) from None
-                    break
-                if nxt - pos > max_frame:
-                    raise LogTKLimitExceeded(
-                        f"frame of {nxt - pos} bytes, at most {max_frame}", reason="frame_too_large"
-                    )
-                frames.append(frame)
-                pos = nxt
+            if self._unfinished is not None:
+                rest = self._finish(data, frames)
+                if rest is None:
+                    return frames
+                data = rest
+            elif self._buf:  # whole frames left by a max_frames call
+                data = bytes(self._buf) + data
+                self._buf = bytearray()
+            pos = self._decode(data, frames, max_frames)
         except LogTKError as exc:
             self.error = exc
-            self._buf = b""
+            self._buf = bytearray()
+            self._unfinished = None
+            self._held = 0
             return frames
-        self._buf = buf[pos:] if pos < end else b""
+        if pos < len(data):
+            self._buf = bytearray(memoryview(data)[pos:])
         return frames
+
+    def _finish(self, data: bytes, frames: list[Frame]) -> bytes | None:
+        """Reads on in the unfinished frame: the bytes after it once it is whole, else None."""
+        assert self._unfinished is not None
+        buf = self._buf
+        buf += data
+        ftype, fields = self._unfinished
+        try:
+            pos = _read_ops(buf, 0, len(buf), ftype, fields, self.max_data_bytes)
+        except _Incomplete as more:
+            self._held += more.at
+            self._check_size(self._held + len(buf) - more.at)
+            del buf[: more.at]  # cheap: CPython moves the start of a bytearray, not its bytes
+            return None
+        self._check_size(self._held + pos)
+        self._unfinished = None
+        self._held = 0
+        frames.append(_build(ftype, fields))
+        rest = bytes(memoryview(buf)[pos:])
+        self._buf = bytearray()
+        return rest
+
+    def _decode(self, buf: bytes, frames: list[Frame], max_frames: int) -> int:
+        """Appends the whole frames of ``buf`` to ``frames``; returns how far it got (an
+        unfinished frame's state is kept from the op it stopped in)."""
+        end = len(buf)
+        pos = 0
+        max_frame = self.max_frame_bytes
+        max_data = self.max_data_bytes
+        while pos < end and len(frames) != max_frames:
+            try:
+                frame, nxt = _parse_frame(buf, pos, end, max_data)
+            except _Incomplete as more:
+                self._unfinished = (more.ftype, more.fields)
+                self._held = more.at - pos
+                self._check_size(self._held + end - more.at)
+                return more.at
+            if nxt - pos > max_frame:
+                self._check_size(nxt - pos)
+            frames.append(frame)
+            pos = nxt
+        return pos
+
+    def _check_size(self, size: int) -> None:
+        if size > self.max_frame_bytes:
+            raise LogTKLimitExceeded(
+                f"frame of {size} bytes or more, at most {self.max_frame_bytes}",
+                reason="frame_too_large",
+            )

@@ -121,6 +121,8 @@ class ServerSettings:
     formats: tuple[str, ...] = ("protobuf", "bson", "json")
     max_frame_bytes: int = 1 << 20
     max_data_bytes: int = 1 << 20
+    # The auth frame is 67 bytes (69 with a status op); before it, nothing else may come.
+    max_auth_frame_bytes: int = 256
     ping_recv: bool = True
     ping_min_delta_ms: int = 1000
     pong_policy: PongPolicy = PongPolicy.AFTER_FIRST_PONG
@@ -160,6 +162,8 @@ class ServerConnection:
         self._authenticate = authenticate
         self.state = State.INIT if app is not None else State.AUTH
         self._decoder = FrameDecoder(settings.max_frame_bytes, settings.max_data_bytes)
+        if self.state is State.AUTH:
+            self._decoder.set_limits(settings.max_auth_frame_bytes, settings.max_auth_frame_bytes)
         self._out: list[bytes] = []
         self.opened_at = now
         self.last_received = now
@@ -209,6 +213,10 @@ class ServerConnection:
             return []
         self.last_received = now
         events: list[object] = []
+        if self.state is State.AUTH:
+            data = self._receive_auth(data, events)
+            if self.state is not State.INIT:
+                return events
         received = 0
         for frame in self._decoder.feed(data):
             if type(frame) is Data and self.state is State.OPEN:  # the hot path
@@ -219,13 +227,41 @@ class ServerConnection:
                 break  # nothing is taken after a close
             self._apply(frame, events)
         self.unacked += received
+        self._decoder_failed(events)
+        return events
+
+    def _receive_auth(self, data: bytes, events: list[object]) -> bytes:
+        """TCP before auth: decode the first frame alone, from at most ``max_auth_frame_bytes``
+        (plus one, to tell an over-long frame) so an unauthenticated peer costs next to nothing;
+        returns the bytes left for the bounds of an authenticated connection."""
+        bound = self.settings.max_auth_frame_bytes
+        room = max(0, bound + 1 - self._decoder.buffered)
+        for frame in self._decoder.feed(data[:room], max_frames=1):
+            self._apply(frame, events)
+        if self.state is State.INIT:
+            s = self.settings
+            self._decoder.set_limits(s.max_frame_bytes, s.max_data_bytes)
+            return data[room:]
+        error = self._decoder.error
+        if error is not None and error.reason == "frame_too_large":
+            self._violation(
+                events,
+                "auth_frame_too_large",
+                f"no auth frame in the first {bound} bytes",
+                CloseCode.INVALID_AUTH,
+                INVALID_AUTH_REASON,
+            )
+        self._decoder_failed(events)
+        return b""
+
+    def _decoder_failed(self, events: list[object]) -> None:
+        """Close as the decoder's error prescribes (once; nothing when there is none)."""
         error = self._decoder.error
         if error is not None and self.state not in (State.CLOSED, State.CLOSING):
             events.append(Violation(error.reason, str(error)))
             reply = error.reply
             assert isinstance(reply, Close) and reply.code is not None
             self.close(reply.code, reply.reason)
-        return events
 
     def _violation(
         self, events: list[object], reason: str, message: str, code: int, text: str
