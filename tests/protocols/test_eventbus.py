@@ -207,6 +207,14 @@ class TestCompatibility:
         assert parse_pub(_frames(seq=b"")).sequence == 0
         assert parse_pub(_frames(seq=b"17")).sequence == 17
 
+    def test_eight_ascii_digits_are_a_decimal_sequence(self) -> None:
+        # Issue 16 defect 5: "00000001" as big-endian u64 is 0x3030303030303031 (3.5e18), far
+        # above any real sequence; real peers that write 8 decimal digits mean 1.
+        assert parse_syncstart([b"SYNCSTART", b"", b"00000001"]).sequence == 1
+        assert parse_syncstart([b"SYNCSTART", b"", b"12345678"]).sequence == 12345678
+        assert parse_pub(_frames(seq=b"00000042")).sequence == 42
+        assert parse_syncstart([b"SYNCSTART", b"", struct.pack(">Q", 7)]).sequence == 7
+
     def test_empty_data_is_nil(self) -> None:
         assert parse_pub(_frames(data=b"")).data == b"\xc0"
 

@@ -176,8 +176,12 @@ def encode_sequence(sequence: int) -> bytes:
 
 
 def _sequence(frame: bytes, *, empty_ok: bool) -> int:
-    """8 bytes in network order (the seed); decimal text or empty as micro-toolkit sends."""
-    if len(frame) == 8:
+    """8 bytes in network order (the seed); decimal text or empty as micro-toolkit sends.
+
+    Eight ASCII digits are decimal text: as a big-endian u64 they would be at least
+    0x3030303030303030 (3.5e18), a sequence no bus reaches, while peers do write ``00000001``.
+    """
+    if len(frame) == 8 and not frame.isdigit():
         return int(SEQUENCE.unpack(frame)[0])
     if not frame:
         if empty_ok:
