@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgpack
 import orjson
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -155,6 +156,64 @@ class TestClientToServerUpdates:
             )
             assert await asyncio.wait_for(confirmed, 5) == 1
             assert client.pending == 0
+        finally:
+            await client.stop()
+            bus.close()
+
+
+class TestCallbackErrors:
+    """Issue 16 defect 3: the application's exception is not a server failure."""
+
+    async def test_an_exception_in_on_update_during_the_snapshot_reaches_start(self) -> None:
+        bus = ScriptedBus()
+        backup = ScriptedBus()  # a failover would send a SYNCSTART here
+
+        def broken(event: Event, source: str) -> None:
+            raise ValueError(f"application bug on {event.topic}")
+
+        client = EventBusClient([bus.url, backup.url], on_update=broken, server_timeout=5)
+        try:
+            starting = asyncio.create_task(client.start(timeout=20))
+            await bus.answer_snapshot([_event("/a", 1, "one")], cut=1)
+            with pytest.raises(ValueError, match="application bug on /a"):
+                await asyncio.wait_for(starting, 10)
+            assert client.stats["failovers"] == 0
+            assert not await backup.snapshot.poll(300)
+        finally:
+            await client.stop()
+            bus.close()
+            backup.close()
+
+    async def test_an_exception_in_on_update_for_a_broadcast_reaches_wait(self) -> None:
+        bus = ScriptedBus()
+        seen: list[str] = []
+
+        def fails_on_b(event: Event, source: str) -> None:
+            if event.topic == "/b":
+                raise KeyError("b")
+            seen.append(event.topic)
+
+        client = EventBusClient([bus.url], on_update=fails_on_b, server_timeout=5)
+        try:
+            starting = asyncio.create_task(client.start())
+            await bus.answer_snapshot([], cut=0)
+            await starting
+            await asyncio.sleep(0.2)  # the SUB has joined
+            await bus.broadcast(_event("/a", 1, 1))
+            await bus.broadcast(_event("/b", 2, 2))
+            with pytest.raises(KeyError):
+                await asyncio.wait_for(client.wait(), 10)
+            assert seen == ["/a"] and client.stats["failovers"] == 0
+        finally:
+            await client.stop()
+            bus.close()
+
+    async def test_no_snapshot_at_all_is_a_timeout_naming_the_servers(self) -> None:
+        bus = ScriptedBus()  # never answers
+        client = EventBusClient([bus.url], snapshot_timeout=0.3)
+        try:
+            with pytest.raises(TimeoutError, match=f"no snapshot from {bus.url} within 1 s"):
+                await client.start(timeout=1)
         finally:
             await client.stop()
             bus.close()

@@ -27,6 +27,7 @@ import logging
 import sys
 import time
 import uuid as uuid_mod
+from asyncio import FIRST_COMPLETED
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -75,6 +76,14 @@ def _endpoint(host: str, port: int) -> str:
 _MAX_FRAMES = 16
 
 
+class _CallbackFailed(Exception):
+    """The application's ``on_update`` / ``on_resync`` raised: not a server failure."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 @dataclass(slots=True)
 class _Pending:
     frames: list[bytes]
@@ -87,7 +96,9 @@ class EventBusClient:
 
     ``state`` holds the latest event per topic of the subscribed ``subtrees``. ``on_update``
     is called with ``(event, source)`` for every applied SYNC (``"sync"``) and BROADCAST
-    (``"broadcast"``); ``on_resync`` when a new snapshot starts replacing the state.
+    (``"broadcast"``); ``on_resync`` when a new snapshot starts replacing the state. An
+    exception from either is the application's, not the server's: the client stops and the
+    exception is raised by :meth:`start` (before the first snapshot) or :meth:`wait`.
     """
 
     def __init__(
@@ -132,17 +143,42 @@ class EventBusClient:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self, wait: bool = True, timeout: float = 30.0) -> EventBusClient:
-        self._task = asyncio.create_task(self._run())
-        if wait:
-            await asyncio.wait_for(self.synced.wait(), timeout)
+        """Start the client; with ``wait``, return once the first snapshot is applied.
+
+        Raises ``TimeoutError`` when no server gave a snapshot within ``timeout`` seconds, or
+        the callback's own exception; the client is stopped in both cases.
+        """
+        task = self._task = asyncio.create_task(self._run())
+        if not wait:
+            return self
+        synced = asyncio.ensure_future(self.synced.wait())
+        try:
+            await asyncio.wait((synced, task), timeout=timeout, return_when=FIRST_COMPLETED)
+            if task.done() and not task.cancelled():
+                task.result()  # the callback's exception
+            if not self.synced.is_set():
+                servers = ", ".join(f"tcp://{h}:{p}" for h, p in self.servers)
+                raise TimeoutError(f"no snapshot from {servers} within {timeout:g} s")
+        except BaseException:
+            await self.stop()
+            raise
+        finally:
+            synced.cancel()
         return self
+
+    async def wait(self) -> None:
+        """Until the client stops: returns after :meth:`stop`, raises a callback's exception."""
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._task)
 
     async def stop(self) -> None:
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+                await task
         for pending in self._pending.values():
             if not pending.future.done():
                 pending.future.cancel()
@@ -222,6 +258,9 @@ class EventBusClient:
                 await self._session(*self.servers[self.server_index])
             except asyncio.CancelledError:
                 raise
+            except _CallbackFailed as failed:
+                self._closed = True
+                raise failed.error from None
             except Exception:  # never let one bad session end the client
                 log.exception("eventbus client: session error")
                 await asyncio.sleep(0.1)
@@ -297,14 +336,17 @@ class EventBusClient:
                 reply.sequence,
                 self.last_seq,
             )
-        if self.on_resync is not None:
-            self.on_resync()
-        self.state = fresh
-        self.last_seq = reply.sequence
-        self.stats["snapshots"] += 1
-        if self.on_update is not None:
-            for event in fresh.values():
-                self.on_update(event, "sync")
+        try:
+            if self.on_resync is not None:
+                self.on_resync()
+            self.state = fresh
+            self.last_seq = reply.sequence
+            self.stats["snapshots"] += 1
+            if self.on_update is not None:
+                for event in fresh.values():
+                    self.on_update(event, "sync")
+        except Exception as exc:
+            raise _CallbackFailed(exc) from exc
         self.synced.set()
         return True
 
@@ -358,7 +400,10 @@ class EventBusClient:
                     if matches(message.topic, self.subtrees):
                         self.state[message.topic] = message
                         if self.on_update is not None:
-                            self.on_update(message, "broadcast")
+                            try:
+                                self.on_update(message, "broadcast")
+                            except Exception as exc:
+                                raise _CallbackFailed(exc) from exc
                 now = time.monotonic()
             if now - alive_at > self.server_timeout:
                 log.warning("eventbus client: %s silent for %.1fs", self.server, now - alive_at)
@@ -413,8 +458,8 @@ def _cmd_send(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(go())
-    except TimeoutError:
-        print("taproom send eventbus: no confirmation from the bus", file=sys.stderr)
+    except TimeoutError as exc:
+        print(f"taproom send eventbus: {exc or 'no confirmation from the bus'}", file=sys.stderr)
         return 1
 
 
@@ -452,10 +497,19 @@ def register_tail(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
     parser.add_argument(
         "--subtree", action="append", default=None, metavar="/A/", help="with --eventbus"
     )
+    parser.add_argument(
+        "--eventbus-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="with --eventbus: give up when no server sends a snapshot within S seconds",
+    )
     return _tail_handler
 
 
 def _tail_handler(args: argparse.Namespace) -> int | None:
+    """``taproom tail --eventbus``. A closed stdout (``| head -1``) raises BrokenPipeError out
+    of the callback, through the client, to ``taproom.cli.main``, which exits quietly."""
     if not getattr(args, "eventbus", None):
         return None
     out = sys.stdout.buffer
@@ -475,21 +529,27 @@ def _tail_handler(args: argparse.Namespace) -> int | None:
         if limit is not None and count >= limit:
             done.set()
 
-    async def go() -> int:
+    async def go() -> None:
         client = EventBusClient(args.eventbus, args.subtree or (), on_update=emit)
-        await client.start(timeout=30)
+        await client.start(timeout=args.eventbus_timeout)
         try:
             if args.follow:
-                await done.wait()
+                limit_reached = asyncio.ensure_future(done.wait())
+                stopped = asyncio.ensure_future(client.wait())
+                await asyncio.wait((limit_reached, stopped), return_when=FIRST_COMPLETED)
+                limit_reached.cancel()
+                if stopped.done():
+                    stopped.result()  # the callback's exception (a closed stdout)
+                stopped.cancel()
         finally:
             await client.stop()
-        return 0
 
     try:
-        result = asyncio.run(go())
+        asyncio.run(go())
     except KeyboardInterrupt:
-        result = 0
-    except BrokenPipeError:
-        return 0
+        pass
+    except TimeoutError as exc:
+        print(f"taproom tail --eventbus: {exc}", file=sys.stderr)
+        return 1
     out.flush()
-    return result
+    return 0
