@@ -125,8 +125,6 @@ def cmd_tail(args: argparse.Namespace) -> int:
                 break
     except KeyboardInterrupt:
         pass
-    except BrokenPipeError:
-        return 0
     out.flush()
     return 0
 
@@ -231,11 +229,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> int:
+    """stdout's reader went away (``taproom tail | head -1``): stop quietly, as a pipeline
+    expects. Python flushes stdout once more at exit; pointing it at /dev/null keeps that
+    flush from failing again with a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args))
+        result = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is handled below
+        return result
+    except BrokenPipeError:  # every command that writes to stdout, in one place
+        return _reader_gone()
     except ConfigError as exc:
         print(f"taproom: config error: {exc}", file=sys.stderr)
         return EX_CONFIG
