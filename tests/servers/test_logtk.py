@@ -106,6 +106,30 @@ class TestWebSocketAuth:
             assert rejected(app, "missing_token") == 1 and rejected(app, "bad_token") == 1
             assert rejected(app, "unknown_namespace") == 1
 
+    async def test_handshake_refusals_are_counted_by_reason(self, tmp_path):
+        # Issue 17 item 5: every refused upgrade moves taproom_ingest_rejected_items_total.
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            for subprotocols, reason in (
+                (None, "missing_subprotocol"),
+                (["x"], "wrong_subprotocol"),
+            ):
+                with pytest.raises(InvalidStatus) as info:
+                    await ws_open(app, subprotocols=subprotocols)
+                assert info.value.response.status_code == 400
+                assert rejected(app, reason) == 1
+            # Right path, token and subprotocol, but no Sec-WebSocket-Key: the library's 400.
+            reader, writer = await asyncio.open_connection(*addr(app, "logtk_ws"))
+            writer.write(
+                b"GET /logging/myapp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+                b"Sec-WebSocket-Protocol: logtk\r\n"
+                b"X-LogTK-Auth: " + base64.b64encode(TOKEN) + b"\r\n\r\n"
+            )
+            status = await asyncio.wait_for(reader.readline(), 5)
+            writer.close()
+            assert status.startswith(b"HTTP/1.1 400")
+            assert rejected(app, "bad_handshake") == 1
+
     async def test_wildcard_namespace(self, tmp_path):
         cfg = {**APPS, "wildcard_namespace": True}
         async with running_app(tmp_path, enable=["logtk"], logtk=cfg) as app:

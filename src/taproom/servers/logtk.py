@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from websockets.exceptions import InvalidHeader
+from websockets.headers import parse_subprotocol
 
 from ..config import config_section, setting
 from ..errors import ConfigError, HubStopped
@@ -570,6 +572,7 @@ class LogTKService:
             c.host,
             c.ws_port,
             process_request=self._process_request,
+            process_response=self._process_response,
             subprotocols=["logtk"],  # type: ignore[list-item]
             max_size=c.max_frame_bytes,
             ping_interval=c.ws_ping_interval_s or None,
@@ -712,7 +715,7 @@ class LogTKService:
         return connection.respond(status, f"{status.phrase}\n")
 
     def _process_request(self, connection: Any, request: Any) -> Any:
-        """401/404/429/503 before the 101, as the seed's upgrade section describes."""
+        """404/503/429/401/400 before the 101 (the seed's upgrade section), each counted."""
         c = self.config
         path = request.path.split("?", 1)[0]
         if not path.startswith(c.path_prefix):
@@ -736,7 +739,26 @@ class LogTKService:
             return connection.respond(http.HTTPStatus.TOO_MANY_REQUESTS, "Too Many Requests\n")
         if self.authenticate(token, peer, namespace if known else None) is None:
             return connection.respond(http.HTTPStatus.UNAUTHORIZED, "Unauthorized\n")
+        try:
+            offered = [
+                name
+                for header in request.headers.get_all("Sec-WebSocket-Protocol")
+                for name in parse_subprotocol(header)
+            ]
+        except InvalidHeader:
+            return None  # the library's own negotiation answers 400 (counted in _process_response)
+        if not offered:
+            return self._reject(connection, http.HTTPStatus.BAD_REQUEST, "missing_subprotocol")
+        if "logtk" not in offered:
+            return self._reject(connection, http.HTTPStatus.BAD_REQUEST, "wrong_subprotocol")
         return None
+
+    def _process_response(self, connection: Any, request: Any, response: Any) -> None:
+        """Counts the refusals the library makes itself (a malformed upgrade request)."""
+        if response.status_code != http.HTTPStatus.SWITCHING_PROTOCOLS and (
+            connection.protocol.handshake_exc is not None
+        ):
+            self.hub.metrics.rejected("logtk", "bad_handshake")
 
     async def _on_ws(self, ws: Any) -> None:
         c = self.config
