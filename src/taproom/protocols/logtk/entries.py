@@ -6,11 +6,9 @@ reference client's documents. Both decoders register with :mod:`taproom.payloads
 
 from __future__ import annotations
 
-import base64
-import datetime as _dt
 from collections.abc import Mapping
 
-from ...payloads import register_decoder
+from ...payloads import json_ready, register_decoder
 
 __all__ = [
     "decode_bson_payload",
@@ -160,25 +158,16 @@ def decode_log_entry(payload: bytes) -> dict[str, object]:
     return entry
 
 
-def _json_ready(value: object) -> object:
-    if isinstance(value, dict):
-        return {str(k): _json_ready(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_json_ready(v) for v in value]
-    if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode("ascii")}
-    if isinstance(value, _dt.datetime):
-        return value.isoformat()
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)  # ObjectId, Regex, Decimal128, Timestamp, ...
-
-
 def decode_bson_payload(payload: bytes) -> object:
     """A BSON document (the reference client's ``$level``/``$message``/... records)."""
     import bson  # from pymongo; imported here so the wire path never pays for it
 
-    return _json_ready(bson.decode(payload))
+    # Dates as aware UTC datetimes (printed with their zone); one outside Python's range stays
+    # a DatetimeMS (printed as such) instead of failing the whole document.
+    options: bson.CodecOptions[dict[str, object]] = bson.CodecOptions(
+        tz_aware=True, datetime_conversion=bson.DatetimeConversion.DATETIME_AUTO
+    )
+    return json_ready(bson.decode(payload, codec_options=options))
 
 
 register_decoder("protobuf", decode_log_entry)
