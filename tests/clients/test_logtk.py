@@ -135,6 +135,8 @@ async def test_logging_handler_ships_log_entries(tmp_path):
         assert entry["level"] == logging.WARNING and entry["message"].startswith("disk 9")
         assert entry["fields"]["logger"] == "taproom.test.logtk_handler"
         assert entry["trace"]["file"].endswith("test_logtk.py")
+        # the record's event time is the entry's own (ms resolution), not the receive time
+        assert stored[0].ts_ns == entry["time"] * 1_000_000 and stored[0].ts_ns > 0
 
 
 async def test_cli_send(tmp_path, capsys):

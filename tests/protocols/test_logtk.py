@@ -43,6 +43,7 @@ from taproom.protocols.logtk import (
     encode_frame,
     encode_log_entry,
     encode_varuint32,
+    time_reader,
 )
 from tests.support import fuzz_examples
 
@@ -687,3 +688,78 @@ def test_bson_reference_record_decodes():
     assert decoded["$time"] == "2024-01-02T03:04:05+00:00"
     assert decoded["$trace"] == {"file": "index.js", "line": 10, "col": 2}
     assert decoded["blob"] == {"base64": "AAE="}
+
+
+class TestEventTime:
+    """Issue 17 item 3: records get ``ts_ns`` from the entry's own time field."""
+
+    NS = 1_795_464_988_673_000_000  # 2026-11-23T20:16:28.673Z
+
+    def test_protobuf_time_field_is_milliseconds(self):
+        entry = encode_log_entry(time_ms=self.NS // 10**6, level=6, message="hi")
+        assert time_reader("protobuf")(entry) == self.NS
+        # field 1 anywhere among the others, as a protobuf writer may order them
+        later = encode_log_entry(message="hi") + encode_log_entry(time_ms=self.NS // 10**6)
+        assert time_reader("protobuf")(later) == self.NS
+
+    def test_bson_time_as_logtkjs_writes_it(self):
+        import datetime
+
+        import bson
+
+        when = datetime.datetime(2026, 11, 23, 20, 16, 28, 673000, tzinfo=datetime.UTC)
+        record = {
+            "user": "x" * 300,
+            "$level": {"level": 6, "repr": "info"},
+            "$message": "hello",
+            "$time": when,
+            "$trace": {"file": "index.js", "line": 10, "col": 2},
+        }
+        assert time_reader("bson")(bson.encode(record)) == self.NS
+        assert time_reader("bson")(bson.encode({"$time": self.NS // 10**6})) == self.NS
+
+    @pytest.mark.parametrize(
+        "payload",
+        [
+            b'{"$time": "2026-11-23T20:16:28.673Z", "time": 5}',
+            b'{"time": "2026-11-23T22:16:28.673+02:00"}',
+            b'{"timestamp": "2026-11-23T20:16:28.673"}',
+            b'{"@timestamp": 1795464988.673}',
+            b'{"ts": 1795464988673}',
+            b'{"ts": 1795464988673000}',
+            b'{"ts": 1795464988673000000}',
+            # logtkjs's "json" format: pretty-printed JavaScript, a Date as [Date: ...]
+            b'{ "$level": { "level": 6,\n    "repr": "info" },\n  "$message": "hello",\n'
+            b'  "$time": [Date: 2026-11-23T20:16:28.673Z] }\n',
+        ],
+    )
+    def test_json_time_fields(self, payload):
+        assert time_reader("json")(payload) == self.NS
+
+    def test_json_seconds(self):
+        assert time_reader("json")(b'{"time": 1795464988}') == 1_795_464_988 * 10**9
+
+    @pytest.mark.parametrize(
+        ("content_type", "payload"),
+        [
+            ("json", b'{"message": "no time"}'),
+            ("json", b'{"time": true}'),
+            ("json", b'{"time": "yesterday"}'),
+            ("json", b'{"time": -5}'),
+            ("json", b'[{"time": 1795464988}]'),
+            ("json", b'{"nested": {"time": 1795464988}}'),
+            ("json", b"not json, time"),
+            ("bson", b"\x05\x00\x00\x00"),
+            ("bson", b"\xff\xff\xff\x7f\x09$ti"),
+            ("protobuf", b"\x08"),
+            ("protobuf", encode_log_entry(message="no time")),
+            ("kv", b'{"time": 1795464988}'),
+        ],
+    )
+    def test_no_readable_time_is_zero(self, content_type, payload):
+        assert time_reader(content_type)(payload) == 0
+
+    @settings(max_examples=fuzz_examples(200, 5000), deadline=None)
+    @given(content_type=st.sampled_from(["json", "bson", "protobuf"]), payload=st.binary())
+    def test_never_raises(self, content_type, payload):
+        assert time_reader(content_type)(payload) >= 0

@@ -161,6 +161,25 @@ class TestWebSocketData:
             assert record.to_json_dict()["payload"] == {"msg": "hi"}
             await ws.close()
 
+    async def test_records_carry_the_entry_time(self, tmp_path):
+        # Issue 17 item 3: ts_ns from the entry (here BSON $time, as logtkjs sends it).
+        import datetime
+
+        import bson
+
+        when = datetime.datetime(2026, 11, 23, 20, 16, 28, 673000, tzinfo=datetime.UTC)
+        entry = bson.encode({"$level": {"level": 6}, "$message": "hi", "$time": when})
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            ws = await ws_open(app)
+            await ws.send(encode_frame(Init("bson", 7, None, False)))
+            await ws_frames(ws, 1)
+            await ws.send(encode_frame(Data(entry, 1)) + encode_frame(Data(b"\x05", 2)))
+            assert sorted(a.idem for a in await ws_frames(ws, 2)) == [1, 2]
+            await ws.close()
+            timed, untimed = sorted(records(app), key=lambda r: r.seq)
+            assert timed.ts_ns == 1_795_464_988_673_000_000
+            assert untimed.ts_ns == 0  # no readable time: stored all the same
+
     async def test_duplicates_acked_again_stored_once(self, tmp_path):
         async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
             ws = await ws_open(app)

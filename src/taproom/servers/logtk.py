@@ -47,6 +47,7 @@ from ..protocols.logtk import (
     ServerConnection,
     ServerSettings,
     Violation,
+    time_reader,
 )
 from ..records import BatchBuilder
 
@@ -320,6 +321,7 @@ class _Session:
         self._slot = 0
         self._producer = ""
         self._id_prefix = ""
+        self._time_of = time_reader("")
         self._attrs = orjson.dumps({"peer": peer, "transport": transport})
 
     def handle(self, events: list[Any]) -> None:
@@ -332,6 +334,7 @@ class _Session:
                 self._slot = self.service.dedup.slot(app, event.client_id)
                 self._producer = f"{event.client_id:08x}"
                 self._id_prefix = f"{app}:{event.client_id:08x}:"
+                self._time_of = time_reader(event.format)
             elif isinstance(event, Violation):
                 self.service.hub.metrics.rejected("logtk", event.reason)
                 log.info("%s %s: closing: %s", self.transport, self.peer, event.message)
@@ -360,6 +363,7 @@ class _Session:
         slot = self._slot
         prefix = self._id_prefix
         fmt = self.conn.format
+        time_of = self._time_of
         duplicates = 0
         for frame in datas:
             idem = frame.idem
@@ -384,6 +388,7 @@ class _Session:
                 producer=self._producer,
                 seq=idem,
                 event_id=f"{prefix}{idem:08x}",
+                ts_ns=time_of(frame.data),
                 content_type=fmt,
                 attrs=self._attrs,
             )

@@ -13,7 +13,7 @@ docs/protocols/logtk.md states every decision taken where the seed contradicts i
 
 from __future__ import annotations
 
-from .entries import decode_bson_payload, decode_log_entry, encode_log_entry
+from .entries import decode_bson_payload, decode_log_entry, encode_log_entry, time_reader
 from .frames import (
     DEFAULT_FORMAT,
     TOKEN_BYTES,
@@ -87,4 +87,5 @@ __all__ = [
     "encode_frame",
     "encode_log_entry",
     "encode_varuint32",
+    "time_reader",
 ]
