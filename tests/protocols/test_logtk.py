@@ -432,6 +432,15 @@ class TestServerConnection:
         assert conn.tick(30) == []
         assert conn.tick(31.5)[0].reason == "idle_timeout"
 
+    def test_transport_liveness_counts_as_activity(self):
+        # Issue 17 item 1: an answered WebSocket ping keeps a quiet connection open.
+        conn = ServerConnection(ServerSettings(idle_timeout_s=30), now=0, app="a")
+        conn.receive_data(encode_frame(Init("json", 1, None, False)), now=1)
+        for now in range(20, 200, 20):
+            conn.alive(now)
+            assert conn.tick(now + 10) == []
+        assert conn.tick(180 + 30)[0].reason == "idle_timeout"  # the pongs stopped
+
 
 def open_with_pings(policy: PongPolicy) -> ServerConnection:
     conn = ServerConnection(

@@ -405,6 +405,53 @@ class TestPingsAndLimits:
             assert frames[-1] == Close(0xFC, "limit exceeded") and records(app) == []
 
 
+class TestIdleWebSocket:
+    """Issue 17 item 1: a WebSocket client that logs rarely but answers pings is healthy; only
+    one that stops answering is dead. (logtkjs owes no LogTK pongs over WebSocket.)"""
+
+    CFG = {**APPS, "idle_timeout_s": 1, "ws_ping_interval_s": 0.2, "ws_ping_timeout_s": 0.5}
+
+    async def test_silent_client_answering_pings_stays_connected(self, tmp_path):
+        async with running_app(tmp_path, enable=["logtk"], logtk=self.CFG) as app:
+            ws = await ws_open(app)  # the websockets client answers pings, as `ws` does
+            await ws.send(INIT + encode_frame(Data(b'{"n":1}', 1)))
+            assert (await ws_frames(ws, 2))[1] == Ack(1)
+            await asyncio.sleep(3)  # three idle timeouts of silence
+            await ws.send(encode_frame(Data(b'{"n":2}', 2)))
+            assert await ws_frames(ws, 1) == [Ack(2)]
+            await ws.close()
+            assert rejected(app, "idle_timeout") == 0 and len(records(app)) == 2
+
+    async def test_client_that_stops_answering_pings_is_closed(self, tmp_path):
+        from websockets.client import ClientProtocol
+        from websockets.uri import parse_uri
+
+        async with running_app(tmp_path, enable=["logtk"], logtk=self.CFG) as app:
+            host, port = addr(app, "logtk_ws")
+            # A real WebSocket peer (the library's sans-I/O client) that never reads again.
+            client = ClientProtocol(
+                parse_uri(f"ws://{host}:{port}/logging/myapp"), subprotocols=["logtk"]
+            )  # type: ignore[list-item]
+            request = client.connect()
+            request.headers["X-LogTK-Auth"] = base64.b64encode(TOKEN).decode()
+            client.send_request(request)
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"".join(client.data_to_send()))
+            client.receive_data(await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5))
+            assert client.handshake_exc is None
+            client.send_binary(INIT + encode_frame(Data(b'{"n":1}', 1)))
+            writer.write(b"".join(client.data_to_send()))
+            # Deaf from here on: pings pile up unanswered until the hub gives up.
+            deadline = asyncio.get_running_loop().time() + 15
+            while rejected(app, "ws_ping_timeout") == 0:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.1)
+            while await asyncio.wait_for(reader.read(65536), 10):
+                pass  # until the hub closes the TCP connection
+            writer.close()
+            assert len(records(app)) == 1  # what it sent before is kept
+
+
 class TestConfig:
     def test_apps_table_of_tables(self):
         config = load_config(

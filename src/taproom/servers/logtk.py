@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from websockets.exceptions import InvalidHeader
+from websockets.exceptions import ConnectionClosed, InvalidHeader
 from websockets.headers import parse_subprotocol
 
 from ..config import config_section, setting
@@ -125,7 +125,13 @@ class LogTKConfig:
         choices=("always", "after_first_pong", "never"),
     )
     ws_ping_interval_s: float = setting(
-        20.0, "WebSocket-level keepalive (websockets' default); 0 disables", min=0
+        20.0,
+        "WebSocket pings (websockets' default): an answer counts as activity, so an app that "
+        "logs rarely keeps its connection; 0 disables them",
+        min=0,
+    )
+    ws_ping_timeout_s: float = setting(
+        20.0, "a WebSocket ping unanswered this long means the peer is gone", min=0.1
     )
     ws_compression: bool = setting(
         False,
@@ -478,6 +484,25 @@ class _Session:
                 self.wake.set()
             self.wake.set()
 
+    async def ws_keepalive(self, ws: Any, interval: float, timeout: float) -> None:
+        """WebSocket pings: an answered one keeps an idle connection open (logtkjs owes no
+        LogTK pongs over WebSocket), one unanswered within ``timeout`` closes it."""
+        while not self.conn.closed:
+            await asyncio.sleep(interval)
+            try:
+                pong = await ws.ping()
+                await asyncio.wait_for(pong, timeout)
+            except ConnectionClosed:
+                return
+            except TimeoutError:
+                if not self.conn.closed:
+                    self.service.hub.metrics.rejected("logtk", "ws_ping_timeout")
+                    log.info("ws %s: no pong in %.1f s; closing", self.peer, timeout)
+                    self.conn.close(CloseCode.PING_TIMEOUT, "ping timeout")
+                    self.wake.set()
+                return
+            self.conn.alive(self.loop.time())
+
     async def wait_room(self) -> None:
         """Backpressure: the hub's capacity and this connection's unacked window."""
         await self.service.hub.wait_capacity()
@@ -580,7 +605,7 @@ class LogTKService:
             process_response=self._process_response,
             subprotocols=["logtk"],  # type: ignore[list-item]
             max_size=c.max_frame_bytes,
-            ping_interval=c.ws_ping_interval_s or None,
+            ping_interval=None,  # the sessions ping themselves: a pong is activity
             compression="deflate" if c.ws_compression else None,
             open_timeout=c.handshake_timeout_s,
             close_timeout=2,
@@ -784,6 +809,11 @@ class LogTKService:
         self.sessions.add(session)
         sender = self._spawn(session.sender(close))
         ticker = self._spawn(session.ticker())
+        keepalive = (
+            self._spawn(session.ws_keepalive(ws, c.ws_ping_interval_s, c.ws_ping_timeout_s))
+            if c.ws_ping_interval_s
+            else None
+        )
         try:
             while not conn.closed:
                 await session.wait_room()
@@ -810,6 +840,8 @@ class LogTKService:
                 conn.data_to_send()
                 session.wake.set()
             ticker.cancel()
+            if keepalive is not None:
+                keepalive.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(sender), timeout=5)
             self.sessions.discard(session)

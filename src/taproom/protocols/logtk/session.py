@@ -201,6 +201,11 @@ class ServerConnection:
             pack = _U32.pack
             self._out.extend(b"\x04\x01" + pack(idem) + b"\x00" for idem in idems)
 
+    def alive(self, now: float) -> None:
+        """The transport proved the peer alive (it answered a WebSocket ping): as good as
+        data for the idle timeout, which so ends only connections that are really dead."""
+        self.last_received = max(self.last_received, now)
+
     def settled(self, count: int) -> None:
         """``count`` data frames are done with (acked or abandoned): frees the window."""
         self.unacked = max(0, self.unacked - count)
