@@ -29,6 +29,7 @@ from taproom.protocols.lager.chp import (
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.messages import parse_data_message
 from taproom.servers.lager import HELLO_PREFIX
+from tests.protocols.lager.nasa_peer import NasaChpClient
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
 XML = (
@@ -141,7 +142,7 @@ class TestRegistrar:
         u = uuid.uuid4().bytes
         frames = await register(peer, "/RobotA/Motion/", u)
         assert frames[0] == b"/RobotA/Motion/" and frames[2] == u and frames[3] == b""
-        assert struct.unpack(">Q", frames[1])[0] == 1 and frames[4] == XML.encode()
+        assert struct.unpack("=d", frames[1])[0] == 1.0 and frames[4] == XML.encode()
         records = [r for r in app.hub.journal.read(0)]
         assert [(r.content_type, r.stream, r.producer, r.payload) for r in records] == [
             ("lager-registration", "/RobotA/Motion/", str(uuid.UUID(bytes=u)), XML.encode())
@@ -159,7 +160,7 @@ class TestRegistrar:
             b"/RobotB/Motion/",
             b"KTHXBAI",
         ]
-        assert struct.unpack(">Q", everything[-1][1])[0] == 3 and everything[-1][2:] == [
+        assert struct.unpack("=d", everything[-1][1])[0] == 3.0 and everything[-1][2:] == [
             b"",
             b"",
             b"",
@@ -171,6 +172,31 @@ class TestRegistrar:
         assert len(await peer.snapshot(None)) == 4  # no subtree frame: the whole map
         desc = parse_update(robot_a[0])
         assert desc.registration is not None and desc.registration.format.row_size == 12
+
+    async def test_a_strict_cpp_chp_client_sees_every_update(
+        self, bartender: tuple[Any, Peer]
+    ) -> None:
+        """nasa/lager's client reads the sequence as a host-order double and applies an update
+        only if it is larger: every one of 300 updates (sequences past 0x80, 0xff, 0x100) must
+        get through, and the descriptions must hold the real encoding."""
+        app, peer = bartender
+        client = NasaChpClient(peer.ctx, tcp(app.addresses["lager_registrar_publisher"]))
+        try:
+            await register(peer, "/Seq/First/", uuid.uuid4().bytes)  # the collector is up
+            assert await client.handle_one(5.0)  # a HUGZ or update: the client is connected
+            keys = [f"/Seq/T{i:03d}/".encode() for i in range(300)]
+            for key in keys:
+                await peer.collector.send_multipart(
+                    registration_frames(key.decode(), uuid.uuid4().bytes, XML)
+                )
+            deadline = time.monotonic() + 30
+            while len(set(client.applied) & set(keys)) < len(keys):
+                assert time.monotonic() < deadline, len(set(client.applied) & set(keys))
+                await client.handle_one(1.0)
+            assert client.hash_map[keys[-1]] == XML.encode()
+            assert client.sequence == 301.0  # the last update's sequence, as a double
+        finally:
+            client.close()
 
     async def test_hugz_when_idle(self, bartender: tuple[Any, Peer]) -> None:
         _, peer = bartender

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import uuid
 
 import pytest
@@ -13,6 +14,8 @@ from taproom.protocols.lager.chp import (
     ChpError,
     Command,
     Registrar,
+    decode_sequence,
+    encode_sequence,
     hugz_frames,
     kthxbai_frames,
     parse_registration,
@@ -62,10 +65,38 @@ class TestRegistration:
         assert info.value.reason == reason
 
     def test_cpp_double_sequence_and_properties_ignored(self) -> None:
-        import struct
-
         reg = parse_registration([b"/a/b/", struct.pack("=d", 3.0), U1, b"x=1", XML.encode()])
         assert reg.uuid == U1 and reg.format.row_size == 1
+
+
+class TestSequenceEncoding:
+    """nasa/lager's registrar and client exchange the sequence as a host-order C++ double; the
+    ØMQ Guide's kvmsg (and the seed's text) use 8 big-endian bytes. taproom speaks the former."""
+
+    @pytest.mark.parametrize("n", [0, 1, 127, 128, 240, 255, 256, 65_535, 1 << 40])
+    def test_host_order_double(self, n: int) -> None:
+        assert encode_sequence(n) == struct.pack("=d", float(n))
+        assert decode_sequence(encode_sequence(n)) == n
+        if n >= 128:
+            assert encode_sequence(n) != n.to_bytes(8, "big")
+
+    def test_descriptions_and_kthxbai_carry_it(self) -> None:
+        reg = parse_registration(registration_frames("/n/a/", U1, XML)).with_sequence(240)
+        assert reg.frames()[1] == encode_sequence(240)
+        assert kthxbai_frames(240)[1] == encode_sequence(240)
+        assert hugz_frames()[1] == bytes(8) == encode_sequence(0)
+        update = parse_update(reg.frames())
+        assert update.sequence == 240
+
+    @pytest.mark.parametrize(
+        "frame",
+        [bytes(7), bytes(9)]
+        + [struct.pack("=d", bad) for bad in (-1.0, 0.5, float("inf"), float("nan"), 2.0**60)],
+    )
+    def test_refuses_what_is_not_a_count(self, frame: bytes) -> None:
+        with pytest.raises(ChpError) as info:
+            decode_sequence(frame)
+        assert info.value.reason == "bad_sequence"
 
 
 class TestRegistrar:
@@ -107,7 +138,7 @@ class TestRegistrar:
         up = parse_update(stored.frames())
         assert up.command is None and up.sequence == 1 and up.registration == stored
         assert parse_update(kthxbai_frames(7)) == parse_update(
-            [b"KTHXBAI", (7).to_bytes(8, "big"), b"", b"", b""]
+            [b"KTHXBAI", struct.pack("=d", 7.0), b"", b"", b""]
         )
         assert parse_update(kthxbai_frames(7)).sequence == 7
         assert parse_update(hugz_frames()).command is Command.HUGZ

@@ -25,12 +25,15 @@ __all__ = [
     "HUGZ",
     "ICANHAZ",
     "KTHXBAI",
+    "SEQUENCE",
     "ChpError",
     "Command",
     "Refused",
     "Registrar",
     "Registration",
     "Update",
+    "decode_sequence",
+    "encode_sequence",
     "hugz_frames",
     "kthxbai_frames",
     "parse_registration",
@@ -41,7 +44,15 @@ __all__ = [
     "valid_key",
 ]
 
-_SEQ = struct.Struct(">Q")
+# The sequence frame, as nasa/lager encodes it: its registrar memcpy()s a C++ ``double`` in the
+# host's byte order, and its ClusteredHashmapClient reads one back and applies an update only
+# if the number is larger than the last it saw. The seed says "8 bytes in network order" and
+# the ØMQ Guide's kvmsg sends a big-endian u64; read as a little-endian double, such a
+# sequence whose low byte is 0x80 or more is negative and the real client ignores the update.
+# So taproom sends (and reads) the real programs' encoding: an IEEE 754 double, native order.
+SEQUENCE = struct.Struct("=d")
+# Integers up to 2**53 are exact in a double: far beyond any registrar's count of changes.
+_MAX_SEQUENCE = 1 << 53
 # Seed: 'frame 0: "ICANHAZ?"', 'a KTHXBAI message', 'send a HUGZ message at an interval of 1Hz'.
 ICANHAZ = b"ICANHAZ?"
 KTHXBAI = b"KTHXBAI"
@@ -50,6 +61,22 @@ HUGZ = b"HUGZ"
 # whitespace or control characters inside a segment.
 _KEY = re.compile(r"^/(?:[^/\s\x00-\x1f\x7f]+/){2,}$")
 DEFAULT_MAX_KEY_BYTES = 255
+
+
+def encode_sequence(sequence: int) -> bytes:
+    """A registrar sequence number as nasa/lager's frame 1 (host-order double)."""
+    return SEQUENCE.pack(float(sequence))
+
+
+def decode_sequence(frame: bytes) -> int:
+    """Frame 1 of a description, update or ``KTHXBAI``: a host-order double holding a
+    non-negative integer. Raises :class:`ChpError` (``bad_sequence``) otherwise."""
+    if len(frame) != SEQUENCE.size:
+        raise ChpError(f"sequence frame is {len(frame)} bytes, expected 8", reason="bad_sequence")
+    value = SEQUENCE.unpack(frame)[0]
+    if not (0 <= value <= _MAX_SEQUENCE and value == int(value)):  # NaN fails both tests
+        raise ChpError(f"sequence {value!r} is not a count", reason="bad_sequence")
+    return int(value)
 
 
 class Command(Enum):
@@ -86,7 +113,7 @@ class Registration:
         """The tap description / update message: key, sequence, uuid, <empty>, value."""
         return [
             self.key.encode("utf-8"),
-            _SEQ.pack(self.sequence),
+            encode_sequence(self.sequence),
             self.uuid,
             b"",
             self.value.encode("utf-8"),
@@ -161,12 +188,12 @@ def parse_snapshot_request(
 
 
 def kthxbai_frames(sequence: int) -> list[bytes]:
-    return [KTHXBAI, _SEQ.pack(sequence), b"", b"", b""]
+    return [KTHXBAI, encode_sequence(sequence), b"", b"", b""]
 
 
 def hugz_frames() -> list[bytes]:
-    # Seed: 'frame 1: 00000000, 8 bytes in network order'.
-    return [HUGZ, bytes(8), b"", b"", b""]
+    # Seed: 'frame 1: 00000000, 8 bytes in network order'; also 0.0 as nasa/lager's double.
+    return [HUGZ, encode_sequence(0), b"", b"", b""]
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,10 +211,10 @@ def parse_update(frames: Sequence[bytes], *, max_xml_bytes: int = DEFAULT_MAX_XM
         raise ChpError("empty message", reason="frame_count")
     head = bytes(frames[0])
     if head in (KTHXBAI, HUGZ):
-        seq = _SEQ.unpack(frames[1])[0] if len(frames) > 1 and len(frames[1]) == 8 else 0
+        seq = decode_sequence(frames[1]) if len(frames) > 1 and len(frames[1]) == 8 else 0
         return Update(Command(head), seq)
     reg = parse_registration(frames, max_xml_bytes=max_xml_bytes)
-    seq = _SEQ.unpack(frames[1])[0]
+    seq = decode_sequence(frames[1])
     return Update(None, seq, reg.with_sequence(seq))
 
 
