@@ -1,6 +1,6 @@
-"""``taproom serve``: start the hub, the ops endpoints and every enabled protocol service.
+"""``taproom serve``: start the hub, the web listener (ops endpoints, console) and every service.
 
-Start-up order: journal and commit thread, ops endpoints, protocol services; then the ready
+Start-up order: journal and commit thread, web listener, protocol services; then the ready
 file (JSON: listener name -> bound address) so scripts and tests using port 0 know where
 everything is. Shutdown on SIGTERM/SIGINT: stop accepting, let in-flight commits finish and
 their acks go out, close listeners, exit 0 within ``hub.grace_period_s``; a second signal
@@ -24,7 +24,7 @@ from .config import Config
 from .errors import StartupError
 from .hub import Hub
 from .servers import SERVICE_MODULES, Service
-from .web.ops import OpsServer
+from .web.server import WebServer
 
 __all__ = ["App", "run_app"]
 
@@ -48,7 +48,7 @@ class App:
             ) from None
         self.services: dict[str, Service] = {}
         self.addresses: dict[str, str] = {}
-        self._ops: OpsServer | None = None
+        self._web: WebServer | None = None
         self.listeners_up = False
 
     def readiness(self) -> list[str]:
@@ -61,10 +61,8 @@ class App:
         await self.hub.start()
         web = self.config.web
         if web.enabled and (self.only is None or "web" in self.only):
-            self._ops = OpsServer(
-                self.hub.metrics, self.readiness, web.host, web.port, web.max_connections
-            )
-            await self._listen("web", self._ops)
+            self._web = WebServer(self.hub, self.readiness, web, self.config.console, self.services)
+            await self._listen("web", self._web)
         for name, module_name in SERVICE_MODULES.items():
             section = self.config.section(name) if name in self.config.names else None
             if section is None or not getattr(section, "enabled", False):
@@ -82,7 +80,7 @@ class App:
         self.listeners_up = True
         return self
 
-    async def _listen(self, name: str, service: Service | OpsServer) -> None:
+    async def _listen(self, name: str, service: Service | WebServer) -> None:
         try:
             self.addresses.update(await service.start())
         except (OSError, zmq.ZMQError) as exc:
@@ -97,8 +95,8 @@ class App:
                 await service.stop()
             except Exception:
                 log.exception("%s: error while stopping", name)
-        if self._ops is not None:
-            await self._ops.stop()
+        if self._web is not None:
+            await self._web.stop()
         await self.hub.stop()
 
     async def __aenter__(self) -> App:

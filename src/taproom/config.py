@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import ipaddress
 import os
 import re
 import tomllib
@@ -35,10 +36,12 @@ from .errors import ConfigError
 __all__ = [
     "SECTION_MODULES",
     "Config",
+    "ConsoleConfig",
     "HubConfig",
     "JournalConfig",
     "WebConfig",
     "config_section",
+    "is_loopback",
     "load_config",
     "setting",
 ]
@@ -164,10 +167,66 @@ class HubConfig:
 @config_section("web")
 @dataclass(frozen=True)
 class WebConfig:
-    enabled: bool = setting(True, "/metrics, /health and /ready are how operators see the hub")
+    enabled: bool = setting(True, "/metrics, /health, /ready and the console")
     host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
     port: int = setting(8686, "the port Vector's API uses by convention", min=0, max=65535)
-    max_connections: int = setting(64, "ops endpoints serve scrapers, not crowds", min=1)
+    max_connections: int = setting(
+        64, "scrapers and a few console tabs (each holds ~2), not crowds", min=1, max=65536
+    )
+    token: str = setting(
+        "", "required (bearer header or login cookie) for all but /health; needed off loopback"
+    )
+    max_header_bytes: int = setting(
+        8192, "longest request line or header field; browsers send well under 8 KiB", min=1024
+    )
+    max_headers: int = setting(64, "header fields per request; browsers send about 20", min=8)
+    head_timeout_s: float = setting(
+        5.0, "a connection must finish its first request head this fast (slow-loris)", min=0.1
+    )
+    keepalive_timeout_s: float = setting(
+        15.0, "an idle keep-alive connection is closed after this; pages poll every 1 s", min=0.1
+    )
+
+    def validate(self) -> None:
+        if self.enabled and not self.token and not is_loopback(self.host):
+            raise ConfigError(
+                f"host {self.host!r} is not loopback: set [web] token so the console and "
+                "/metrics are not open to the network",
+                key="token",
+            )
+
+
+def is_loopback(host: str) -> bool:
+    """True for names and addresses that only this machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@config_section("console")
+@dataclass(frozen=True)
+class ConsoleConfig:
+    rollups: str = setting(
+        "./var/rollups", "where `taproom spark rollup|stream --out` writes: the Requests page"
+    )
+    kegs: str = setting("./var/kegs", "Lager kegs (*.lgr) listed on the Telemetry page")
+    stats_seconds: int = setting(
+        900, "per-second samples kept in memory for the Overview: 15 minutes", min=60, max=86400
+    )
+    tail_queue_events: int = setting(
+        2000, "events queued per live-tail page before the rest are skipped (and counted)", min=10
+    )
+    tail_events_per_s: int = setting(
+        20_000,
+        "committed events the live tail decodes per second, all pages together; the rest are "
+        "skipped and counted so the tail never takes the hub's CPU from ingest",
+        min=100,
+    )
+    max_tail_clients: int = setting(16, "live-tail pages open at once", min=1, max=1024)
+    max_rows: int = setting(10_000, "rows one /api/ answer may hold", min=100)
 
 
 class Config:

@@ -1,4 +1,5 @@
-"""/metrics, /health and /ready over real HTTP, and the disk-full path seen through /ready."""
+"""/metrics, /health and /ready over real HTTP, the web listener's bounds, and the disk-full
+path seen through /ready."""
 
 from __future__ import annotations
 
@@ -49,12 +50,70 @@ async def test_bad_requests_get_4xx_and_are_counted(tmp_path):
     async with running_app(tmp_path) as app:
         web = app.addresses["web"]
         assert (await get(web, "/nope"))[0] == 404
-        assert (await http(web, b"POST /metrics HTTP/1.1\r\n\r\n"))[0] == 405
+        # HTTP/1.1 requires Host; the first server took a request without one, aiohttp says 400.
+        assert (await http(web, b"POST /metrics HTTP/1.1\r\nHost: x\r\n\r\n"))[0] == 405
         assert (await http(web, b"garbage\r\n\r\n"))[0] == 400
         assert (await http(web, b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n"))[0] == 431
         _, body = await get(web, "/metrics")
         assert b'taproom_web_requests_calls_total{reason="not_found"} 1.0' in body
         assert b'taproom_web_requests_calls_total{reason="method_not_allowed"} 1.0' in body
+        assert b'taproom_web_requests_calls_total{reason="bad_request"} 1.0' in body
+        assert b'taproom_web_requests_calls_total{reason="head_too_large"} 1.0' in body
+
+
+async def test_head_has_no_body(tmp_path):
+    """Issue 19 item 13: HEAD answered with the GET's headers and no body."""
+    async with running_app(tmp_path) as app:
+        host, port = app.addresses["web"].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert b"Content-Length: 19" in head and body == b""
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 65536 + b"\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Many: y\r\n" * 200 + b"\r\n",
+    ],
+    ids=["64KiB-field", "9000-byte-field", "200-fields"],
+)
+async def test_large_heads_get_431(tmp_path, request_bytes):
+    """Issue 19 item 13: a header of 64 KiB or more got 400; any oversized head is 431."""
+    async with running_app(tmp_path) as app:
+        assert (await http(app.addresses["web"], request_bytes))[0] == 431
+
+
+async def test_connection_limit_and_head_timeout(tmp_path):
+    async with running_app(tmp_path, web={"max_connections": 2, "head_timeout_s": 0.5}) as app:
+        host, port = app.addresses["web"].rsplit(":", 1)
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        for _, writer in held:
+            writer.write(b"GET /heal")  # an unfinished head: the slow-loris shape
+            await writer.drain()
+        extra_reader, extra_writer = await asyncio.open_connection(host, int(port))
+        assert await asyncio.wait_for(extra_reader.read(), 10) == b""  # closed at once
+        extra_writer.close()
+        for reader, writer in held:  # the head timeout frees both slots
+            with contextlib.suppress(ConnectionError):
+                assert await asyncio.wait_for(reader.read(), 10) == b""
+            writer.close()
+        for _ in range(100):
+            status, _ = await get(app.addresses["web"], "/health")
+            if status == 200:
+                break
+            await asyncio.sleep(0.05)
+        assert status == 200
+        registry = app.hub.metrics.registry
+        sample = "taproom_web_requests_calls_total"
+        assert registry.get_sample_value(sample, {"reason": "too_many_connections"}) >= 1
+        assert registry.get_sample_value(sample, {"reason": "timeout"}) == 2
 
 
 def _can_mount() -> bool:
