@@ -144,3 +144,34 @@ def test_log_rollup_matches_reference(events_df: Any, logjam_events: Any) -> Non
     }
     assert got == expected
     assert {k[1] for k in got} == {"logjam", "lumberjack", "logtk"}
+
+
+def test_request_rollup_sums_resources_and_keeps_the_histogram(spark: Any) -> None:
+    """Every numeric resource a request carries is summed; absent ones add nothing; the stored
+    histogram holds every request and its buckets give the reported percentiles."""
+    import datetime as dt
+
+    from taproom.spark.buckets import bucket_of, bucket_value
+    from taproom.spark.schemas import EVENT_SCHEMA, LOGJAM_RESOURCES
+
+    payloads = [
+        b'{"action": "A#x", "total_time": 10, "db_time": 4.5, "db_calls": 3, "view_time": 2}',
+        b'{"action": "A#x", "total_time": 30, "db_time": 1.5, "allocated_memory": 1024}',
+        b'{"action": "A#x", "total_time": 200, "gc_time": "not a number", "page_time": 7}',
+    ]
+    received = dt.datetime(2026, 1, 2, 3, 4, 5)
+    df = spark.createDataFrame(
+        [
+            ("j", o, received, "logjam", "app-env", "logs.app.env", "", 0, "", None, "json", p, {})
+            for o, p in enumerate(payloads)
+        ],
+        EVENT_SCHEMA,
+    )
+    (row,) = df.transform(T.logjam_requests).transform(T.request_rollup).collect()
+    sums = {name: row[f"{name}_sum"] for name in LOGJAM_RESOURCES}
+    assert sums["db_time"] == 6.0 and sums["db_calls"] == 3.0 and sums["view_time"] == 2.0
+    assert sums["allocated_memory"] == 1024.0 and sums["page_time"] == 7.0
+    assert sums["gc_time"] == 0.0 and sums["redis_calls"] == 0.0  # not numeric / absent
+    histogram = [(h["b"], h["n"]) for h in row["total_time_histogram"]]
+    assert histogram == sorted((bucket_of(t), 1) for t in (10.0, 30.0, 200.0))
+    assert math.isclose(row["total_time_p50"], bucket_value(bucket_of(30.0)), rel_tol=1e-9)

@@ -11,6 +11,7 @@ from pyspark.sql.types import (
     BinaryType,
     BooleanType,
     DoubleType,
+    IntegerType,
     LongType,
     MapType,
     StringType,
@@ -23,11 +24,18 @@ __all__ = [
     "EVENT_PAYLOAD_SCHEMA",
     "EVENT_SCHEMA",
     "EXCEPTION_ROLLUP_SCHEMA",
+    "HISTOGRAM_TYPE",
     "KEG_LONG_SCHEMA",
+    "LOGJAM_CALL_RESOURCES",
+    "LOGJAM_FRONTEND_RESOURCES",
+    "LOGJAM_MEMORY_RESOURCES",
     "LOGJAM_REQUEST_SCHEMA",
+    "LOGJAM_RESOURCES",
+    "LOGJAM_TIME_RESOURCES",
     "LOG_ROLLUP_SCHEMA",
     "PARSED_EVENT_SCHEMA",
     "REQUEST_ROLLUP_SCHEMA",
+    "RESOURCES_SCHEMA",
     "TELEMETRY_ROLLUP_SCHEMA",
 ]
 
@@ -51,9 +59,49 @@ EVENT_SCHEMA = StructType(
     ]
 )
 
+# The numeric resources of a logjam request that the request rollup sums (beside total_time),
+# by the kinds logjam-tools' importer groups its configured resources into: time (ms), call
+# (counts), memory and heap (objects, bytes), and the browser's page timings (ms). A request
+# carries any subset; what it leaves out adds nothing. Resources outside this list are not summed.
+LOGJAM_TIME_RESOURCES = (
+    "view_time",
+    "db_time",
+    "api_time",
+    "search_time",
+    "memcache_time",
+    "redis_time",
+    "gc_time",
+    "other_time",
+)
+LOGJAM_CALL_RESOURCES = ("db_calls", "api_calls", "search_calls", "memcache_calls", "redis_calls")
+LOGJAM_MEMORY_RESOURCES = (
+    "allocated_memory",
+    "allocated_objects",
+    "allocated_bytes",
+    "heap_size",
+    "live_data_set_size",
+)
+LOGJAM_FRONTEND_RESOURCES = (
+    "page_time",
+    "ajax_time",
+    "connect_time",
+    "request_time",
+    "response_time",
+    "processing_time",
+    "load_time",
+    "dom_interactive",
+)
+LOGJAM_RESOURCES = (
+    *LOGJAM_TIME_RESOURCES,
+    *LOGJAM_CALL_RESOURCES,
+    *LOGJAM_MEMORY_RESOURCES,
+    *LOGJAM_FRONTEND_RESOURCES,
+)
+RESOURCES_SCHEMA = StructType([StructField(name, DoubleType()) for name in LOGJAM_RESOURCES])
+
 # The fields of a logjam request payload the rollups use (logjam_agent's request JSON).
 # Anything else in the payload is ignored; a field of another type becomes null and then
-# takes the importer's default.
+# takes the importer's default (a resource: nothing added).
 LOGJAM_REQUEST_SCHEMA = StructType(
     [
         StructField("action", StringType()),
@@ -64,6 +112,7 @@ LOGJAM_REQUEST_SCHEMA = StructType(
         StructField("severity", LongType()),
         StructField("lines", ArrayType(ArrayType(StringType()))),
         StructField("exceptions", ArrayType(StringType())),
+        *RESOURCES_SCHEMA.fields,
     ]
 )
 
@@ -100,7 +149,15 @@ PARSED_EVENT_SCHEMA = StructType(
         StructField("total_time", DoubleType(), True),
         StructField("severity", LongType(), True),
         StructField("exceptions", ArrayType(StringType()), True),
+        StructField("resources", RESOURCES_SCHEMA, True),
     ]
+)
+
+# The total_time histogram of a rollup row: (bucket, count) pairs sorted by bucket
+# (spark/buckets.py); rows of many minutes or actions merge by adding counts per bucket.
+HISTOGRAM_TYPE = ArrayType(
+    StructType([StructField("b", IntegerType(), False), StructField("n", LongType(), False)]),
+    False,
 )
 
 _DIMENSIONS = [
@@ -142,6 +199,8 @@ REQUEST_ROLLUP_SCHEMA = StructType(
         StructField("severity_unknown", LongType(), False),
         StructField("exceptions", LongType(), False),
         StructField("requests_with_exceptions", LongType(), False),
+        *[StructField(f"{name}_sum", DoubleType(), False) for name in LOGJAM_RESOURCES],
+        StructField("total_time_histogram", HISTOGRAM_TYPE, False),
     ]
 )
 

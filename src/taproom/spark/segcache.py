@@ -39,7 +39,7 @@ from .schemas import PARSED_EVENT_SCHEMA
 
 __all__ = ["CACHE_VERSION", "CacheStats", "Segment", "journal_segments", "parsed_events"]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: parsed rows carry the request's resources
 # What parse_events needs from the source: producer, seq and event_id are never decoded.
 PARSE_COLUMNS = "journal,offset,received,ts,protocol,stream,topic,content_type,payload,attrs"
 

@@ -12,7 +12,11 @@ with ``.transform()``. What logjam's importer computes per minute is the model (
   count, where satisfied includes happy;
 * counts per HTTP status class, per severity and per exception; total_time sum, max and
   percentiles from a log-bucket histogram: each within :data:`PERCENTILE_RELATIVE_ERROR`
-  (1%) of the exact value, deterministic, the same in batch and streaming runs.
+  (1%) of the exact value, deterministic, the same in batch and streaming runs; the histogram
+  itself (``total_time_histogram``) so readers can merge rows into percentiles and heatmaps;
+* the sum of every numeric resource in :data:`~taproom.spark.schemas.LOGJAM_RESOURCES`
+  (``db_time_sum``, ``db_calls_sum``, ``allocated_memory_sum``, ...), as logjam's importer sums
+  its configured resources.
 
 Streaming jobs pass ``watermark`` (e.g. ``"10 minutes"``): rows of a minute are emitted once
 the watermark passes it, and later events for that minute are dropped, as Spark documents.
@@ -20,12 +24,11 @@ the watermark passes it, and later events for that minute are dropped, as Spark 
 
 from __future__ import annotations
 
-import math
-
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from .schemas import EVENT_PAYLOAD_SCHEMA, PARSED_EVENT_SCHEMA
+from .buckets import GAMMA, LOG_GAMMA, PERCENTILE_FLOOR_MS, PERCENTILE_RELATIVE_ERROR
+from .schemas import EVENT_PAYLOAD_SCHEMA, LOGJAM_RESOURCES, PARSED_EVENT_SCHEMA
 
 __all__ = [
     "BACKEND_APDEX_MS",
@@ -49,14 +52,12 @@ DEFAULT_ACTION = "Unknown#unknown_method"
 DEFAULT_CODE = 500
 DEFAULT_TOTAL_TIME = 1.0
 DEFAULT_SEVERITY = 1
-# Percentiles come from a histogram of total_time with logarithmic buckets (as DDSketch
-# does): each reported percentile is within PERCENTILE_RELATIVE_ERROR of the exact value
-# (nearest rank), for values of at least PERCENTILE_FLOOR_MS; smaller values (and zero or
+# Percentiles come from a histogram of total_time with logarithmic buckets (spark/buckets.py,
+# as DDSketch does): each reported percentile is within PERCENTILE_RELATIVE_ERROR of the exact
+# value (nearest rank), for values of at least PERCENTILE_FLOOR_MS; smaller values (and zero or
 # negative ones) share the lowest bucket and are reported within PERCENTILE_FLOOR_MS.
-PERCENTILE_RELATIVE_ERROR = 0.01
-PERCENTILE_FLOOR_MS = 0.001
-_GAMMA = (1 + PERCENTILE_RELATIVE_ERROR) / (1 - PERCENTILE_RELATIVE_ERROR)
-_LOG_GAMMA = math.log(_GAMMA)
+_GAMMA = GAMMA
+_LOG_GAMMA = LOG_GAMMA
 _QUANTILES = (0.5, 0.9, 0.95, 0.99)
 _QUANTILE_NAMES = ("p50", "p90", "p95", "p99")
 # Logger severities as logjam numbers them (Ruby Logger: DEBUG 0 .. FATAL 4, UNKNOWN 5).
@@ -156,6 +157,9 @@ def parse_events(events: DataFrame) -> DataFrame:
         request(F.coalesce(F.col("r.exceptions"), F.array().cast("array<string>"))).alias(
             "exceptions"
         ),
+        request(F.struct(*[F.col(f"r.{name}").alias(name) for name in LOGJAM_RESOURCES])).alias(
+            "resources"
+        ),
     )
     module = F.regexp_extract(F.col("action"), r"^([^:#]+)::", 1)
     return out.select(
@@ -170,6 +174,7 @@ def parse_events(events: DataFrame) -> DataFrame:
         "total_time",
         "severity",
         "exceptions",
+        "resources",
     )
 
 
@@ -183,7 +188,8 @@ def logjam_requests(events: DataFrame) -> DataFrame:
 
     Takes raw events or parsed rows (:func:`parse_events`). Columns: journal and offset (when
     the input has them), stream, topic, app, env, frontend, started, minute, date, action,
-    module, code, total_time, severity, exceptions (array of names).
+    module, code, total_time, severity, exceptions (array of names), resources (struct of the
+    numeric resources, :data:`~taproom.spark.schemas.LOGJAM_RESOURCES`; null where absent).
     """
     parsed = parsed_rows(events)
     return (
@@ -203,6 +209,7 @@ def logjam_requests(events: DataFrame) -> DataFrame:
             "total_time",
             "severity",
             "exceptions",
+            "resources",
         )
         .withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
     )
@@ -299,6 +306,7 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
             F.max(t).alias("hi"),
             F.sum(F.size("exceptions")).cast("long").alias("exceptions"),
             *[_count_if(cond).alias(name) for name, cond in counters.items()],
+            *[F.sum(f"resources.{name}").alias(f"{name}_sum") for name in LOGJAM_RESOURCES],
         )
     )
     agg = per_bucket.groupBy(*keys).agg(
@@ -308,6 +316,7 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
         F.max("hi").alias("total_time_max"),
         F.sort_array(F.collect_list(F.struct("b", "n"))).alias("_h"),
         *[F.sum(name).alias(name) for name in (*counters, "exceptions")],
+        *[F.sum(f"{name}_sum").alias(f"{name}_sum") for name in LOGJAM_RESOURCES],
     )
     # The bucket search gets a projection of its own so that it runs once per row, not once
     # per percentile.
@@ -336,6 +345,9 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
         *[f"severity_{name}" for name in SEVERITY_NAMES],
         "exceptions",
         "requests_with_exceptions",
+        # A resource no request of the group carried sums to 0, as in logjam's importer.
+        *[F.coalesce(F.col(f"{n}_sum"), F.lit(0.0)).alias(f"{n}_sum") for n in LOGJAM_RESOURCES],
+        F.col("_h").alias("total_time_histogram"),
     )
 
 
