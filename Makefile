@@ -7,7 +7,7 @@ STAMP_ALL  := $(VENV)/.installed-all
 PEERS      := tests/peers/node_modules/.installed
 export PYSPARK_PYTHON := $(abspath $(BIN)/python)
 
-.PHONY: run test lint typecheck unit bench soak peers clean
+.PHONY: run test lint typecheck unit bench soak peers clean browser screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,18 @@ $(PEERS): tests/peers/package.json
 	  npm install --prefix tests/peers --no-audit --no-fund --loglevel=error && touch $@; \
 	else echo "npm not found: the node peer tests will say so and fail"; fi
 
+# The console's browser tests drive Debian's chromium (root on the test machines): install it
+# when missing. A machine where this fails fails the browser tests with a message, never skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "chromium not found: installing Debian's chromium for the console's browser tests"; \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "could not install chromium: the console's browser tests will fail and say so"; }
+
+# docs/console/*.png: each console page in the browser, with data sent by the protocol clients.
+screenshots: $(STAMP_ALL) browser
+	$(BIN)/python -m tests.web.screenshots docs/console
+
 run: $(STAMP_RUN)
 	$(BIN)/taproom serve $(ARGS)
 
@@ -37,7 +49,7 @@ lint: $(STAMP_ALL)
 typecheck: $(STAMP_ALL)
 	$(BIN)/mypy
 
-unit: $(STAMP_ALL) $(PEERS)
+unit: $(STAMP_ALL) $(PEERS) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit

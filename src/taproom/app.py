@@ -61,7 +61,9 @@ class App:
         await self.hub.start()
         web = self.config.web
         if web.enabled and (self.only is None or "web" in self.only):
-            self._web = WebServer(self.hub, self.readiness, web, self.config.console, self.services)
+            self._web = WebServer(
+                self.hub, self.readiness, web, self.config.console, self.services, self.addresses
+            )
             await self._listen("web", self._web)
         for name, module_name in SERVICE_MODULES.items():
             section = self.config.section(name) if name in self.config.names else None

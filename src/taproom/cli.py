@@ -37,6 +37,7 @@ CLI_PLUGINS = (
     "taproom.clients.eventbus",
     "taproom.clients.lager",
     "taproom.spark.cli",
+    "taproom.web.top",
 )
 
 EX_CONFIG = 78  # sysexits.h EX_CONFIG

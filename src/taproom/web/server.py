@@ -122,6 +122,7 @@ class WebServer:
 
     ``services`` is the live mapping of running protocol services (``App.services``); the
     console reads the Lager registrar and the Event BUS hashmap from it, never writes.
+    ``addresses`` is the live listener map (``App.addresses``) shown on the Overview.
     """
 
     def __init__(
@@ -131,12 +132,14 @@ class WebServer:
         config: WebConfig,
         console: ConsoleConfig,
         services: Mapping[str, Any] | None = None,
+        addresses: Mapping[str, str] | None = None,
     ) -> None:
         self.hub = hub
         self.readiness = readiness
         self.config = config
         self.console = console
         self.services: Mapping[str, Any] = services if services is not None else {}
+        self.addresses: Mapping[str, str] = addresses if addresses is not None else {}
         self.static_dir = STATIC_DIR
         self.open_connections = 0
         self._m_requests = hub.metrics.counter(

@@ -1,0 +1,221 @@
+"""The Requests page's data: the Parquet tables of ``taproom spark rollup|stream``, read with pyarrow.
+
+Tables live under ``[console] rollups`` as ``requests/date=YYYY-MM-DD/*.parquet`` (and
+``exceptions/``, ``logs/``). Reads push the date partition and the app/env filter down to
+pyarrow, so a day of one app reads only that day's files and row groups. Rows are per minute and
+action; this module merges them per minute (requests, percentiles, apdex, status classes,
+severities, a latency heatmap) and per action (count, time, p95, share of time, the time
+breakdown by resource). Percentiles of merged rows come from merging their stored
+``total_time_histogram`` (spark/buckets.py), not from averaging percentiles. Called in worker
+threads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from ..spark.buckets import GAMMA, LOG_GAMMA, bucket_value
+
+__all__ = ["MAX_DATES", "Rollups"]
+
+MAX_DATES = 400  # a bit over a year of daily partitions listed
+HEATMAP_ROWS_PER_DECADE = 4
+HEATMAP_RANGE_MS = (0.1, 100_000.0)
+# Time resources shown as the per-action breakdown: gc_time is part of the others' time, and
+# total_time is the whole (logjam's "other time resources" rule); what they leave is "other".
+_NOT_STACKED = {"total_time_sum", "gc_time_sum"}
+_DATE_DIR = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
+_PARTITIONING = ds.partitioning(pa.schema([("date", pa.string())]), flavor="hive")
+
+
+def _split_stream(stream: str) -> tuple[str, str]:
+    """app-env as the rollup splits it: the env is what follows the last dash."""
+    app, dash, env = stream.rpartition("-")
+    return (app, env) if dash and app else (stream, "")
+
+
+def _quantiles(
+    group: np.ndarray[Any, Any],
+    groups: int,
+    buckets: np.ndarray[Any, Any],
+    counts: np.ndarray[Any, Any],
+    qs: tuple[float, ...],
+) -> list[list[float | None]]:
+    """Nearest-rank quantiles per group from (group, bucket, count) triples."""
+    out: list[list[float | None]] = [[None] * groups for _ in qs]
+    if not len(group):
+        return out
+    order = np.lexsort((buckets, group))
+    g, b, n = group[order], buckets[order], counts[order]
+    cumulative = np.cumsum(n)
+    totals = np.bincount(g, weights=n, minlength=groups)
+    starts = np.concatenate(([0.0], np.cumsum(totals)[:-1]))
+    within = cumulative - starts[g]
+    for qi, q in enumerate(qs):
+        reached = within >= q * totals[g]
+        hit_groups, first = np.unique(g[reached], return_index=True)
+        hit_buckets = b[reached][first]
+        for gi, bucket in zip(hit_groups.tolist(), hit_buckets.tolist(), strict=True):
+            out[qi][gi] = round(bucket_value(int(bucket)), 3)
+    return out
+
+
+class Rollups:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def _table_dir(self, table: str) -> str:
+        return os.path.join(self.directory, table)
+
+    def dates(self) -> list[str]:
+        try:
+            names = os.listdir(self._table_dir("requests"))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        found = [m.group(1) for name in names if (m := _DATE_DIR.match(name))]
+        return sorted(found, reverse=True)[:MAX_DATES]
+
+    def _dataset(self, table: str) -> ds.Dataset | None:
+        path = self._table_dir(table)
+        if not os.path.isdir(path):
+            return None
+        return ds.dataset(path, format="parquet", partitioning=_PARTITIONING)
+
+    def apps(self, date: str) -> dict[str, Any]:
+        """The dates with data, and the app-env streams of ``date`` (default: the latest)."""
+        dates = self.dates()
+        date = date or (dates[0] if dates else "")
+        dataset = self._dataset("requests")
+        streams: list[dict[str, Any]] = []
+        if dataset is not None and date in dates:
+            table = dataset.to_table(
+                columns=["app", "env", "count"], filter=pc.field("date") == date
+            )
+            grouped = table.group_by(["app", "env"]).aggregate([("count", "sum")])
+            for row in grouped.to_pylist():
+                stream = f"{row['app']}-{row['env']}" if row["env"] else row["app"]
+                streams.append({"stream": stream, "requests": row["count_sum"]})
+            streams.sort(key=lambda s: -s["requests"])
+        return {"directory": self.directory, "dates": dates, "date": date, "streams": streams}
+
+    def day(self, stream: str, date: str, max_actions: int) -> dict[str, Any]:
+        """One app-env's day: per-minute series, heatmap, actions and their time breakdown."""
+        app, env = _split_stream(stream)
+        result: dict[str, Any] = {"stream": stream, "date": date, "minutes": [], "actions": []}
+        dataset = self._dataset("requests")
+        if dataset is None:
+            return result
+        names = set(dataset.schema.names)
+        resources = sorted(n for n in names if n.endswith("_time_sum") and n not in _NOT_STACKED)
+        severities = sorted(n for n in names if n.startswith("severity_"))
+        wanted = [
+            "minute", "action", "count", "total_time_sum", "apdex_satisfied",
+            "apdex_tolerating", "status_4xx", "status_5xx", "exceptions", *severities,
+            *resources,
+        ]  # fmt: skip
+        has_histogram = "total_time_histogram" in names
+        if has_histogram:
+            wanted.append("total_time_histogram")
+        where = (pc.field("date") == date) & (pc.field("app") == app) & (pc.field("env") == env)
+        table = dataset.to_table(columns=[c for c in wanted if c in names], filter=where)
+        if table.num_rows == 0:
+            return result
+        minute_ms = pc.cast(table.column("minute"), pa.timestamp("ms")).cast(pa.int64())
+        minutes, minute_of_row = np.unique(minute_ms.to_numpy(), return_inverse=True)
+        actions, action_of_row = np.unique(
+            np.asarray(table.column("action").to_pylist(), dtype=object), return_inverse=True
+        )
+
+        def per(group: np.ndarray[Any, Any], size: int, column: str) -> np.ndarray[Any, Any]:
+            values = table.column(column).to_numpy(zero_copy_only=False).astype(float)
+            return np.bincount(group, weights=values, minlength=size)
+
+        count = per(minute_of_row, len(minutes), "count")
+        safe = np.where(count > 0, count, 1)
+        apdex = (
+            per(minute_of_row, len(minutes), "apdex_satisfied")
+            + per(minute_of_row, len(minutes), "apdex_tolerating") / 2
+        ) / safe
+        result.update(
+            minutes=(minutes // 1000).tolist(),
+            requests=count.tolist(),
+            apdex=np.round(apdex, 4).tolist(),
+            status_4xx=per(minute_of_row, len(minutes), "status_4xx").tolist(),
+            status_5xx=per(minute_of_row, len(minutes), "status_5xx").tolist(),
+            exceptions=per(minute_of_row, len(minutes), "exceptions").tolist(),
+            severities={
+                s.removeprefix("severity_"): per(minute_of_row, len(minutes), s).tolist()
+                for s in severities
+            },
+        )
+        action_count = per(action_of_row, len(actions), "count")
+        action_time = per(action_of_row, len(actions), "total_time_sum")
+        action_p95: list[float | None] = [None] * len(actions)
+        if has_histogram:
+            histogram = table.column("total_time_histogram").combine_chunks()
+            parents = pc.list_parent_indices(histogram).to_numpy()
+            flat = pc.list_flatten(histogram)
+            buckets = flat.field("b").to_numpy().astype(np.int64)
+            counts = flat.field("n").to_numpy().astype(float)
+            p50, p95, p99 = _quantiles(
+                minute_of_row[parents], len(minutes), buckets, counts, (0.5, 0.95, 0.99)
+            )
+            result.update(p50=p50, p95=p95, p99=p99)
+            result["heatmap"] = self._heatmap(minute_of_row[parents], len(minutes), buckets, counts)
+            (action_p95,) = _quantiles(
+                action_of_row[parents], len(actions), buckets, counts, (0.95,)
+            )
+        total_time = float(action_time.sum()) or 1.0
+        stacks = {r: per(action_of_row, len(actions), r) for r in resources}
+        order = np.argsort(-action_time)[:max_actions]
+        rows = []
+        for i in order.tolist():
+            breakdown = {r.removesuffix("_sum"): round(float(stacks[r][i]), 3) for r in resources}
+            breakdown["other_time"] = round(
+                max(0.0, float(action_time[i]) - sum(breakdown.values())), 3
+            )
+            rows.append(
+                {
+                    "action": str(actions[i]),
+                    "count": int(action_count[i]),
+                    "time_sum": round(float(action_time[i]), 3),
+                    "mean": round(float(action_time[i] / max(action_count[i], 1)), 3),
+                    "p95": action_p95[i],
+                    "share": round(float(action_time[i]) / total_time, 4),
+                    "breakdown": breakdown,
+                }
+            )
+        result["actions"] = rows
+        result["action_count"] = len(actions)
+        return result
+
+    @staticmethod
+    def _heatmap(
+        group: np.ndarray[Any, Any],
+        groups: int,
+        buckets: np.ndarray[Any, Any],
+        counts: np.ndarray[Any, Any],
+    ) -> dict[str, Any]:
+        """Requests per minute and latency band (HEATMAP_ROWS_PER_DECADE bands a decade)."""
+        low, high = (math.log10(v) * HEATMAP_ROWS_PER_DECADE for v in HEATMAP_RANGE_MS)
+        # log10 of bucket_value(b), vectorised: (b ln GAMMA + ln(2 / (GAMMA + 1))) / ln 10
+        log10_values = (buckets * LOG_GAMMA + math.log(2 / (GAMMA + 1))) / math.log(10)
+        bands = np.clip(np.floor(log10_values * HEATMAP_ROWS_PER_DECADE), low, high - 1)
+        bands = bands.astype(np.int64) - int(low)
+        rows = int(high - low)
+        grid = np.bincount(group * rows + bands, weights=counts, minlength=groups * rows)
+        grid = grid.reshape(groups, rows)
+        return {
+            "bands_ms": [
+                round(10 ** ((low + k) / HEATMAP_ROWS_PER_DECADE), 4) for k in range(rows)
+            ],
+            "counts": grid.astype(np.int64).tolist(),
+        }

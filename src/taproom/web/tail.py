@@ -1,0 +1,197 @@
+"""The live tail: committed events streamed to console pages, lossy and bounded.
+
+One shared, lossy hub subscription (output ``console_tail``) runs while at least one page
+watches; each page has its own filters and a bounded queue. Nothing here can slow ingest:
+
+* the hub drops batches for the subscription when its queue is full (counted by the hub);
+* at most ``[console] tail_events_per_s`` committed events per second are decoded, for all
+  pages together; the rest are skipped;
+* a page whose queue is full misses events.
+
+Every skip is counted per page and sent to it (``"skipped": n``), so the page can say so.
+A page may ask to start at an earlier offset: that backlog is read from the journal in a worker
+thread, bounded by the page's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..hub import Hub
+from ..hub.core import CommittedBatch
+from ..records import Record
+
+__all__ = ["TailClient", "TailFilter", "TailHub", "event_json"]
+
+OUTPUT_NAME = "console_tail"
+PREVIEW_CHARS = 300  # a table row shows the start of a payload; the record view shows it all
+
+
+@dataclass(frozen=True, slots=True)
+class TailFilter:
+    """What a page wants: exact protocol, exact stream, topic prefix, payload substring."""
+
+    protocol: str = ""
+    stream: str = ""
+    topic: str = ""
+    text: bytes = b""
+
+    def matches(self, record: Record) -> bool:
+        return (
+            (not self.protocol or record.protocol == self.protocol)
+            and (not self.stream or record.stream == self.stream)
+            and (not self.topic or record.topic.startswith(self.topic))
+            and (not self.text or self.text in record.payload)
+        )
+
+
+def event_json(record: Record) -> dict[str, Any]:
+    """A tail row: the record's fields and the start of its payload as text."""
+    return {
+        "offset": record.offset,
+        "received_ms": record.received_ns // 1_000_000,
+        "protocol": record.protocol,
+        "stream": record.stream,
+        "topic": record.topic,
+        "producer": record.producer,
+        "ts_ms": record.ts_ns // 1_000_000 if record.ts_ns else None,
+        "content_type": record.content_type,
+        "size": len(record.payload),
+        "preview": record.payload[: PREVIEW_CHARS * 4].decode("utf-8", "replace")[:PREVIEW_CHARS],
+    }
+
+
+class TailClient:
+    """One page's filter, queue and skip count."""
+
+    def __init__(self, tail_filter: TailFilter, maxlen: int) -> None:
+        self.filter = tail_filter
+        self.maxlen = maxlen
+        self.queue: deque[Record] = deque()
+        self.skipped = 0
+        self.after = -1  # offsets at or below this were sent (backlog and live may overlap)
+        self.wakeup = asyncio.Event()
+
+    def offer(self, records: list[Record]) -> None:
+        for record in records:
+            if record.offset <= self.after or not self.filter.matches(record):
+                continue
+            if len(self.queue) >= self.maxlen:
+                self.skipped += 1
+            else:
+                self.queue.append(record)
+        if self.queue or self.skipped:
+            self.wakeup.set()
+
+    def skip(self, count: int) -> None:
+        self.skipped += count
+        self.wakeup.set()
+
+    def take(self, limit: int) -> tuple[list[Record], int]:
+        records = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
+        if records:
+            self.after = max(self.after, records[-1].offset)
+        skipped, self.skipped = self.skipped, 0
+        if not self.queue:
+            self.wakeup.clear()
+        return records, skipped
+
+
+class TailHub:
+    """The shared subscription and the pages that watch it."""
+
+    def __init__(self, hub: Hub, events_per_s: int, max_clients: int) -> None:
+        self.hub = hub
+        self.events_per_s = events_per_s
+        self.max_clients = max_clients
+        self.clients: set[TailClient] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._m_skipped = hub.metrics.counter(
+            "web",
+            "tail_skipped",
+            "events",
+            "Live-tail events not shown to a page, by reason",
+            ("reason",),
+        )
+
+    @property
+    def full(self) -> bool:
+        return len(self.clients) >= self.max_clients
+
+    def add(self, client: TailClient) -> None:
+        self.clients.add(client)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def remove(self, client: TailClient) -> None:
+        self.clients.discard(client)
+        if not self.clients and self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def stop(self) -> None:
+        self.clients.clear()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def backlog(self, client: TailClient, from_offset: int) -> None:
+        """Queue committed events from ``from_offset`` (bounded by the page's queue)."""
+        journal = self.hub.journal
+        limit = client.maxlen
+        scan_limit = self.events_per_s  # a page's filter may match little: bound the scan too
+
+        def read() -> tuple[list[Record], int]:
+            found: list[Record] = []
+            scanned = 0
+            for record in journal.read(max(from_offset, journal.first_offset)):
+                scanned += 1
+                if client.filter.matches(record):
+                    found.append(record)
+                if len(found) >= limit or scanned >= scan_limit:
+                    break
+            return found, scanned
+
+        found, _ = await asyncio.to_thread(read)
+        client.offer(found)
+
+    async def _run(self) -> None:
+        sub = self.hub.subscribe(OUTPUT_NAME, lossy=True, maxsize=256)
+        expected = sub.next_offset
+        window_start = time.monotonic()
+        budget = self.events_per_s
+        try:
+            async for batch in sub:
+                if batch.base_offset > expected:  # the hub dropped batches for us
+                    self._skip_all(batch.base_offset - expected, "hub_queue_full")
+                expected = batch.end_offset
+                now = time.monotonic()
+                if now - window_start >= 1.0:
+                    window_start, budget = now, self.events_per_s
+                if batch.count > budget:
+                    self._skip_all(batch.count, "decode_budget")
+                    continue
+                budget -= batch.count
+                self._fan_out(batch)
+        finally:
+            sub.close()
+
+    def _fan_out(self, batch: CommittedBatch) -> None:
+        records = batch.records()
+        for client in list(self.clients):
+            before = client.skipped
+            client.offer(records)
+            if client.skipped > before:
+                self._m_skipped.labels(reason="page_queue_full").inc(client.skipped - before)
+
+    def _skip_all(self, count: int, reason: str) -> None:
+        self._m_skipped.labels(reason=reason).inc(count * len(self.clients))
+        for client in list(self.clients):
+            client.skip(count)
