@@ -2,8 +2,8 @@
 
 The console reads two in-memory maps: the Lager registrar (tap key -> registration with its
 format) and the Event BUS Clone hashmap (topic -> latest event). Both are read through the two
-attributes named here, ``registrar`` and ``hashmap``, on the objects in ``App.services``, and
-copied on the event loop so a page never sees a map mid-change. A service that is disabled, or
+attributes named here, ``registrar`` and ``hashmap``, on the objects in ``App.services``, on the
+event loop (so a page never sees a map mid-change). A service that is disabled, or
 that no longer has the attribute, reads as absent (``None``), never as an error.
 """
 
@@ -30,7 +30,15 @@ def _preview(data: bytes) -> str:
 
 
 def _registrar(services: Mapping[str, Any]) -> Any:
-    return getattr(services.get("lager"), "registrar", None)
+    """The registrar's map (a :class:`~taproom.protocols.lager.chp.Registrar`): the service's
+    ``registrar``, or that object's own ``registrar`` where the service wraps the map in a
+    server. Looked up on every call: a restore replaces the map."""
+    node = services.get("lager")
+    for _ in range(2):
+        node = getattr(node, "registrar", None)
+        if node is None or hasattr(node, "by_key"):
+            return node
+    return None
 
 
 def lager_taps(services: Mapping[str, Any]) -> list[dict[str, Any]] | None:
