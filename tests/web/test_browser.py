@@ -121,6 +121,15 @@ def assert_safe(page: Page, watch: PageWatch) -> None:
     assert watch.errors == [], watch.errors
 
 
+def wait_until(page: Page, expression: str, timeout_s: float = 20) -> None:
+    """Poll ``expression`` from outside the page: Playwright's in-page polling of a string
+    predicate needs eval, which the console's CSP rightly forbids."""
+    deadline = time.monotonic() + timeout_s
+    while not page.evaluate(expression):
+        assert time.monotonic() < deadline, f"not true within {timeout_s}s: {expression}"
+        page.wait_for_timeout(100)
+
+
 def series_pixels(page: Page, selector: str = "canvas") -> list[int]:
     """Per canvas: how many pixels have the first series colour (a drawn data line)."""
     return page.evaluate(
@@ -161,7 +170,7 @@ def test_overview_draws_live_charts(hub: Any, page: Any) -> None:
 def test_tail_shows_a_new_event_within_2s_and_filters(hub: Any, page: Any) -> None:
     page, watch = page
     open_page(page, hub, "/tail")
-    page.wait_for_function("document.getElementById('state').textContent.startsWith('following')")
+    wait_until(page, "document.getElementById('state').textContent.startsWith('following')")
     marker = f"marker-{time.time_ns()}"
     sent = time.monotonic()
     run_async(send_lumberjack(hub.addresses["lumberjack"], [{"message": marker}]))
@@ -170,7 +179,7 @@ def test_tail_shows_a_new_event_within_2s_and_filters(hub: Any, page: Any) -> No
     # Filter by payload text: only the matching event of the next two shows.
     page.fill("input[name=q]", "keep-")
     page.click("#filters button[type=submit]")
-    page.wait_for_function("document.getElementById('state').textContent.startsWith('following')")
+    wait_until(page, "document.getElementById('state').textContent.startsWith('following')")
     run_async(
         send_lumberjack(
             hub.addresses["lumberjack"],
@@ -194,7 +203,7 @@ def test_tail_from_offset_shows_script_payloads_as_text(hub: Any, page: Any) -> 
     page.select_option("select[name=protocol]", "lumberjack")
     page.click("#filters button[type=submit]")
     page.wait_for_selector("#events tbody tr", timeout=10_000)
-    page.wait_for_function("document.querySelectorAll('#events tbody tr').length >= 15")
+    wait_until(page, "document.querySelectorAll('#events tbody tr').length >= 15")
     text = page.inner_text("#events")
     for payload in XSS:  # as the JSON text of the payload, escapes and all
         assert orjson.dumps(payload).decode()[1:-1] in text
@@ -241,13 +250,13 @@ def test_telemetry_page_plots_a_tap_and_lists_kegs(hub: Any, page: Any) -> None:
 def test_bus_page_lists_keys_as_text(hub: Any, page: Any) -> None:
     page, watch = page
     open_page(page, hub, "/bus")
-    page.wait_for_function("document.querySelectorAll('#keys tbody tr').length >= 3")
+    wait_until(page, "document.querySelectorAll('#keys tbody tr').length >= 3")
     text = page.inner_text("#keys")
     for payload in XSS:
         assert f"/xss/{payload}" in text
     page.fill("input[name=subtree]", "/xss/javascript")
     page.click("#filters button[type=submit]")
-    page.wait_for_function("document.querySelectorAll('#keys tbody tr').length === 1")
+    wait_until(page, "document.querySelectorAll('#keys tbody tr').length === 1")
     run_async(send_bus(hub.addresses["eventbus_snapshot"], {"/xss/javascript:x": {"v": 2}}))
     page.wait_for_selector("#keys tr.fresh", timeout=10_000)  # a live update is highlighted
     assert_safe(page, watch)
