@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from taproom.app import App
 from taproom.config import load_config
-from taproom.errors import ProtocolError
+from taproom.errors import ProtocolError, StartupError
 from taproom.protocols.lager.chp import (
     parse_registration,
     parse_snapshot_request,
@@ -252,7 +252,7 @@ class TestRegistrar:
     async def test_invalid_keys_and_formats_counted(self, bartender: tuple[Any, Peer]) -> None:
         app, peer = bartender
         bad = [
-            registration_frames("/nope", uuid.uuid4().bytes, XML),
+            registration_frames("/no\x00pe/", uuid.uuid4().bytes, XML),
             registration_frames("/R/x/", uuid.uuid4().bytes, XML.replace("uint32_t", "uint33")),
             registration_frames("/R/y/", uuid.uuid4().bytes, XML.replace('size="8"', 'size="7"')),
             [b"/R/z/", bytes(8), b"short", b"", XML.encode()],
@@ -263,6 +263,19 @@ class TestRegistrar:
         for reason in ("bad_key", "unknown_type", "bad_size", "bad_uuid"):
             assert rejected(app, reason) == 1, reason
         assert [f[0] for f in await peer.snapshot()] == [b"/R/ok/", b"KTHXBAI"]
+
+    async def test_keys_the_real_registrar_takes(self, bartender: tuple[Any, Peer]) -> None:
+        """nasa/lager's registrar takes any key; its own example is "/sample_format"."""
+        app, peer = bartender
+        for key in ("/sample_format", "robot arm 1", "/a/"):
+            frames = await register(peer, key, uuid.uuid4().bytes)
+            assert frames[0] == key.encode()
+        assert [f[0] for f in await peer.snapshot()][:-1] == [
+            b"/a/",
+            b"/sample_format",
+            b"robot arm 1",
+        ]
+        assert rejected(app, "bad_key") == 0
 
 
 class TestForwarder:
@@ -453,7 +466,7 @@ class TestPersistence:
 
 
 async def test_fixed_ports_in_use_fail_cleanly(tmp_path: Path) -> None:
-    """A fixed registrar port whose P+1 is taken: start() fails with the bind error."""
+    """A fixed registrar port whose P+1 is taken: start() fails naming the address."""
     ctx = zmq.Context()
     blocker = ctx.socket(zmq.PUB)
     base = blocker.bind_to_random_port("tcp://127.0.0.1", min_port=20000, max_port=60000)
@@ -463,7 +476,7 @@ async def test_fixed_ports_in_use_fail_cleanly(tmp_path: Path) -> None:
         )
     )
     try:
-        with pytest.raises(zmq.ZMQError):
+        with pytest.raises(StartupError, match="lager.*in use"):
             await app.start()
     finally:
         await app.stop()

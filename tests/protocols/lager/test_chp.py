@@ -35,8 +35,10 @@ U1, U2 = uuid.UUID(int=1).bytes, uuid.UUID(int=2).bytes
 class TestRegistration:
     @pytest.mark.parametrize(
         ("key", "ok"),
-        [("/RobotA/MotionController/", True), ("/a/b/c/", True), ("/a/", False),
-         ("a/b/", False), ("/a/b", False), ("/a//b/", False), ("/a b/c/", False), ("", False)],
+        [("/RobotA/MotionController/", True), ("/a/b/c/", True), ("/sample_format", True),
+         ("/a/", True), ("a/b/", True), ("/a//b/", True), ("/a b/c/", True), ("x" * 255, True),
+         ("", False), ("/a\x00b/", False), ("/a\nb/", False), ("/a\x7f/", False),
+         ("HUGZ", False), ("KTHXBAI", False), ("ICANHAZ?", False), ("x" * 256, False)],
     )  # fmt: skip
     def test_keys(self, key: str, ok: bool) -> None:
         assert valid_key(key) is ok

@@ -57,9 +57,13 @@ _MAX_SEQUENCE = 1 << 53
 ICANHAZ = b"ICANHAZ?"
 KTHXBAI = b"KTHXBAI"
 HUGZ = b"HUGZ"
-# "/Namespace/Tap/ ... Note the leading and trailing slashes." Two or more segments, no
-# whitespace or control characters inside a segment.
-_KEY = re.compile(r"^/(?:[^/\s\x00-\x1f\x7f]+/){2,}$")
+# The seed asks for "/Namespace/Tap/" keys, but nasa/lager's registrar takes any key (its own
+# example is "/sample_format"), so taproom accepts what it accepts, within bounds: UTF-8, not
+# empty, no control characters (a NUL or a newline in a key breaks logs, XML attributes and C
+# strings), and not one of the registrar's command words, which a client would take for the
+# command (a key "HUGZ" would read as a HUGZ).
+_KEY = re.compile(r"^[^\x00-\x1f\x7f]+$")
+_RESERVED_KEYS = frozenset(command.decode() for command in (ICANHAZ, KTHXBAI, HUGZ))
 DEFAULT_MAX_KEY_BYTES = 255
 
 
@@ -92,7 +96,11 @@ class ChpError(ProtocolError):
 
 
 def valid_key(key: str, max_bytes: int = DEFAULT_MAX_KEY_BYTES) -> bool:
-    return len(key.encode("utf-8")) <= max_bytes and bool(_KEY.match(key))
+    return (
+        len(key.encode("utf-8")) <= max_bytes
+        and bool(_KEY.match(key))
+        and key not in _RESERVED_KEYS
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +154,9 @@ def parse_registration(
     except UnicodeDecodeError:
         raise ChpError("key is not UTF-8", reason="bad_key") from None
     if not _KEY.match(key):
-        raise ChpError(f"key {key[:64]!r} is not /Namespace/Tap/", reason="bad_key")
+        raise ChpError(f"key {key[:64]!r} is empty or has control characters", reason="bad_key")
+    if key in _RESERVED_KEYS:
+        raise ChpError(f"key {key!r} is a registrar command word", reason="bad_key")
     if len(seq) != 8:
         raise ChpError(f"sequence frame is {len(seq)} bytes, expected 8", reason="bad_sequence")
     if len(uuid) != 16:

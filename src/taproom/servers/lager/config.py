@@ -26,7 +26,7 @@ class LagerConfig:
     max_taps: int = setting(
         100_000, "hashmap entries; a fleet of robots is thousands, not millions", min=1
     )
-    max_key_bytes: int = setting(255, "a /Namespace/Tap/ key is a short name", min=8, max=65535)
+    max_key_bytes: int = setting(255, "a tap key is a short name", min=8, max=65535)
     max_format_bytes: int = setting(
         64 * 1024, "a BEERR01 format of ~1000 items fits; bounds XML parsing work", min=256
     )
