@@ -476,7 +476,7 @@ async def test_fixed_ports_in_use_fail_cleanly(tmp_path: Path) -> None:
         )
     )
     try:
-        with pytest.raises(StartupError, match="lager.*in use"):
+        with pytest.raises(StartupError, match=r"lager.*in use"):
             await app.start()
     finally:
         await app.stop()
