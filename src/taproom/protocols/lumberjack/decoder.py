@@ -1,202 +1,35 @@
-"""Lumberjack v1 and v2 (Beats), sans-I/O: bytes in, journal batches and acks out.
+"""The receiving side of one Lumberjack connection: bytes in, journal batches and acks out.
 
-One :class:`ServerConnection` per TCP/TLS connection. ``receive_data(data, now_ns)`` parses
-every complete frame, maps data frames straight into the journal's record encoding (no per-event
-objects) and returns a :class:`Window` for each window that is complete; the glue submits
-``window.batch`` to the hub and, once it is durable, sends ``encode_ack(window.version,
-window.ack_seq)``. ``flush()`` closes a partial window when the connection goes idle (streaming
-v1 clients never finish a window). :class:`ClientSession` is the sender's side: it encodes
-windows, tracks them until acknowledged and tells what to resend after a reconnect.
-
-Wire format (seed ``lumberjack-v1.txt``; v2 is the same framing with version byte ``'2'``)::
-
-    version(1) type(1) payload...      all integers uint32 big-endian
-    W size | D seq npairs (klen key vlen value)* | J seq len json | C len zlib | A seq
-
-The decoder raises only :class:`LumberjackError` (a :class:`~taproom.errors.ProtocolError`)
-or :class:`LumberjackLimit` (a :class:`~taproom.errors.LimitExceeded`); both carry the
-windows completed before the bad frame in ``windows`` so nothing parsed before it is lost.
-Decisions on the seed's ambiguities are in ``docs/protocols/lumberjack.md``.
+``ServerConnection.receive_data(data, now_ns)`` parses every complete frame, maps data frames
+straight into the journal's record encoding (no per-event objects) and returns a
+:class:`Window` for each window that is complete; the glue submits ``window.batch`` to the hub
+and, once it is durable, sends ``encode_ack(window.version, window.ack_seq)``. ``flush()``
+closes a partial window when the connection goes idle (streaming v1 clients never finish a
+window). Decisions on the seed's ambiguities are in ``docs/protocols/lumberjack.md``.
 """
 
 from __future__ import annotations
 
 import struct
 import zlib
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import IntEnum
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import orjson
 
-from ..errors import LimitExceeded, ProtocolError
-from ..records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
+from ...records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
+from .frames import (
+    _HALF,
+    _U32,
+    _U32X2,
+    SEQ_MASK,
+    FrameType,
+    LumberjackError,
+    LumberjackLimit,
+    Version,
+)
 
-__all__ = [
-    "PROTOCOL",
-    "AckFrame",
-    "ClientSession",
-    "CompressedFrame",
-    "DataFrame",
-    "FrameType",
-    "JsonFrame",
-    "Limits",
-    "LumberjackError",
-    "LumberjackLimit",
-    "SentWindow",
-    "ServerConnection",
-    "Version",
-    "Window",
-    "WindowSizeFrame",
-    "encode_ack",
-    "next_seq",
-    "seq_after",
-    "windows_of",
-]
-
-PROTOCOL = "lumberjack"
-SEQ_MASK = 0xFFFFFFFF
-_HALF = 0x80000000
-
-
-class Version(IntEnum):
-    """The first byte of every frame."""
-
-    V1 = 0x31  # "version(1)" -- ASCII '1' (logstash-forwarder, lumberjack-protocol)
-    V2 = 0x32  # '2' -- the Beats protocol (go-lumber, Filebeat, Logstash beats input)
-
-
-class FrameType(IntEnum):
-    """The second byte of every frame."""
-
-    WINDOW = 0x57  # "'window size' frame type ... ASCII 'W' aka byte value 0x57"
-    DATA = 0x44  # "'data' frame type ... ASCII 'D' aka byte value 0x44"
-    JSON = 0x4A  # "'json' frame type ... ASCII 'J' aka byte value 0x4a"
-    COMPRESSED = 0x43  # "'compressed' frame type ... ASCII 'C' aka byte value 0x43"
-    ACK = 0x41  # "'ack' frame type ... ASCII 'A' aka byte value 0x41"
-
-
-class LumberjackError(ProtocolError):
-    """The peer broke the Lumberjack protocol; the connection is closed without a reply.
-
-    ``windows`` holds the windows completed before the bad frame: they are valid, get
-    committed and acknowledged before the close.
-    """
-
-    def __init__(self, message: str, *, reason: str = "malformed") -> None:
-        super().__init__(message, reason=reason, reply=None)
-        self.windows: list[Window] = []
-
-
-class LumberjackLimit(LimitExceeded):
-    """A size, count or nesting depth read from the wire is over its configured bound."""
-
-    def __init__(self, message: str, *, reason: str = "limit") -> None:
-        super().__init__(message, reason=reason, reply=None)
-        self.windows: list[Window] = []
-
-
-def seq_after(a: int, b: int) -> bool:
-    """``a`` comes after ``b`` in uint32 serial-number order (RFC 1982), across roll-over."""
-    return 0 < ((a - b) & SEQ_MASK) < _HALF
-
-
-def next_seq(seq: int) -> int:
-    """The sequence number after ``seq``. Skips 0 on roll-over: 0 is the keepalive ack."""
-    seq = (seq + 1) & SEQ_MASK
-    return seq or 1
-
-
-# --- frames as values (clients, tests, docs) ---------------------------------------------------
-
-_U32 = struct.Struct(">I")
-_U32X2 = struct.Struct(">II")
-_FRAME_U32 = struct.Struct(">BBI")
-_FRAME_U32X2 = struct.Struct(">BBII")
-
-
-@dataclass(frozen=True, slots=True)
-class WindowSizeFrame:
-    """``W``: the sender will have at most ``size`` data frames unacknowledged."""
-
-    size: int
-    version: Version = Version.V2
-
-    def serialize(self) -> bytes:
-        return _FRAME_U32.pack(self.version, FrameType.WINDOW, self.size)
-
-
-@dataclass(frozen=True, slots=True)
-class DataFrame:
-    """``D`` (v1): string key/value pairs."""
-
-    seq: int
-    pairs: tuple[tuple[str, str], ...]
-    version: Version = Version.V1
-
-    @classmethod
-    def from_mapping(
-        cls, seq: int, data: Mapping[str, object], version: Version = Version.V1
-    ) -> DataFrame:
-        return cls(seq, tuple((str(k), str(v)) for k, v in data.items()), version)
-
-    def serialize(self) -> bytes:
-        parts = [_FRAME_U32X2.pack(self.version, FrameType.DATA, self.seq, len(self.pairs))]
-        for key, value in self.pairs:
-            k = key.encode()
-            v = value.encode()
-            parts += (_U32.pack(len(k)), k, _U32.pack(len(v)), v)
-        return b"".join(parts)
-
-
-@dataclass(frozen=True, slots=True)
-class JsonFrame:
-    """``J`` (v2): one JSON document."""
-
-    seq: int
-    payload: bytes
-    version: Version = Version.V2
-
-    def serialize(self) -> bytes:
-        head = _FRAME_U32X2.pack(self.version, FrameType.JSON, self.seq, len(self.payload))
-        return head + self.payload
-
-
-@dataclass(frozen=True, slots=True)
-class CompressedFrame:
-    """``C``: a zlib stream (with header) whose content is a complete frame sequence."""
-
-    payload: bytes
-    version: Version = Version.V2
-
-    @classmethod
-    def compress(cls, frames: bytes, level: int = 3, version: Version = Version.V2) -> bytes:
-        """The serialized ``C`` frame wrapping ``frames``."""
-        return cls(zlib.compress(frames, level), version).serialize()
-
-    def serialize(self) -> bytes:
-        head = _FRAME_U32.pack(self.version, FrameType.COMPRESSED, len(self.payload))
-        return head + self.payload
-
-
-@dataclass(frozen=True, slots=True)
-class AckFrame:
-    """``A``: everything up to and including ``seq`` is acknowledged (0: keepalive, v2)."""
-
-    seq: int
-    version: Version = Version.V2
-
-    def serialize(self) -> bytes:
-        return _FRAME_U32.pack(self.version, FrameType.ACK, self.seq)
-
-
-def encode_ack(version: int, seq: int) -> bytes:
-    """The ``A`` frame bytes; ``version`` is the byte of the frames being acknowledged."""
-    return _FRAME_U32.pack(version, FrameType.ACK, seq & SEQ_MASK)
-
-
-# --- server side -------------------------------------------------------------------------------
+__all__ = ["Limits", "ServerConnection", "Window"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -714,116 +547,3 @@ def _inflate(data: memoryview, limit: int) -> bytes:
     if decomp.unused_data:
         raise LumberjackError("bytes after the zlib stream in a C frame", reason="bad_compressed")
     return out
-
-
-# --- client side -------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class SentWindow:
-    """One window on the wire: its events (for a resend) and its sequence range."""
-
-    events: list[object]
-    first_seq: int
-    last_seq: int
-    data: bytes
-
-
-@dataclass
-class ClientSession:
-    """The sending side's bookkeeping, shared by the sync and asyncio clients.
-
-    Sequence numbers count per connection from 1 (like pylogbeat and logstash-forwarder) and
-    skip 0 on roll-over, so a ``2A 0`` keepalive can never be mistaken for an ack. An ack
-    acknowledges every window whose last sequence number it reaches (bulk acks work).
-    """
-
-    version: Version = Version.V2
-    compression_level: int = 3
-    in_flight: deque[SentWindow] = field(default_factory=deque)
-    next_seq: int = 1
-    acked_events: int = 0
-    keepalives: int = 0
-    _buf: bytearray = field(default_factory=bytearray)
-
-    def encode_window(self, events: Sequence[object]) -> SentWindow:
-        """Frames for one window (W, then the data frames, in one C unless level is 0)."""
-        version = self.version
-        seq = self.next_seq
-        first = seq
-        frames: list[bytes] = []
-        last = seq
-        for event in events:
-            last = seq
-            if version == Version.V1 and isinstance(event, Mapping):
-                frames.append(DataFrame.from_mapping(seq, event, version).serialize())
-            else:
-                if isinstance(event, bytes):
-                    payload = event
-                elif isinstance(event, str):
-                    payload = event.encode()
-                else:
-                    payload = orjson.dumps(event)
-                frames.append(
-                    _FRAME_U32X2.pack(version, FrameType.JSON, seq, len(payload)) + payload
-                )
-            seq = next_seq(seq)
-        self.next_seq = seq
-        body = b"".join(frames)
-        head = WindowSizeFrame(len(frames), version).serialize()
-        if self.compression_level > 0:
-            body = CompressedFrame.compress(body, self.compression_level, version)
-        window = SentWindow(list(events), first, last, head + body)
-        self.in_flight.append(window)
-        return window
-
-    def receive_data(self, data: bytes) -> list[SentWindow]:
-        """Feed bytes from the server; return the windows now fully acknowledged."""
-        self._buf += data
-        done: list[SentWindow] = []
-        buf = self._buf
-        pos = 0
-        while len(buf) - pos >= 6:
-            version, ftype, seq = _FRAME_U32.unpack_from(buf, pos)
-            pos += 6
-            if ftype != FrameType.ACK or version not in (Version.V1, Version.V2):
-                raise LumberjackError(
-                    f"server sent frame {version:#04x}/{ftype:#04x}, expected an ack",
-                    reason="unexpected_frame",
-                )
-            if seq == 0:
-                self.keepalives += 1
-                continue
-            while self.in_flight:
-                window = self.in_flight[0]
-                if seq == window.last_seq or seq_after(seq, window.last_seq):
-                    self.in_flight.popleft()
-                    self.acked_events += len(window.events)
-                    done.append(window)
-                else:
-                    break
-        del buf[:pos]
-        return done
-
-    def reconnected(self) -> list[bytes]:
-        """After a new connection: re-encode every unacknowledged window, in order."""
-        pending = list(self.in_flight)
-        self.in_flight.clear()
-        self._buf.clear()
-        self.next_seq = 1
-        return [self.encode_window(w.events).data for w in pending]
-
-    def unacked_events(self) -> int:
-        return sum(len(w.events) for w in self.in_flight)
-
-
-def windows_of(events: Iterable[object], size: int) -> Iterable[list[object]]:
-    """Split ``events`` into lists of at most ``size``."""
-    chunk: list[object] = []
-    for event in events:
-        chunk.append(event)
-        if len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
