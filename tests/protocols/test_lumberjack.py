@@ -49,15 +49,23 @@ def C(frames: bytes, v: Version = V2, level: int = 6) -> bytes:
     return CompressedFrame.compress(frames, level, v)
 
 
+def receive_all(conn: ServerConnection, data: bytes, now_ns: int = 7) -> list[Window]:
+    """``receive_data`` and then the rest it left buffered (one ``C`` frame per call)."""
+    out = conn.receive_data(data, now_ns)
+    while conn.more_buffered:
+        out += conn.receive_data(b"", now_ns)
+    return out
+
+
 def feed(conn: ServerConnection, data: bytes, chunks: list[int] | None = None) -> list[Window]:
-    out: list[Window] = []
     if chunks is None:
-        return conn.receive_data(data, 7)
+        return receive_all(conn, data)
+    out: list[Window] = []
     pos = 0
     for size in chunks:
-        out += conn.receive_data(data[pos : pos + size], 7)
+        out += receive_all(conn, data[pos : pos + size])
         pos += size
-    out += conn.receive_data(data[pos:], 7)
+    out += receive_all(conn, data[pos:])
     return out
 
 
@@ -194,7 +202,7 @@ class TestAcks:
 
     def test_restart_at_one_per_window_go_lumber_style(self) -> None:
         data = b"".join(W(2) + C(J(1, {}) + J(2, {})) for _ in range(3))
-        assert [w.ack_seq for w in ServerConnection("p").receive_data(data, 1)] == [2, 2, 2]
+        assert [w.ack_seq for w in receive_all(ServerConnection("p"), data)] == [2, 2, 2]
 
     def test_rollover(self) -> None:
         seqs = [0xFFFFFFFE, 0xFFFFFFFF, 0, 1]
@@ -322,6 +330,56 @@ class TestMalformed:
         assert window.ack_seq == 1
 
 
+class TestInflateBounds:
+    """Issue 19 item 6: nested ``C`` frames and many ``C`` frames in one read stay bounded."""
+
+    LIMITS = Limits(max_frame_bytes=1 << 20, max_decompressed_bytes=1 << 20)
+
+    def test_nested_frames_share_the_outer_frames_bound(self) -> None:
+        # Each inner C inflates to 600 KiB (within the bound alone); eight of them would be
+        # 4.8 MiB from one small outer frame. Together they may inflate to the bound, no more.
+        inner = W(1) + C(J(1, {"pad": "x" * (600 << 10)}), level=9)
+        outer = C(inner * 8, level=9)
+        assert len(outer) < 40_000
+        conn = ServerConnection("p", limits=self.LIMITS)
+        with pytest.raises(LumberjackLimit) as info:
+            receive_all(conn, outer)
+        assert info.value.reason == "decompressed_too_large"
+        # The one window that fitted is handed over for commit and ack, not lost.
+        assert [w.ack_seq for w in info.value.windows] == [1]
+
+    def test_nesting_within_the_bound_is_whole(self) -> None:
+        inner = W(1) + C(J(1, {"pad": "x" * (200 << 10)}), level=9)
+        windows = receive_all(ServerConnection("p", limits=self.LIMITS), C(inner * 4))
+        assert [w.ack_seq for w in windows] == [1, 1, 1, 1]
+
+    def test_one_compressed_frame_per_call_rest_left_buffered(self) -> None:
+        # Five small C frames that inflate to 900 KiB each arrive in one read: the decoder
+        # inflates one, returns its window and keeps the rest as received (compressed), so
+        # the glue can check the hub's capacity before inflating the next.
+        frame = W(1) + C(J(1, {"pad": "y" * (900 << 10)}), level=9)
+        conn = ServerConnection("p", limits=self.LIMITS)
+        first = conn.receive_data(J(0, {"plain": 1}) + frame * 5, 1)
+        assert [w.batch.count for w in first] == [1, 1] and conn.more_buffered
+        assert conn.buffered_bytes == 4 * len(frame) - len(W(1))  # from the second C on
+        later = []
+        while conn.more_buffered:
+            later.append(conn.receive_data(b"", 1))
+        assert [[w.ack_seq for w in ws] for ws in later] == [[1]] * 4
+        assert conn.buffered_bytes == 0
+
+    def test_incomplete_frame_bytes_from_the_header(self) -> None:
+        conn = ServerConnection("p", limits=self.LIMITS)
+        assert conn.incomplete_frame_bytes == 0
+        frame = J(1, {"pad": "z" * 5000})
+        conn.receive_data(frame[:3], 1)
+        assert conn.buffered_bytes == 3
+        conn.receive_data(frame[3:100], 1)
+        assert conn.incomplete_frame_bytes == len(frame) and conn.buffered_bytes == 100
+        conn.receive_data(frame[100:], 1)
+        assert conn.incomplete_frame_bytes == 0 and conn.buffered_bytes == 0
+
+
 # Building frames inside hypothesis is slow; the fuzz picks from prebuilt pieces instead
 # (valid frames of every type, truncated and oversized ones) and adds random bytes and flips.
 _PIECES = [
@@ -349,8 +407,8 @@ def _fuzz_once(data: bytes, cut: int) -> None:
         "p", limits=Limits(max_window=1000, max_frame_bytes=4096, max_decompressed_bytes=8192)
     )
     try:
-        conn.receive_data(data[:cut], 1)
-        conn.receive_data(data[cut:], 1)
+        receive_all(conn, data[:cut], 1)
+        receive_all(conn, data[cut:], 1)
         conn.flush()
     except (LumberjackError, LumberjackLimit):
         pass

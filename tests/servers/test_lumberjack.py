@@ -57,6 +57,10 @@ def J(seq: int, obj: object, v: Version = V2) -> bytes:
     return JsonFrame(seq, orjson.dumps(obj), v).serialize()
 
 
+def C(frames: bytes, level: int = 6) -> bytes:
+    return CompressedFrame.compress(frames, level)
+
+
 def D(seq: int, pairs: dict[str, str]) -> bytes:
     return DataFrame.from_mapping(seq, pairs, V1).serialize()
 
@@ -312,10 +316,37 @@ class TestTLS:
 
 
 def _metric(app: App, reason: str) -> float:
+    return _gauge(app, "taproom_ingest_rejected_items_total", f'reason="{reason}"')
+
+
+def _gauge(app: App, name: str, label: str = "") -> float:
+    """The value of metric ``name`` (with ``label`` among its labels) in /metrics; 0 if absent."""
     for line in app.hub.metrics.render().decode().splitlines():
-        if line.startswith("taproom_ingest_rejected_items_total") and f'reason="{reason}"' in line:
+        if line.startswith(name) and label in line and not line.startswith("#"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+async def _until(condition: Any, timeout: float = 20.0) -> None:
+    """Wait for ``condition()`` with a generous deadline (the machine may be loaded)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.05)
+
+
+def _slow_commits(hub: Any, delay: float) -> None:
+    """A slow disk: every commit is reported durable ``delay`` s after it really is."""
+    real_submit = hub.submit
+
+    def slow_submit(batch: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        delayed: asyncio.Future[Any] = loop.create_future()
+        real = real_submit(batch)
+        real.add_done_callback(lambda f: loop.call_later(delay, delayed.set_result, f.result()))
+        return delayed
+
+    hub.submit = slow_submit
 
 
 class TestAcks:
@@ -361,20 +392,7 @@ class TestAcks:
             tmp_path, enable=["lumberjack"], lumberjack={"keepalive_s": 0.2}
         ) as app:
             host, port = addr(app)
-            hub = app.hub
-            real_submit = hub.submit
-
-            def slow_submit(batch: Any) -> asyncio.Future[Any]:
-                # A slow disk: the commit is reported durable 1.2 s after it really is.
-                loop = asyncio.get_running_loop()
-                delayed: asyncio.Future[Any] = loop.create_future()
-                real = real_submit(batch)
-                real.add_done_callback(
-                    lambda f: loop.call_later(1.2, delayed.set_result, f.result())
-                )
-                return delayed
-
-            hub.submit = slow_submit  # type: ignore[method-assign]
+            _slow_commits(app.hub, 1.2)
 
             def run(v: Version) -> list[bytes]:
                 frame = J(1, {"a": 1}, v)
@@ -391,6 +409,31 @@ class TestAcks:
             v1 = await asyncio.to_thread(run, V1)
         assert v2[-1] == ack(V2, 1) and len(v2) >= 2 and set(v2[:-1]) == {ack(V2, 0)}
         assert v1 == [ack(V1, 1)]
+
+    async def test_first_keepalive_one_interval_after_the_window(self, tmp_path: Path) -> None:
+        # Issue 18 item 7: keepalives rode a shared 1 s tick, so the first came anywhere from
+        # 0 to keepalive_s + 1 s after the window was read. It is timed per connection now;
+        # a keepalive can come late on a loaded machine, never early.
+        keepalive = 0.5
+        async with running_app(
+            tmp_path, enable=["lumberjack"], lumberjack={"keepalive_s": keepalive}
+        ) as app:
+            host, port = addr(app)
+            _slow_commits(app.hub, 3 * keepalive)
+
+            def first_keepalive_after(stagger: float) -> float:
+                time.sleep(stagger)  # different phases against any shared tick
+                with socket.create_connection((host, port)) as s:
+                    started = time.monotonic()
+                    s.sendall(W(1) + J(1, {"a": 1}))
+                    assert recv_exact(s, 6) == ack(V2, 0)
+                    waited = time.monotonic() - started
+                    while recv_exact(s, 6) == ack(V2, 0):
+                        pass
+                    return waited
+
+            waits = [await asyncio.to_thread(first_keepalive_after, i * 0.13) for i in range(4)]
+        assert min(waits) >= keepalive, waits
 
 
 class TestLimits:
@@ -460,6 +503,156 @@ class TestLimits:
             data, waited = await asyncio.to_thread(run)
             assert data == b"" and waited < 9
             assert _metric(app, "idle_timeout") == 1
+
+    async def test_idle_tls_connection_closed_once_and_at_once(self, tmp_path: Path) -> None:
+        # Issue 18 item 6: the sweep closed an idle TLS connection every second for 30 s
+        # (TLS close waits for a close_notify shippers never send), counting it each time.
+        tls = make_tls(tmp_path)
+        cfg = {"tls_cert": str(tls.cert), "tls_key": str(tls.key_pkcs8), "idle_timeout_s": 0.5}
+        async with running_app(tmp_path, enable=["lumberjack"], lumberjack=cfg) as app:
+            host, port = addr(app)
+            ctx = client_ssl_context(ca=str(tls.ca))
+            raw = await asyncio.to_thread(socket.create_connection, (host, port))
+            conn = await asyncio.to_thread(ctx.wrap_socket, raw, server_hostname="localhost")
+            try:
+                open_now = lambda: _gauge(app, "taproom_ingest_open_connections", "lumberjack")  # noqa: E731
+                await _until(lambda: open_now() == 1)
+                await _until(lambda: _metric(app, "idle_timeout") >= 1)
+                await _until(lambda: open_now() == 0, timeout=10)  # not after 30 s
+                await asyncio.sleep(2.5)  # several more sweeps
+                assert _metric(app, "idle_timeout") == 1
+            finally:
+                conn.close()
+
+    async def test_a_trickle_of_bytes_is_idle(self, tmp_path: Path) -> None:
+        # Issue 19 item 9: one byte every 2 s kept a connection past idle_timeout_s. Idle now
+        # means no complete frame.
+        cfg = {"idle_timeout_s": 1.0}
+        async with running_app(tmp_path, enable=["lumberjack"], lumberjack=cfg) as app:
+            host, port = addr(app)
+
+            def trickle() -> float:
+                frame = W(1) + J(1, {"slow": "x" * 100})
+                with socket.create_connection((host, port)) as s:
+                    started = time.monotonic()
+                    for byte in frame[:-1]:
+                        try:
+                            s.sendall(bytes([byte]))
+                        except OSError:
+                            break
+                        s.settimeout(0.3)
+                        try:
+                            if s.recv(10) == b"":
+                                break
+                        except TimeoutError:
+                            continue
+                    return time.monotonic() - started
+
+            lasted = await asyncio.to_thread(trickle)
+            assert lasted < 30  # the frame would take ~35 s to trickle in
+            assert _metric(app, "idle_timeout") == 1
+
+    async def test_connections_per_peer_are_capped(self, tmp_path: Path) -> None:
+        # Issue 19 item 9: 4,096 idle sockets from one host locked out every other shipper.
+        cfg = {"max_connections_per_peer": 3}
+        async with running_app(tmp_path, enable=["lumberjack"], lumberjack=cfg) as app:
+            host, port = addr(app)
+
+            def run() -> tuple[bytes, bytes, bytes]:
+                held = [socket.create_connection((host, port)) for _ in range(3)]
+                try:
+                    with socket.create_connection((host, port)) as fourth:
+                        fourth.settimeout(10)
+                        refused = fourth.recv(10)
+                    # Another host (127.0.0.2 is loopback too) still gets in and is acked.
+                    with socket.create_connection(
+                        (host, port), source_address=("127.0.0.2", 0)
+                    ) as other:
+                        other.sendall(W(1) + J(1, {"other": 1}))
+                        other_ack = recv_exact(other, 6)
+                    held[0].sendall(W(1) + J(1, {"held": 1}))
+                    return refused, other_ack, recv_exact(held[0], 6)
+                finally:
+                    for s in held:
+                        s.close()
+
+            refused, other_ack, held_ack = await asyncio.to_thread(run)
+            assert refused == b"" and other_ack == ack(V2, 1) and held_ack == ack(V2, 1)
+            assert _metric(app, "max_connections_per_peer") == 1
+
+    async def test_incomplete_frames_share_max_buffered_bytes(self, tmp_path: Path) -> None:
+        # Issue 19 item 9: 20 connections each holding 15 MiB of an unfinished frame took
+        # 369 MB. Large incomplete frames now reserve their size from one listener-wide
+        # budget; the rest wait without reading, and small windows still flow.
+        frame_len = 1 << 20
+        cfg = {"max_frame_bytes": frame_len, "max_buffered_bytes": 3 * frame_len + 100}
+        async with running_app(tmp_path, enable=["lumberjack"], lumberjack=cfg) as app:
+            host, port = addr(app)
+            big = J(1, {"pad": "p" * (frame_len - 20)})
+            assert frame_len - 100 < len(big) <= frame_len
+            attackers = [
+                await asyncio.to_thread(socket.create_connection, (host, port)) for _ in range(5)
+            ]
+            try:
+                for s in attackers:
+                    s.sendall(W(1) + big[: 600 << 10])
+                reserved = lambda: _gauge(app, "taproom_lumberjack_buffer_reserved_bytes")  # noqa: E731
+                waiting = lambda: _gauge(app, "taproom_lumberjack_buffer_waiting_connections")  # noqa: E731
+                await _until(lambda: reserved() == 3 * len(big) and waiting() == 2)
+
+                def small_window() -> bytes:
+                    with socket.create_connection((host, port)) as s:
+                        s.sendall(W(2) + J(1, {"small": 1}) + J(2, {"small": 2}))
+                        return recv_exact(s, 6)
+
+                assert await asyncio.to_thread(small_window) == ack(V2, 1 + 1)
+                # One attacker finishes its frame: its reservation goes to a waiting one.
+                attackers[0].sendall(big[600 << 10 :])
+                assert await asyncio.to_thread(recv_exact, attackers[0], 6) == ack(V2, 1)
+                await _until(lambda: reserved() == 3 * len(big) and waiting() == 1)
+            finally:
+                for s in attackers:
+                    s.close()
+            await _until(lambda: reserved() == 0 and waiting() == 0)
+
+    async def test_one_read_of_compressed_frames_waits_for_capacity(self, tmp_path: Path) -> None:
+        # Issue 19 item 6: what one read inflated was all submitted at once (520 MB pending
+        # against 64 MiB). Now one C frame is inflated per step and the next waits until the
+        # hub has capacity: outstanding bytes stay near max_pending_bytes.
+        inflated = 512 << 10
+        cfg = {"max_decompressed_bytes": inflated + 1024, "max_batch_bytes": 64 << 10}
+        hub_cfg = {"max_pending_bytes": 256 << 10}
+        async with running_app(tmp_path, enable=["lumberjack"], lumberjack=cfg, hub=hub_cfg) as app:
+            host, port = addr(app)
+            hub = app.hub
+            real_submit = hub.submit
+            outstanding = [0, 0]  # now, peak
+
+            def counting_submit(batch: Any) -> asyncio.Future[Any]:
+                size = len(batch.body)
+                outstanding[0] += size
+                outstanding[1] = max(outstanding[1], outstanding[0])
+                future = real_submit(batch)
+
+                def done(_f: object) -> None:
+                    outstanding[0] -= size
+
+                future.add_done_callback(done)
+                return future
+
+            hub.submit = counting_submit  # type: ignore[method-assign]
+            frame = W(1) + C(J(1, {"pad": "q" * (inflated - 100)}))
+            data = frame * 40
+            assert len(data) < 64 << 10  # one read on the server
+
+            def run() -> bytes:
+                with socket.create_connection((host, port)) as s:
+                    s.sendall(data)
+                    return recv_exact(s, 6 * 40)
+
+            assert await asyncio.to_thread(run) == ack(V2, 1) * 40
+            assert len(records(app)) == 40
+            assert outstanding[1] <= (256 << 10) + 2 * inflated, outstanding
 
     async def test_backpressure_stops_reading_and_loses_nothing(self, tmp_path: Path) -> None:
         async with running_app(

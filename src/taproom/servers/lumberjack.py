@@ -3,9 +3,15 @@
 One listener speaks both versions (the version byte of each frame decides). Each connection is
 an :class:`asyncio.Protocol` (cheaper than streams for 10,000 idle connections): bytes go to the
 sans-I/O parser, every complete window goes to ``hub.submit`` at once (pipelining), and acks go
-out in window order once the commit covering them resolves. While the hub is out of capacity the
-connection stops reading. One sweep task per listener handles idle timeouts and v2 keepalives,
-so an idle connection owns no timer.
+out in window order once the commit covering them resolves.
+
+A connection stops reading (``pause_reading``) while any of three holds is on: the hub is out of
+capacity; the parser left complete frames buffered (it inflates one ``C`` frame per call, and
+the next waits for the hub's capacity); or its incomplete frame needs more of the listener's
+``max_buffered_bytes`` than is free (it waits its turn; every frame admitted has its whole size
+reserved, so admitted frames always complete). One sweep task per listener closes connections
+that completed no frame for ``idle_timeout_s``; a connection owns a timer only while a v2
+window waits for its commit (keepalives).
 """
 
 from __future__ import annotations
@@ -38,6 +44,16 @@ __all__ = ["LumberjackConfig", "LumberjackServer", "create_service", "server_ssl
 log = logging.getLogger("taproom.lumberjack")
 
 _CLIENT_AUTH = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+_FRAME_HEAD = 10  # the longest frame header (D and J: version, type, seq, length)
+# An incomplete frame up to this size is held without a reservation: it costs less than one
+# socket read (256 KiB), and most single events are smaller.
+_UNRESERVED_FRAME_BYTES = 64 * 1024
+
+# Why a connection is not reading (bits of _Connection.holds).
+_HOLD_CAPACITY = 1  # the hub is out of capacity
+_HOLD_PARSE = 2  # complete frames are still buffered in the parser
+_HOLD_BUFFER = 4  # waiting for max_buffered_bytes to reserve its incomplete frame
 
 
 @config_section("lumberjack")
@@ -85,11 +101,34 @@ class LumberjackConfig:
     max_connections: int = setting(
         4096, "one or a few connections per shipper; an idle one costs ~5 KiB (bench)", min=1
     )
+    max_connections_per_peer: int = setting(
+        256,
+        "Filebeat opens one per worker; room for a NAT gateway in front of a fleet, while one "
+        "host can hold at most 1/16 of max_connections",
+        min=1,
+    )
+    max_buffered_bytes: int = setting(
+        64 * 1024 * 1024,
+        "incomplete frames of all connections together: four of max_frame_bytes at once; "
+        "further large frames wait their turn (20 senders x 15 MiB once took 369 MB)",
+        min=1024 * 1024,
+        max=1 << 32,
+    )
     idle_timeout_s: float = setting(
-        60.0, "Filebeat's default client timeout is 30 s; twice that is surely dead", min=0.1
+        60.0,
+        "no complete frame for this long: Filebeat's default client timeout is 30 s; twice that "
+        "is surely dead (a trickle of bytes does not count as alive)",
+        min=0.1,
     )
     handshake_timeout_s: float = setting(
         10.0, "a TLS handshake that takes longer is a stuck or hostile peer", min=0.1
+    )
+    tls_shutdown_timeout_s: float = setting(
+        2.0,
+        "closing TLS flushes our acks, then waits for close_notify, which go-lumber and "
+        "logstash-forwarder never send (asyncio waits 30 s)",
+        min=0.1,
+        max=60,
     )
     idle_ack_s: float = setting(
         0.2,
@@ -109,7 +148,12 @@ class LumberjackConfig:
     )
 
     def validate(self) -> None:
-        """Check the TLS files can actually be loaded together (``taproom validate``)."""
+        """Check the limits fit together and the TLS files load (``taproom validate``)."""
+        if self.max_buffered_bytes < self.max_frame_bytes + _FRAME_HEAD:
+            raise ConfigError(
+                f"must hold one frame of max_frame_bytes ({self.max_frame_bytes}) and its header",
+                key="max_buffered_bytes",
+            )
         if self.tls_key and not self.tls_cert:
             raise ConfigError("tls_key given without tls_cert", key="tls_cert")
         if self.tls_ca and not self.tls_cert:
@@ -167,13 +211,17 @@ class _Connection(asyncio.Protocol):
     __slots__ = (
         "_ack_timer",
         "_closing",
-        "_paused",
+        "_keepalive_timer",
         "_pending",
-        "last_activity",
+        "holds",
+        "last_frame",
         "parser",
+        "peer_host",
         "producer",
+        "reserved",
         "server",
         "transport",
+        "wanted",
     )
 
     def __init__(self, server: LumberjackServer) -> None:
@@ -182,10 +230,14 @@ class _Connection(asyncio.Protocol):
         self.parser: ServerConnection | None = None
         self._pending: deque[tuple[asyncio.Future[Commit] | None, Window]] = deque()
         self._ack_timer: asyncio.TimerHandle | None = None
-        self._paused = False
+        self._keepalive_timer: asyncio.TimerHandle | None = None
         self._closing = False
-        self.last_activity = time.monotonic()
+        self.holds = 0  # _HOLD_* bits: reading is paused while any is set
+        self.reserved = 0  # bytes of max_buffered_bytes held for the incomplete frame
+        self.wanted = 0  # bytes asked for while waiting in the server's queue
+        self.last_frame = time.monotonic()  # the last complete frame (idleness)
         self.producer = ""
+        self.peer_host: str | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -194,12 +246,13 @@ class _Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         server = self.server
         server.handshaking.pop(self, None)
-        if len(server.connections) >= server.config.max_connections:
-            server.hub.metrics.rejected(PROTOCOL, "max_connections")
-            log.warning("connection refused: max_connections %d", server.config.max_connections)
+        peer = transport.get_extra_info("peername")
+        refusal = server.admit(self, peer[0] if peer else None)
+        if refusal:
+            server.hub.metrics.rejected(PROTOCOL, refusal)
+            log.warning("%s: connection refused: %s", peer[0] if peer else "?", refusal)
             transport.abort()
             return
-        peer = transport.get_extra_info("peername")
         producer = f"{peer[0]}:{peer[1]}" if peer else ""
         cert = transport.get_extra_info("peercert")
         if cert:
@@ -215,14 +268,37 @@ class _Connection(asyncio.Protocol):
             stream_fields=cfg.stream_fields,
             topic_fields=cfg.topic_fields,
         )
-        server.connections.add(self)
-        server.m_connections.inc()
 
     def data_received(self, data: bytes) -> None:
-        parser = self.parser
-        if parser is None or self._closing:
+        if self.parser is None or self._closing:
             return
-        self.last_activity = time.monotonic()
+        self._receive(data)
+
+    def eof_received(self) -> bool:
+        # The sender half-closed: flush, let pending acks go out, then close.
+        if self.parser is not None and not self._closing:
+            self._idle_flush()
+        self._closing = True
+        self._close_when_acked()
+        # Keep the write side open for the acks; asyncio's TLS transport closes regardless
+        # (and warns if asked not to).
+        return self.transport.get_extra_info("sslcontext") is None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for timer in (self._ack_timer, self._keepalive_timer):
+            if timer is not None:
+                timer.cancel()
+        self._ack_timer = self._keepalive_timer = None
+        self.server.forget(self)
+        self._closing = True
+        self._pending.clear()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _receive(self, data: bytes) -> None:
+        parser = self.parser
+        assert parser is not None
+        held_before = parser.buffered_bytes + len(data)
         try:
             windows = parser.receive_data(data, time.time_ns())
         except (LumberjackError, LumberjackLimit) as exc:
@@ -236,6 +312,9 @@ class _Connection(asyncio.Protocol):
             log.exception("%s: internal error while parsing", self.producer)
             self._violation(ProtocolError("internal error", reason="internal_error"))
             return
+        if parser.buffered_bytes < held_before:
+            # The parser consumes whole frames only: a trickle of bytes is not activity.
+            self.last_frame = time.monotonic()
         if windows:
             self._submit(windows)
         if parser.pending_events:
@@ -244,30 +323,58 @@ class _Connection(asyncio.Protocol):
             self._ack_timer = self.server.loop.call_later(
                 self.server.config.idle_ack_s, self._idle_flush
             )
-        if not self.server.hub.has_capacity and not self._paused:
-            self._paused = True
+        self._decide_reading()
+
+    def _decide_reading(self) -> None:
+        """After a read: reserve the incomplete frame's size, then hold while the hub is full or
+        the parser has more buffered; the rest of a read is parsed once capacity is back."""
+        if self._closing:
+            return
+        parser = self.parser
+        assert parser is not None
+        server = self.server
+        frame = parser.incomplete_frame_bytes
+        if frame > _UNRESERVED_FRAME_BYTES:
+            if frame > self.reserved and not server.reserve(self, frame):
+                self._hold(_HOLD_BUFFER)  # server.reserve resumes us once granted
+        elif self.reserved:
+            server.release(self)
+        if not server.hub.has_capacity:
+            if not self.holds & _HOLD_CAPACITY:
+                self._hold(_HOLD_CAPACITY)
+                server.loop.create_task(self._wait_capacity())
+        elif parser.more_buffered and not self.holds & _HOLD_PARSE:
+            self._hold(_HOLD_PARSE)
+            server.loop.call_soon(self._parse_buffered)
+
+    def _parse_buffered(self) -> None:
+        self._unhold(_HOLD_PARSE)
+        if not self._closing and self.parser is not None and self.parser.more_buffered:
+            self._receive(b"")
+
+    async def _wait_capacity(self) -> None:
+        try:
+            await self.server.hub.wait_capacity()
+        finally:
+            self._unhold(_HOLD_CAPACITY)
+            if not self._closing:
+                self._decide_reading()
+
+    def _hold(self, hold: int) -> None:
+        if not self.holds and not self._closing:
             self.transport.pause_reading()
-            self.server.loop.create_task(self._wait_capacity())
+        self.holds |= hold
 
-    def eof_received(self) -> bool:
-        # The sender half-closed: flush, let pending acks go out, then close.
-        if self.parser is not None and not self._closing:
-            self._idle_flush()
-        self._closing = True
-        self._close_when_acked()
-        # Keep the write side open for the acks; asyncio's TLS transport closes regardless
-        # (and warns if asked not to).
-        return self.transport.get_extra_info("sslcontext") is None
+    def _unhold(self, hold: int) -> None:
+        if not self.holds & hold:
+            return
+        self.holds &= ~hold
+        if not self.holds and not self._closing and not self.transport.is_closing():
+            self.transport.resume_reading()
 
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._ack_timer is not None:
-            self._ack_timer.cancel()
-            self._ack_timer = None
-        if self in self.server.connections:
-            self.server.connections.discard(self)
-            self.server.m_connections.dec()
-        self._closing = True
-        self._pending.clear()
+    def granted(self) -> None:
+        """The server reserved what this connection waited for."""
+        self._unhold(_HOLD_BUFFER)
 
     # -- windows and acks ---------------------------------------------------------------------
 
@@ -307,8 +414,28 @@ class _Connection(asyncio.Protocol):
                 acks.append(encode_ack(window.version, window.ack_seq))
         if acks and self.transport is not None and not self.transport.is_closing():
             self.transport.write(b"".join(acks) if len(acks) > 1 else acks[0])
+            if self._keepalive_timer is not None:  # the sender just heard from us
+                self._keepalive_timer.cancel()
+                self._keepalive_timer = None
+        if pending and self._keepalive_timer is None:
+            self._keepalive_timer = self.server.loop.call_later(
+                self.server.config.keepalive_s, self._keepalive
+            )
         if self._closing:
             self._close_when_acked()
+
+    def _keepalive(self) -> None:
+        """v2 only: the oldest pending window has waited ``keepalive_s`` since it was read or
+        since our last ack: tell the sender it is being worked on (seq 0). Never on v1: a v1
+        client takes the first ack it reads as its window's."""
+        self._keepalive_timer = None
+        if not self._pending or self.transport is None or self.transport.is_closing():
+            return
+        if self._pending[0][1].version == 0x32:
+            self.transport.write(encode_ack(0x32, 0))
+        self._keepalive_timer = self.server.loop.call_later(
+            self.server.config.keepalive_s, self._keepalive
+        )
 
     def _idle_flush(self) -> None:
         self._ack_timer = None
@@ -319,20 +446,17 @@ class _Connection(asyncio.Protocol):
         if window is not None:
             self._submit([window])
 
-    async def _wait_capacity(self) -> None:
-        try:
-            await self.server.hub.wait_capacity()
-        finally:
-            self._paused = False
-            if not self._closing and not self.transport.is_closing():
-                self.transport.resume_reading()
-
-    def keepalive(self) -> None:
-        """v2 only: tell the sender the pending window is being worked on (seq 0)."""
-        if self._pending and self._pending[0][1].version == 0x32:
-            self.transport.write(encode_ack(0x32, 0))
-
     # -- closing ------------------------------------------------------------------------------
+
+    def idle(self, now: float, timeout: float) -> bool:
+        """No complete frame for ``timeout``, nothing owed to the sender, not held by us."""
+        return (
+            not self._closing
+            and not self._pending
+            and not self.holds
+            and self.parser is not None
+            and now - self.last_frame > timeout
+        )
 
     def _violation(self, exc: ProtocolError) -> None:
         reason = exc.reason
@@ -348,6 +472,8 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
     def _abort(self, why: str) -> None:
+        """Drop the connection at once: nothing owed is sent (and on TLS no close_notify is
+        awaited)."""
         log.info("%s: closing connection: %s", self.producer, why)
         self._closing = True
         self._pending.clear()
@@ -356,17 +482,44 @@ class _Connection(asyncio.Protocol):
 
 
 class LumberjackServer:
-    """The listener: accepts, limits connections, sweeps idle ones, sends v2 keepalives."""
+    """The listener: accepts, limits connections (in total and per peer) and the bytes of
+    incomplete frames, sweeps idle connections and failed TLS handshakes."""
 
     def __init__(self, hub: Hub, config: LumberjackConfig) -> None:
         self.hub = hub
         self.config = config
         self.limits = config.limits
         self.connections: set[_Connection] = set()
+        self.per_peer: dict[str, int] = {}
         self.loop = asyncio.get_event_loop()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self.m_connections = hub.metrics.connections(PROTOCOL, "lumberjack")
+        m = hub.metrics
+        self.m_connections = m.connections(PROTOCOL, "lumberjack")
+        # Bytes of max_buffered_bytes reserved by incomplete frames, and the connections
+        # waiting (not reading) for a reservation, first come first served.
+        self.buffer_reserved = 0
+        self._buffer_queue: deque[_Connection] = deque()
+        m.gauge_fn(
+            "lumberjack",
+            "buffer_reserved",
+            "bytes",
+            "Bytes of max_buffered_bytes reserved for incomplete frames",
+            lambda: self.buffer_reserved,
+        )
+        m.gauge_fn(
+            "lumberjack",
+            "buffer_waiting",
+            "connections",
+            "Connections not reading until max_buffered_bytes has room for their frame",
+            lambda: len(self._buffer_queue),
+        )
+        self._m_buffer_waits = m.counter(
+            "lumberjack",
+            "buffer_waits",
+            "calls",
+            "Times a connection waited for room in max_buffered_bytes",
+        )
         # TLS connections accepted but not yet through the handshake, with their accept time.
         # asyncio tells the protocol nothing about a failed handshake (it never calls
         # connection_made or connection_lost), so the sweep counts the ones that never arrive.
@@ -379,6 +532,81 @@ class LumberjackServer:
             self.handshaking[conn] = time.monotonic()
         return conn
 
+    # -- connection and buffer accounting ----------------------------------------------------
+
+    def admit(self, conn: _Connection, host: str | None) -> str:
+        """Count a new connection in; the rejection reason when a limit refuses it, else ''."""
+        cfg = self.config
+        if len(self.connections) >= cfg.max_connections:
+            return "max_connections"
+        if host is not None:
+            count = self.per_peer.get(host, 0)
+            if count >= cfg.max_connections_per_peer:
+                return "max_connections_per_peer"
+            self.per_peer[host] = count + 1
+            conn.peer_host = host
+        self.connections.add(conn)
+        self.m_connections.inc()
+        return ""
+
+    def forget(self, conn: _Connection) -> None:
+        """The connection is gone: its slot, its peer count and its reservation are free."""
+        if conn not in self.connections:
+            return
+        self.connections.discard(conn)
+        self.m_connections.dec()
+        host = conn.peer_host
+        if host is not None:
+            left = self.per_peer[host] - 1
+            if left:
+                self.per_peer[host] = left
+            else:
+                del self.per_peer[host]
+        if conn.wanted:
+            self._buffer_queue.remove(conn)
+            conn.wanted = 0
+        self.release(conn)
+
+    def reserve(self, conn: _Connection, size: int) -> bool:
+        """Reserve ``size`` bytes for ``conn``'s incomplete frame, or queue it (False).
+
+        First fit, not first come: a frame that fits goes ahead of larger ones waiting, so
+        senders hogging the budget with huge unfinished frames do not stall small windows.
+        """
+        extra = size - conn.reserved
+        if self.buffer_reserved + extra <= self.config.max_buffered_bytes:
+            if conn.wanted:
+                self._buffer_queue.remove(conn)
+                conn.wanted = 0
+            self.buffer_reserved += extra
+            conn.reserved = size
+            return True
+        if not conn.wanted:
+            self._buffer_queue.append(conn)
+            self._m_buffer_waits.inc()
+        conn.wanted = size  # a D frame's size grows as its pairs arrive
+        return False
+
+    def release(self, conn: _Connection) -> None:
+        """``conn``'s incomplete frame completed (or it closed): grant the waiting what fits."""
+        self.buffer_reserved -= conn.reserved
+        conn.reserved = 0
+        if not self._buffer_queue:
+            return
+        limit = self.config.max_buffered_bytes
+        waiting = deque[_Connection]()
+        for head in self._buffer_queue:
+            extra = head.wanted - head.reserved
+            if self.buffer_reserved + extra > limit:
+                waiting.append(head)
+                continue
+            self.buffer_reserved += extra
+            head.reserved, head.wanted = head.wanted, 0
+            self.loop.call_soon(head.granted)
+        self._buffer_queue = waiting
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
     async def start(self) -> dict[str, str]:
         self.loop = asyncio.get_running_loop()
         cfg = self.config
@@ -390,6 +618,7 @@ class LumberjackServer:
             cfg.port,
             ssl=ssl_ctx,
             ssl_handshake_timeout=cfg.handshake_timeout_s if ssl_ctx else None,
+            ssl_shutdown_timeout=cfg.tls_shutdown_timeout_s if ssl_ctx else None,
             backlog=1024,
         )
         self._sweeper = self.loop.create_task(self._sweep())
@@ -398,27 +627,23 @@ class LumberjackServer:
         return {"lumberjack": f"{host}:{port}"}
 
     async def _sweep(self) -> None:
-        """Idle timeouts and keepalives for all connections, one wake-up per second at most."""
+        """Idle timeouts and failed TLS handshakes, one wake-up per second at most."""
         cfg = self.config
-        period = min(1.0, cfg.keepalive_s, cfg.idle_timeout_s / 2)
-        last_keepalive = time.monotonic()
+        period = min(1.0, cfg.idle_timeout_s / 2)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            send_keepalive = now - last_keepalive >= cfg.keepalive_s
-            if send_keepalive:
-                last_keepalive = now
             if self.handshaking:
                 self._count_failed_handshakes(now)
-            for conn in list(self.connections):
-                if conn._pending:
-                    if send_keepalive:
-                        conn.keepalive()
-                elif now - conn.last_activity > cfg.idle_timeout_s:
-                    self.hub.metrics.rejected(PROTOCOL, "idle_timeout")
-                    log.info("%s: idle for %.0fs, closing", conn.producer, cfg.idle_timeout_s)
-                    conn._closing = True
-                    conn.transport.close()
+            for conn in [c for c in self.connections if c.idle(now, cfg.idle_timeout_s)]:
+                # Counted and logged once: the abort drops the socket at once, TLS included
+                # (nothing is owed to an idle sender, so there is nothing to flush).
+                self.hub.metrics.rejected(PROTOCOL, "idle_timeout")
+                log.info(
+                    "%s: no complete frame for %.0fs, closing", conn.producer, cfg.idle_timeout_s
+                )
+                conn._closing = True
+                conn.transport.abort()
 
     def _count_failed_handshakes(self, now: float) -> None:
         """Accepted TLS connections older than the handshake timeout that never completed it:

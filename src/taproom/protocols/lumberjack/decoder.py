@@ -105,9 +105,12 @@ class ServerConnection:
         "_events",
         "_high",
         "_in_window",
+        "_inflate_budget",
+        "_inflated",
         "_json_cache",
         "_kv_cache",
         "_limits",
+        "_more",
         "_nbytes",
         "_need",
         "_parts",
@@ -138,6 +141,9 @@ class ServerConnection:
         self._topic_keys = tuple(p for p in topic_fields if p)
         self._buf = bytearray()
         self._need = 0
+        self._more = False  # complete frames left in _buf for the next call
+        self._inflated = False  # this call inflated a top-level C frame
+        self._inflate_budget = 0  # bytes the current top-level C tree may still inflate to
         self._window_size = 0  # 0: no W seen yet, windows close at max_window or idle
         self._version = _VER2
         self._count = 0  # data frames in the open batch (not yet returned in a Window)
@@ -162,8 +168,26 @@ class ServerConnection:
 
     @property
     def buffered_bytes(self) -> int:
-        """Bytes of an incomplete frame held until the rest arrives."""
+        """Bytes held for a later call: an incomplete frame, or frames ``more_buffered`` left."""
         return len(self._buf)
+
+    @property
+    def incomplete_frame_bytes(self) -> int:
+        """The whole size of the incomplete frame being buffered, as far as its header tells
+        (a ``D`` frame's grows as its pairs arrive); 0 when none is."""
+        if not self._buf or self._more:
+            return 0
+        return max(self._need, len(self._buf))
+
+    @property
+    def more_buffered(self) -> bool:
+        """Complete frames are buffered: call ``receive_data(b"", now_ns)`` for them.
+
+        One call inflates at most one top-level ``C`` frame (a window for real senders), so
+        what one read can produce is bounded by ``max_decompressed_bytes`` and the caller can
+        check the hub's capacity before the next one is inflated.
+        """
+        return self._more
 
     @property
     def version(self) -> int:
@@ -171,10 +195,11 @@ class ServerConnection:
         return self._version
 
     def receive_data(self, data: bytes, now_ns: int) -> list[Window]:
-        """Parse ``data``; return the windows it completed, in order."""
+        """Parse ``data``; return the windows it completed, in order (see ``more_buffered``)."""
         self._received_ns = now_ns
         events: list[Window] = []
         self._events = events
+        self._more = self._inflated = False
         try:
             if self._buf:
                 buf = self._buf
@@ -364,7 +389,21 @@ class ServerConnection:
                         f"C frames nested deeper than {limits.max_nesting}",
                         reason="nesting_too_deep",
                     )
-                inner = _inflate(memoryview(view)[pos + 6 : fend], limits.max_decompressed_bytes)
+                if depth == 0:
+                    if self._inflated:
+                        self._more = True
+                        self._need = 0
+                        return pos
+                    self._inflated = True
+                    # The C frames nested in this one share its bound: eight inner frames of
+                    # 63 MiB each must not make 504 MiB out of one small outer frame.
+                    self._inflate_budget = limits.max_decompressed_bytes
+                inner = _inflate(
+                    memoryview(view)[pos + 6 : fend],
+                    self._inflate_budget,
+                    limits.max_decompressed_bytes,
+                )
+                self._inflate_budget -= len(inner)
                 self._version = version
                 stop = self._parse(inner, 0, len(inner), depth + 1)
                 if stop != len(inner):
@@ -531,8 +570,11 @@ class ServerConnection:
         return window
 
 
-def _inflate(data: memoryview, limit: int) -> bytes:
-    """zlib-decode with an output bound: a bomb stops at ``limit + 1`` bytes, never more."""
+def _inflate(data: memoryview, limit: int, bound: int) -> bytes:
+    """zlib-decode with an output bound: a bomb stops at ``limit + 1`` bytes, never more.
+
+    ``limit`` is what the enclosing top-level C frame has left of ``bound``.
+    """
     decomp = zlib.decompressobj()
     try:
         out = decomp.decompress(data, limit + 1)
@@ -540,7 +582,8 @@ def _inflate(data: memoryview, limit: int) -> bytes:
         raise LumberjackError(f"C payload is not zlib: {exc}", reason="bad_compressed") from None
     if len(out) > limit:
         raise LumberjackLimit(
-            f"C payload inflates past {limit} bytes", reason="decompressed_too_large"
+            f"C frame (with the C frames inside it) inflates past {bound} bytes",
+            reason="decompressed_too_large",
         )
     if not decomp.eof:
         raise LumberjackError("C payload is a truncated zlib stream", reason="bad_compressed")
