@@ -99,7 +99,10 @@ def main(out: Path) -> int:
                     page.click("#kegs tbody tr")
                     page.wait_for_selector("#preview tbody tr")
                 page.wait_for_timeout(3000)
-                page.screenshot(path=str(out / f"{name}.png"), full_page=True)
+                if name == "tail":  # a record opened; the table grows without end: one screen
+                    page.click("#events tbody tr >> nth=3")
+                    page.wait_for_selector("#record:not([hidden])")
+                page.screenshot(path=str(out / f"{name}.png"), full_page=name != "tail")
                 print(f"wrote {out / f'{name}.png'}")
         finally:
             stop.set()

@@ -37,7 +37,8 @@ const Console = (() => {
 
   const COMPACT = new Intl.NumberFormat("en-US", { notation: "compact", maximumFractionDigits: 2 });
   function compact(value) {
-    return value === null || value === undefined ? "" : COMPACT.format(value);
+    if (value === null || value === undefined) return "";
+    return Math.abs(value) >= 1000 ? COMPACT.format(value) : String(Number(value.toPrecision(4)));
   }
 
   function bytes(value) {
