@@ -19,6 +19,7 @@ from taproom.cli import main as taproom_main
 from taproom.clients.lager import DuplicateTap, KegWriter, Mug, Tap
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.keg import read_keg, sidecar_path
+from tests.protocols.lager.nasa_peer import check_format_xml
 from tests.support import fuzz_examples, running_app
 
 FORMATS = {
@@ -171,6 +172,34 @@ class TestTap:
                 return firsts
 
             assert await asyncio.to_thread(scenario) == list(range(15))
+
+    async def test_registration_is_what_a_nasa_lager_mug_accepts(self, tmp_path: Path) -> None:
+        """A real Mug validates each registration with data_format.xsd: the key attribute is
+        required (it died with "missing required attribute 'key'" on taproom's Tap)."""
+        async with running_app(tmp_path, enable=["lager"]) as app:
+            where = addresses(app)
+
+            def scenario() -> list[str]:
+                for key, xml in FORMATS.items():
+                    Tap(key, xml, **where).register().close()
+                mug = Mug(**where)
+                values = [reg.value for reg in mug.sync().values()]
+                mug.close()
+                return values
+
+            published = await asyncio.to_thread(scenario)
+            stored = [
+                r.payload.decode()
+                for r in app.hub.journal.read(0)
+                if r.content_type == "lager-registration"
+            ]
+        assert sorted(published) == sorted(stored) and len(stored) == len(FORMATS)
+        for xml in stored:
+            check_format_xml(xml)
+            key = parse_format_xml(xml).key
+            assert key in FORMATS and parse_format_xml(xml).with_key("") == parse_format_xml(
+                FORMATS[key]
+            )
 
     async def test_duplicate_tap_refused(self, tmp_path: Path) -> None:
         async with running_app(tmp_path, enable=["lager"]) as app:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
+import xml.etree.ElementTree as ET
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from taproom.protocols.lager.formats import (
     parse_format_xml,
     parse_keg_xml,
 )
+from tests.protocols.lager.nasa_peer import XsdError, check_format_xml, check_keg_xml
 
 SAMPLE_ITEMS = """
             <item name="uint1" offset="0" size="4" type="uint32_t"/>
@@ -50,6 +52,67 @@ def fmt(*items: str, version: str = "BEERR01") -> str:
 
 def item(name: str = "a", type: str = "uint8", size: object = 1, offset: object = 0) -> str:
     return f'<item name="{name}" type="{type}" size="{size}" offset="{offset}"/>'
+
+
+class TestNasaSchema:
+    """What nasa/lager's Mug accepts (data_format.xsd with Xerces, Val_Always) and its keg tools
+    read (keg_schema.xsd, lagr2hdf5.py): the rules are in tests/protocols/lager/nasa_peer.py."""
+
+    ALL_TYPES = fmt(
+        item("a", "uint32", 4, 0),
+        item("b", "double", 8, 4),
+        item("c", "int8_t", 1, 12),
+        item("d", "float32[3]", 12, 13),
+        item("e", "bool", 1, 25),
+        item("f", "string", 6, 26),
+        item("g", "uint64", 8, 32),
+    )
+
+    def test_the_checker_refuses_what_xerces_refuses(self) -> None:
+        with pytest.raises(XsdError, match="missing required attribute 'key'"):
+            check_format_xml(fmt(item()))  # the seed's form (taproom's old output)
+        for bad in (
+            '<format key="/k/" version="BEERR01" group="x">' + item() + "</format>",
+            '<format key="/k/" version="BEERR0100">' + item() + "</format>",
+            '<format key="/k/" version="BEERR01"></format>',
+            '<format key="/k/" version="BEERR01"><item name="a" type="u" size="-1" '
+            'offset="0"/></format>',
+            '<format key="/k/" version="BEERR01">x' + item() + "</format>",
+        ):
+            with pytest.raises(XsdError):
+                check_format_xml(bad)
+
+    def test_registration_xml_as_nasa_lager_writes_it(self) -> None:
+        f = parse_format_xml(self.ALL_TYPES)
+        xml = f.to_xml(key="/RobotA/Arm/")
+        check_format_xml(xml)
+        assert xml.startswith(
+            '<?xml version="1.0" encoding="UTF-8" standalone="no" ?>'
+            '<format key="/RobotA/Arm/" version="BEERR01">'
+            '<item name="a" offset="0" size="4" type="uint32_t"/>'
+            '<item name="b" offset="4" size="8" type="float64"/>'
+            '<item name="c" offset="12" size="1" type="int8_t"/>'
+        )
+        types = [i.get("type") for i in ET.fromstring(xml)]
+        assert types == ["uint32_t", "float64", "int8_t", "float32", "bool", "string", "uint64_t"]
+        again = parse_format_xml(xml)
+        assert again.key == "/RobotA/Arm/" and again.with_key("") == f
+        assert again.decode_row(again.encode_row({"a": 1, "b": 2.5, "c": -3, "d": (1, 2, 3),
+            "e": True, "f": "hi", "g": 5})) == f.decode_row(f.encode_row({"a": 1, "b": 2.5,
+            "c": -3, "d": (1, 2, 3), "e": True, "f": "hi", "g": 5}))  # fmt: skip
+
+    def test_keg_xml_has_key_uuid_and_version(self) -> None:
+        u = "72657b2f-4c2d-4cde-a37f-a961a45ee559"
+        f = parse_format_xml(self.ALL_TYPES)
+        for metadata in ({}, {"notes": "<&>"}):
+            text = keg_xml({u: f.with_key("/R/T/")}, metadata)
+            check_keg_xml(text)
+            formats, meta = parse_keg_xml(text)
+            assert formats[u].key == "/R/T/" and meta == metadata
+        check_keg_xml(keg_xml({u: f}))  # no key known: the uuid names the tap
+        assert parse_keg_xml(keg_xml({u: f}))[0][u].key == u
+        with pytest.raises(XsdError, match="'key'"):
+            check_keg_xml(SAMPLE_KEG)  # the seed's sample has no key: nasa/lager refuses it
 
 
 class TestSeedSample:

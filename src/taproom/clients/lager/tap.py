@@ -83,7 +83,9 @@ class Tap:
     ) -> None:
         self.key = key
         self.format = parse_format_xml(format) if isinstance(format, str) else format
-        self.xml = format if isinstance(format, str) else self.format.to_xml()
+        # Always nasa/lager's form (key attribute, C++ type names): its Mug validates every
+        # registration against a schema that requires them.
+        self.xml = self.format.to_xml(key=key)
         self.uuid = uuid or uuid_module.uuid4().bytes
         self.watch = watch
         self.silence_s = silence_s

@@ -24,6 +24,7 @@ Pure code: no I/O, no clock (STYLE.md rule 1).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 import struct
@@ -38,6 +39,7 @@ import numpy as np
 from ...errors import ProtocolError
 
 __all__ = [
+    "CPP_SPELLING",
     "DEFAULT_MAX_ITEMS",
     "DEFAULT_MAX_XML_BYTES",
     "FORMAT_VERSION",
@@ -61,6 +63,10 @@ MAX_VERSION_CHARS = 8
 DEFAULT_MAX_XML_BYTES = 64 * 1024
 DEFAULT_MAX_ITEMS = 1024
 MAX_NAME_CHARS = 255
+
+
+# What Xerces' DOMLSSerializer (nasa/lager's XML writer) puts first.
+_DECLARATION = '<?xml version="1.0" encoding="UTF-8" standalone="no" ?>'
 
 
 class FormatError(ProtocolError):
@@ -108,6 +114,23 @@ TYPES.update(
         "std::string": TYPES["string"],
     }
 )
+# What taproom writes in a format's ``type`` attribute: nasa/lager's spellings (its Tap writes
+# ``uint32_t``, ``float64``...; its keg reader lagr2hdf5.py knows only those). bool and string
+# have no C++ counterpart there and keep the seed's names.
+CPP_SPELLING = {
+    "int8": "int8_t",
+    "int16": "int16_t",
+    "int32": "int32_t",
+    "int64": "int64_t",
+    "uint8": "uint8_t",
+    "uint16": "uint16_t",
+    "uint32": "uint32_t",
+    "uint64": "uint64_t",
+    "float32": "float32",
+    "float64": "float64",
+    "bool": "bool",
+    "string": "string",
+}
 _ARRAY_TYPE = re.compile(r"^(?P<base>[A-Za-z_:0-9]+)\[(?P<count>[0-9]{1,9})\]$")
 _FORBIDDEN = re.compile(rb"<!\s*(DOCTYPE|ENTITY)", re.IGNORECASE)
 _INTEGER = re.compile(r"^\+?[0-9]{1,18}$")
@@ -243,6 +266,8 @@ def _format_from_element(elem: ET.Element, max_items: int, *, keg: bool) -> Data
     uuid = elem.get("uuid")
     if keg and uuid is None:
         raise _fail("format: missing required attribute 'uuid'", "missing_attribute")
+    # nasa/lager's schema requires a key (the tap's key) on <format>; the seed's has none.
+    key = elem.get("key") or ""
     children = list(elem)
     if not children:
         raise _fail("format: needs at least one item", "no_items")
@@ -253,7 +278,7 @@ def _format_from_element(elem: ET.Element, max_items: int, *, keg: bool) -> Data
         if child.tag != "item":
             raise _fail(f"format: unexpected element <{child.tag[:32]}>", "bad_element")
         items.append(_parse_item(child, index))
-    return DataFormat.from_items(items, version=version, uuid=uuid or "")
+    return DataFormat.from_items(items, version=version, uuid=uuid or "", key=key)
 
 
 def parse_format_xml(
@@ -306,10 +331,12 @@ def parse_keg_xml(
 
 
 def keg_xml(formats: Mapping[str, DataFormat], metadata: Mapping[str, str] | None = None) -> str:
-    """The ``<keg>`` XML for a keg trailer or sidecar (uuid strings -> formats)."""
-    lines = ['<?xml version="1.0" encoding="UTF-8" standalone="no" ?>', "<keg>", "    <formats>"]
+    """The ``<keg>`` XML for a keg trailer or sidecar (uuid strings -> formats), valid against
+    nasa/lager's keg_schema.xsd: every ``<format>`` has ``key``, ``uuid`` and ``version``. A
+    format that came without a key is named by its uuid."""
+    lines = [_DECLARATION, "<keg>", "    <formats>"]
     for uuid, fmt in formats.items():
-        lines.append(f"        {fmt._format_open(uuid)}")
+        lines.append(f"        {fmt._format_open(fmt.key or uuid, uuid)}")
         lines.extend(f"            {item}" for item in fmt._item_lines())
         lines.append("        </format>")
     lines.append("    </formats>")
@@ -331,13 +358,19 @@ class DataFormat:
     version: str = FORMAT_VERSION
     uuid: str = ""
     row_size: int = 0
+    key: str = ""  # the tap key in nasa/lager's <format key=...>; "" when the XML had none
     _struct: struct.Struct = field(default=struct.Struct(">"), repr=False, compare=False)
     _dtype: Any = field(default=None, repr=False, compare=False)
     _simple: bool = field(default=True, repr=False, compare=False)
 
     @classmethod
     def from_items(
-        cls, items: Sequence[Item], *, version: str = FORMAT_VERSION, uuid: str = ""
+        cls,
+        items: Sequence[Item],
+        *,
+        version: str = FORMAT_VERSION,
+        uuid: str = "",
+        key: str = "",
     ) -> DataFormat:
         """Validate names, offsets and sizes of ``items`` and build the codecs."""
         if not items:
@@ -376,27 +409,34 @@ class DataFormat:
             }
         )
         simple = all(i.count == 1 and i.type.name != "string" for i in ordered)
-        return cls(tuple(ordered), version, uuid, row_size, struct.Struct(code), dtype, simple)
+        return cls(
+            tuple(ordered), version, uuid, row_size, key, struct.Struct(code), dtype, simple
+        )
 
     # --- XML -------------------------------------------------------------------------------
 
     def _item_lines(self) -> list[str]:
         return [
             f'<item name={quoteattr(i.name)} offset="{i.offset}" size="{i.size}" '
-            f"type={quoteattr(i.type.name)}/>"
+            f"type={quoteattr(CPP_SPELLING[i.type.name])}/>"
             for i in self.items
         ]
 
-    def _format_open(self, uuid: str = "") -> str:
-        uuid = uuid or self.uuid
-        if uuid:
-            return f"<format uuid={quoteattr(uuid)} version={quoteattr(self.version)}>"
-        return f"<format version={quoteattr(self.version)}>"
+    def _format_open(self, key: str, uuid: str = "") -> str:
+        """``<format>`` with its attributes in the order Xerces writes them (by name)."""
+        uuid_attr = f" uuid={quoteattr(uuid)}" if uuid else ""
+        return f"<format key={quoteattr(key)}{uuid_attr} version={quoteattr(self.version)}>"
 
-    def to_xml(self) -> str:
-        """The registration value frame for this format."""
-        body = "\n".join(f"    {line}" for line in self._item_lines())
-        return f'<?xml version="1.0" encoding="UTF-8"?>\n{self._format_open()}\n{body}\n</format>\n'
+    def with_key(self, key: str) -> DataFormat:
+        """The same format naming tap ``key`` (what ``to_xml`` and kegs write)."""
+        return dataclasses.replace(self, key=key)
+
+    def to_xml(self, key: str | None = None) -> str:
+        """The registration value frame, as nasa/lager's Tap writes it (valid against its
+        data_format.xsd): ``<format key version>`` and ``<item name offset size type>`` with
+        C++ type names, on one line. ``key`` defaults to :attr:`key`."""
+        items = "".join(self._item_lines())
+        return f"{_DECLARATION}{self._format_open(self.key if key is None else key)}{items}</format>"
 
     @property
     def names(self) -> list[str]:
