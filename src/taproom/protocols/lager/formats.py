@@ -409,9 +409,7 @@ class DataFormat:
             }
         )
         simple = all(i.count == 1 and i.type.name != "string" for i in ordered)
-        return cls(
-            tuple(ordered), version, uuid, row_size, key, struct.Struct(code), dtype, simple
-        )
+        return cls(tuple(ordered), version, uuid, row_size, key, struct.Struct(code), dtype, simple)
 
     # --- XML -------------------------------------------------------------------------------
 
@@ -436,7 +434,9 @@ class DataFormat:
         data_format.xsd): ``<format key version>`` and ``<item name offset size type>`` with
         C++ type names, on one line. ``key`` defaults to :attr:`key`."""
         items = "".join(self._item_lines())
-        return f"{_DECLARATION}{self._format_open(self.key if key is None else key)}{items}</format>"
+        return (
+            f"{_DECLARATION}{self._format_open(self.key if key is None else key)}{items}</format>"
+        )
 
     @property
     def names(self) -> list[str]:
