@@ -50,6 +50,38 @@ async def test_client_sends_and_every_event_is_acked_once(tmp_path, transport):
         assert all(r.producer == "00000007" for r in stored)
 
 
+@pytest.mark.parametrize("transport", ["ws", "tcp"])
+async def test_an_oversize_entry_never_blocks_the_stream(tmp_path, transport):
+    """Issue 17 item 6: the client resends an unacked entry forever, so a hub that refused an
+    entry over max_data_bytes blocked everything after it. It is stored cut and acked."""
+    big = orjson.dumps({"blob": "x" * (600 * 1024)})  # over the 512 KiB default, under 1 MiB
+    async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+        host, port = addr(app, f"logtk_{transport}")
+        client = LogTKClient(transport, host, port, token=TOKEN, app="myapp", client_id=9)
+        async with client:
+            await client.send(orjson.dumps({"n": 0}))
+            await client.send(big)
+            for i in range(1, 4):
+                await client.send(orjson.dumps({"n": i}))
+            await client.flush(30)
+            assert client.acked == 5 and not client.unacked
+        cut, *normal = sorted(logtk_records(app), key=lambda r: len(r.payload), reverse=True)
+        assert sorted(orjson.loads(r.payload)["n"] for r in normal) == [0, 1, 2, 3]
+        assert cut.payload == big[: 512 * 1024]
+        assert cut.attrs["truncated_from"] == str(len(big))
+        registry = app.hub.metrics.registry
+        assert (
+            registry.get_sample_value(
+                "taproom_ingest_rejected_items_total",
+                {"protocol": "logtk", "reason": "data_truncated"},
+            )
+            == 1
+        )
+        assert registry.get_sample_value("taproom_logtk_truncated_bytes_total") == len(big) - (
+            512 * 1024
+        )
+
+
 async def test_unacked_data_is_resent_every_second_with_the_same_idem():
     """A peer that swallows the first copy of every data frame: the client resends it after
     the resend interval with the same idem, and stops once acked."""

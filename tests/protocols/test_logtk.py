@@ -29,6 +29,7 @@ from taproom.protocols.logtk import (
     Init,
     Initialized,
     LogTKError,
+    OversizeData,
     Ping,
     PingTimeout,
     Pong,
@@ -308,6 +309,42 @@ class TestIncrementalDecoding:
             got += decoder.feed(frame[i : i + 1000])
             assert decoder.buffered <= i + 1000
         assert got == [Data(bytes(range(256)) * 1000, 9)]
+
+
+class TestOversizeEntries:
+    """Issue 17 item 6: on a server, an entry over max_data_bytes is cut, never fatal."""
+
+    ENTRY = bytes(range(256)) * 40
+
+    @pytest.mark.parametrize("step", [None, 1000, 7, 1])
+    def test_cut_to_max_data_whatever_the_split(self, step):
+        stream = encode_frame(Data(self.ENTRY, 9)) + encode_frame(Data(b"next", 10))
+        decoder = FrameDecoder(max_frame_bytes=300, max_data_bytes=200, truncate_data=True)
+        got: list[object] = []
+        peak = 0
+        step = step or len(stream)
+        for i in range(0, len(stream), step):
+            got += decoder.feed(stream[i : i + step])
+            peak = max(peak, decoder.buffered)
+        assert got == [OversizeData(self.ENTRY[:200], 9, len(self.ENTRY)), Data(b"next", 10)]
+        assert decoder.error is None and peak <= 300  # the tail was never held
+
+    def test_frame_limit_still_holds_after_a_cut(self):
+        decoder = FrameDecoder(max_frame_bytes=300, max_data_bytes=200, truncate_data=True)
+        decoder.feed(b"\x03\x01" + encode_varuint32(len(self.ENTRY)) + self.ENTRY)
+        decoder.feed(h("02 00000001") * 30)  # repeated idem ops that never end the frame
+        assert decoder.error is not None and decoder.error.reason == "frame_too_large"
+
+    def test_server_connection_cuts_after_init_only(self):
+        conn = ServerConnection(ServerSettings(max_data_bytes=100), now=0, app="a")
+        conn.receive_data(encode_frame(Init("json", 1, None, False)), now=0)
+        (event,) = conn.receive_data(encode_frame(Data(self.ENTRY, 3)), now=0)
+        assert event == OversizeData(self.ENTRY[:100], 3, len(self.ENTRY))
+        assert conn.unacked == 1 and not conn.closed
+        # Before auth (TCP) nothing is cut: only the auth frame may come.
+        conn = tcp_server(max_data_bytes=100)
+        events = conn.receive_data(encode_frame(Data(self.ENTRY, 3)), now=0)
+        assert conn.closed and [e.reason for e in events] == ["data_too_large"]
 
 
 def tcp_server(**kw):

@@ -7,7 +7,7 @@ import base64
 
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from taproom.config import load_config
 from taproom.errors import ConfigError
@@ -396,13 +396,38 @@ class TestPingsAndLimits:
             await first.close()
             assert rejected(app, "too_many_connections") == 2
 
-    async def test_oversized_data_closes_with_limit(self, tmp_path):
+    async def test_oversized_entry_is_stored_cut_and_acked(self, tmp_path):
+        # Issue 17 item 6: closing with 0xfc left the entry unacked, resent on every reconnect.
         cfg = {**APPS, "max_data_bytes": 100}
         async with running_app(tmp_path, enable=["logtk"], logtk=cfg) as app:
-            reader, writer = await self._raw_tcp(app, INIT + encode_frame(Data(bytes(101), 1)))
-            frames = await self._frames_until_eof(reader)
+            big = bytes(range(256)) * 40
+            reader, writer = await self._raw_tcp(
+                app, INIT + encode_frame(Data(big, 1)) + encode_frame(Data(b"{}", 2))
+            )
+            decoder = FrameDecoder()
+            frames: list[object] = []
+            while Ack(2) not in frames:
+                frames += decoder.feed(await asyncio.wait_for(reader.read(4096), 5))
             writer.close()
-            assert frames[-1] == Close(0xFC, "limit exceeded") and records(app) == []
+            assert Ack(1) in frames and not any(isinstance(f, Close) for f in frames)
+            cut, small = sorted(records(app), key=lambda r: r.seq)
+            assert cut.payload == big[:100] and cut.attrs["truncated_from"] == str(len(big))
+            assert small.payload == b"{}" and "truncated_from" not in small.attrs
+            assert rejected(app, "data_truncated") == 1
+
+    async def test_websocket_message_over_the_frame_limit_is_counted(self, tmp_path):
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            ws = await ws_open(app, max_size=None)
+            await ws.send(INIT)
+            await ws_frames(ws, 1)
+            await ws.send(encode_frame(Data(bytes(2 * 1024 * 1024), 1)))  # over 1 MiB
+            with pytest.raises(ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 5)
+            assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+            deadline = asyncio.get_running_loop().time() + 5
+            while rejected(app, "ws_message_too_big") == 0:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
 
 
 class TestIdleWebSocket:

@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 from websockets.exceptions import ConnectionClosed, InvalidHeader
+from websockets.frames import CloseCode as WSCloseCode
 from websockets.headers import parse_subprotocol
 
 from ..config import config_section, setting
@@ -43,6 +44,7 @@ from ..protocols.logtk import (
     CloseReceived,
     Data,
     Initialized,
+    OversizeData,
     PongPolicy,
     ServerConnection,
     ServerSettings,
@@ -94,7 +96,10 @@ class LogTKConfig:
         1024 * 1024, "one log entry per frame; a megabyte is a bug, not a log line", min=64
     )
     max_data_bytes: int = setting(
-        512 * 1024, "the serialized entry inside a data frame", min=16, max=64 * 1024 * 1024
+        512 * 1024,
+        "the serialized entry inside a data frame; a longer one is stored cut to this and acked",
+        min=16,
+        max=64 * 1024 * 1024,
     )
     max_auth_frame_bytes: int = setting(
         256,
@@ -331,9 +336,9 @@ class _Session:
         self._attrs = orjson.dumps({"peer": peer, "transport": transport})
 
     def handle(self, events: list[Any]) -> None:
-        datas: list[Data] = []
+        datas: list[Data | OversizeData] = []
         for event in events:
-            if type(event) is Data:
+            if type(event) is Data or type(event) is OversizeData:
                 datas.append(event)
             elif isinstance(event, Initialized):
                 app = self.conn.app or ""
@@ -356,7 +361,7 @@ class _Session:
             self.room.clear()
         self.wake.set()
 
-    def _ingest(self, datas: list[Data]) -> None:
+    def _ingest(self, datas: list[Data | OversizeData]) -> None:
         svc = self.service
         dedup = svc.dedup
         pending = svc.pending
@@ -396,7 +401,7 @@ class _Session:
                 event_id=f"{prefix}{idem:08x}",
                 ts_ns=time_of(frame.data),
                 content_type=fmt,
-                attrs=self._attrs,
+                attrs=self._attrs if isinstance(frame, Data) else self._cut(frame),
             )
             seen_here.add(key)
             stored.append(key)
@@ -418,6 +423,27 @@ class _Session:
             for key in stored:
                 pending[key] = future
             self._after(future, batch_idems, stored)
+
+    def _cut(self, frame: OversizeData) -> bytes:
+        """An entry over max_data_bytes is stored cut to its first max_data_bytes and acked
+        like any other (docs/compat.md): counted, logged with the client id, and marked in the
+        record's attrs with its whole size."""
+        svc = self.service
+        svc.hub.metrics.rejected("logtk", "data_truncated")
+        svc.m_truncated_bytes.inc(frame.size - len(frame.data))
+        log.warning(
+            "%s %s: entry %s%08x (app:client:idem) of %d bytes is over max_data_bytes; "
+            "stored its first %d bytes and acked it",
+            self.transport,
+            self.peer,
+            self._id_prefix,
+            frame.idem,
+            frame.size,
+            len(frame.data),
+        )
+        return orjson.dumps(
+            {"peer": self.peer, "transport": self.transport, "truncated_from": str(frame.size)}
+        )
 
     def _after(self, future: asyncio.Future[Commit], idems: list[int], keys: Any) -> None:
         self.inflight.add(future)
@@ -544,6 +570,12 @@ class LogTKService:
         m = hub.metrics
         self.m_duplicates = m.counter(
             "logtk", "duplicates", "events", "Data frames already stored, acked again"
+        )
+        self.m_truncated_bytes = m.counter(
+            "logtk",
+            "truncated",
+            "bytes",
+            "Bytes cut from entries over max_data_bytes (each entry is stored cut and acked)",
         )
         self.m_auth_failed = m.counter(
             "logtk", "auth_failed", "attempts", "Failed authentications (rate-limited included)"
@@ -821,7 +853,11 @@ class LogTKService:
                     break
                 try:
                     message = await ws.recv()
-                except Exception:  # ConnectionClosed: the peer went away
+                except ConnectionClosed as exc:
+                    if exc.sent is not None and exc.sent.code == WSCloseCode.MESSAGE_TOO_BIG:
+                        # Over max_frame_bytes the WebSocket layer itself refuses the message.
+                        self.hub.metrics.rejected("logtk", "ws_message_too_big")
+                        log.warning("ws %s: a message over max_frame_bytes; closed 1009", peer)
                     break
                 if isinstance(message, str):
                     # LogTK is binary; a text message cannot be a frame stream.

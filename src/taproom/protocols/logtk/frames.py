@@ -33,6 +33,7 @@ __all__ = [
     "Init",
     "LogTKError",
     "LogTKLimitExceeded",
+    "OversizeData",
     "Ping",
     "Pong",
     "decode_varuint32",
@@ -155,6 +156,18 @@ class Data:
 
 
 @dataclass(frozen=True, slots=True)
+class OversizeData:
+    """A ``data`` frame whose entry is over ``max_data_bytes`` (decoded so only where the
+    decoder's ``truncate_data`` is on): ``data`` is the entry's first ``max_data_bytes``,
+    ``size`` its whole length. The rest was skipped as it arrived, never held."""
+
+    data: bytes
+    idem: int
+    size: int
+    type: ClassVar[FrameType] = FrameType.DATA
+
+
+@dataclass(frozen=True, slots=True)
 class Ack:
     """``ack`` 0x04."""
 
@@ -178,7 +191,7 @@ class Pong:
     type: ClassVar[FrameType] = FrameType.PONG
 
 
-Frame = Close | Auth | Init | Data | Ack | Ping | Pong
+Frame = Close | Auth | Init | Data | OversizeData | Ack | Ping | Pong
 
 
 # --- field codecs ---------------------------------------------------------------------------
@@ -204,10 +217,14 @@ class _Incomplete(Exception):
     ``fields`` the frame's type and the ops read so far, so no op is ever read twice.
     """
 
-    def __init__(self, at: int = 0, ftype: int = -1, fields: dict[int, Any] | None = None):
+    def __init__(
+        self, at: int = 0, ftype: int = -1, fields: dict[int, Any] | None = None, skip: int = 0
+    ):
         self.at = at
         self.ftype = ftype
         self.fields = fields if fields is not None else {}
+        # > 0: the bytes from ``at`` on belong to a cut entry's tail, and ``skip`` more follow
+        self.skip = skip
 
 
 def _varuint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
@@ -284,6 +301,8 @@ def encode_frame(frame: Frame) -> bytes:
             parts.append(b"\x04\x01" if frame.ping_recv else b"\x04\x00")
     elif isinstance(frame, Ping | Pong):
         parts += (b"\x01", _u32(frame.ackid, "ackid"))
+    elif isinstance(frame, OversizeData):
+        raise ValueError("an oversize entry was cut on receipt: it cannot be sent again")
     else:  # pragma: no cover - the union is closed
         raise TypeError(f"not a LogTK frame: {frame!r}")
     parts.append(b"\x00")
@@ -309,11 +328,22 @@ _OPS: dict[int, dict[int, int]] = {
 }
 
 
+# fields key of a data frame's whole entry length once its entry was cut (op 0 is never a field)
+_CUT_FROM = 0
+
+
 def _read_ops(
-    buf: Buffer, p: int, end: int, ftype: int, fields: dict[int, Any], max_data: int
+    buf: Buffer,
+    p: int,
+    end: int,
+    ftype: int,
+    fields: dict[int, Any],
+    max_data: int,
+    truncate: bool = False,
 ) -> int:
     """Reads ops from ``p`` into ``fields`` up to the frame's ``0x00``; returns the position
-    after it. Raises :class:`_Incomplete` (resumable at the unfinished op) or LogTKError."""
+    after it. Raises :class:`_Incomplete` (resumable at the unfinished op) or LogTKError.
+    With ``truncate``, a data entry over ``max_data`` keeps its first ``max_data`` bytes."""
     ops = _OPS[ftype]
     while True:
         if p >= end:
@@ -333,6 +363,17 @@ def _read_ops(
                 q += 4
             elif kind in (_VARBYTES, _STRING):
                 n, q = _varuint(buf, q, end)
+                if n > max_data and truncate and kind == _VARBYTES:
+                    if q + max_data > end:
+                        raise _Incomplete
+                    fields[op] = bytes(buf[q : q + max_data])
+                    fields[_CUT_FROM] = n
+                    q += max_data
+                    tail = n - max_data
+                    if q + tail > end:  # skip the rest as it comes: p is past this op then
+                        raise _Incomplete(q, ftype, fields, skip=tail - (end - q))
+                    p = q + tail
+                    continue
                 if n > max_data:
                     if kind == _STRING:
                         raise LogTKLimitExceeded("close reason too long", reason="reason_too_long")
@@ -373,7 +414,9 @@ def _read_ops(
                 except UnicodeDecodeError:
                     raise LogTKError("format is not ASCII", reason="bad_format") from None
                 q = nul + 1
-        except _Incomplete:
+        except _Incomplete as more:
+            if more.skip:
+                raise
             raise _Incomplete(p, ftype, fields) from None
         p = q
 
@@ -383,6 +426,8 @@ def _build(ftype: int, fields: dict[int, Any]) -> Frame:
     if ftype == FrameType.DATA:
         if 1 not in fields or 2 not in fields:
             raise LogTKError("data frame without data or idem", reason="data_missing_field")
+        if _CUT_FROM in fields:
+            return OversizeData(fields[1], fields[2], fields[_CUT_FROM])
         return Data(fields[1], fields[2])
     if ftype == FrameType.CLOSE:
         return Close(fields.get(1), fields.get(2))
@@ -397,7 +442,9 @@ def _build(ftype: int, fields: dict[int, Any]) -> Frame:
     return Ping(fields[1]) if ftype == FrameType.PING else Pong(fields[1])
 
 
-def _parse_frame(buf: bytes, pos: int, end: int, max_data: int) -> tuple[Frame, int]:
+def _parse_frame(
+    buf: bytes, pos: int, end: int, max_data: int, truncate: bool
+) -> tuple[Frame, int]:
     """One frame starting at ``pos``; raises :class:`_Incomplete` or :class:`LogTKError`."""
     ftype = buf[pos]
     p = pos + 1
@@ -417,26 +464,51 @@ def _parse_frame(buf: bytes, pos: int, end: int, max_data: int) -> tuple[Frame, 
     if ftype not in _OPS:
         raise LogTKError(f"unknown frame type {ftype:#04x}", reason="unknown_frame_type")
     fields: dict[int, Any] = {}
-    p = _read_ops(buf, p, end, ftype, fields, max_data)
+    p = _read_ops(buf, p, end, ftype, fields, max_data, truncate)
     return _build(ftype, fields), p
+
+
+def _cut_tail(fields: dict[int, Any]) -> int:
+    """Bytes of a cut entry that were skipped (0 for any other frame)."""
+    return fields[_CUT_FROM] - len(fields[1]) if _CUT_FROM in fields else 0
 
 
 class FrameDecoder:
     """Incremental decoder: :meth:`feed` bytes in any split, get whole frames out.
 
     An unfinished frame is kept as the ops read so far plus the bytes of the op being read, so
-    a long frame arriving in small pieces costs each byte once. After a malformed or over-limit
-    frame the decoder stops for good and keeps the error in :attr:`error`; the frames decoded
-    before it in the same :meth:`feed` are still returned.
+    a long frame arriving in small pieces costs each byte once. ``max_frame_bytes`` bounds a
+    frame's length (not counting the skipped tail of a cut entry). With ``truncate_data`` an
+    entry over ``max_data_bytes`` becomes an :class:`OversizeData` holding its first
+    ``max_data_bytes``; without, it is an error. After a malformed or over-limit frame the
+    decoder stops for good and keeps the error in :attr:`error`; the frames decoded before it
+    in the same :meth:`feed` are still returned.
     """
 
-    __slots__ = ("_buf", "_held", "_unfinished", "error", "max_data_bytes", "max_frame_bytes")
+    __slots__ = (
+        "_buf",
+        "_held",
+        "_skip",
+        "_unfinished",
+        "error",
+        "max_data_bytes",
+        "max_frame_bytes",
+        "truncate_data",
+    )
 
-    def __init__(self, max_frame_bytes: int = 1 << 20, max_data_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        max_frame_bytes: int = 1 << 20,
+        max_data_bytes: int = 1 << 20,
+        *,
+        truncate_data: bool = False,
+    ) -> None:
         self.set_limits(max_frame_bytes, max_data_bytes)
+        self.truncate_data = truncate_data
         self._buf = bytearray()  # bytes not decoded yet (from the unfinished op on)
         self._unfinished: tuple[int, dict[int, Any]] | None = None  # (type, ops read so far)
-        self._held = 0  # bytes of the unfinished frame already read into its ops
+        self._held = 0  # length of the unfinished frame up to the bytes in _buf
+        self._skip = 0  # bytes of a cut entry still to come, dropped on arrival
         self.error: LogTKError | None = None
 
     def set_limits(self, max_frame_bytes: int, max_data_bytes: int) -> None:
@@ -446,8 +518,10 @@ class FrameDecoder:
 
     @property
     def buffered(self) -> int:
-        """Bytes of unfinished or not yet decoded frames held back."""
-        return self._held + len(self._buf)
+        """Length of the unfinished frame so far plus the bytes not yet decoded, not counting
+        the skipped tail of a cut entry."""
+        fields = self._unfinished[1] if self._unfinished is not None else {}
+        return self._held - _cut_tail(fields) + len(self._buf)
 
     def feed(self, data: bytes, max_frames: int = -1) -> list[Frame]:
         """The frames ``data`` completes; with ``max_frames`` >= 0 at most that many, the rest
@@ -455,6 +529,12 @@ class FrameDecoder:
         if self.error is not None:
             return []
         frames: list[Frame] = []
+        if self._skip:
+            if len(data) <= self._skip:
+                self._skip -= len(data)
+                return frames
+            data = data[self._skip :]
+            self._skip = 0
         try:
             if self._unfinished is not None:
                 rest = self._finish(data, frames)
@@ -469,7 +549,7 @@ class FrameDecoder:
             self.error = exc
             self._buf = bytearray()
             self._unfinished = None
-            self._held = 0
+            self._held = self._skip = 0
             return frames
         if pos < len(data):
             self._buf = bytearray(memoryview(data)[pos:])
@@ -482,13 +562,13 @@ class FrameDecoder:
         buf += data
         ftype, fields = self._unfinished
         try:
-            pos = _read_ops(buf, 0, len(buf), ftype, fields, self.max_data_bytes)
+            pos = _read_ops(
+                buf, 0, len(buf), ftype, fields, self.max_data_bytes, self.truncate_data
+            )
         except _Incomplete as more:
-            self._held += more.at
-            self._check_size(self._held + len(buf) - more.at)
-            del buf[: more.at]  # cheap: CPython moves the start of a bytearray, not its bytes
+            del buf[: self._suspend(more, 0, len(buf))]  # cheap: moves the bytearray's start
             return None
-        self._check_size(self._held + pos)
+        self._check_size(self._held + pos - _cut_tail(fields))
         self._unfinished = None
         self._held = 0
         frames.append(_build(ftype, fields))
@@ -503,19 +583,32 @@ class FrameDecoder:
         pos = 0
         max_frame = self.max_frame_bytes
         max_data = self.max_data_bytes
+        truncate = self.truncate_data
         while pos < end and len(frames) != max_frames:
             try:
-                frame, nxt = _parse_frame(buf, pos, end, max_data)
+                frame, nxt = _parse_frame(buf, pos, end, max_data, truncate)
             except _Incomplete as more:
-                self._unfinished = (more.ftype, more.fields)
-                self._held = more.at - pos
-                self._check_size(self._held + end - more.at)
-                return more.at
+                self._held = 0
+                return self._suspend(more, pos, end)
             if nxt - pos > max_frame:
-                self._check_size(nxt - pos)
+                tail = frame.size - len(frame.data) if type(frame) is OversizeData else 0
+                self._check_size(nxt - pos - tail)
             frames.append(frame)
             pos = nxt
         return pos
+
+    def _suspend(self, more: _Incomplete, start: int, end: int) -> int:
+        """Keeps an unfinished frame's state; returns where the bytes to keep begin."""
+        self._unfinished = (more.ftype, more.fields)
+        if more.skip:  # from more.at on, the bytes are a cut entry's: dropped, never held
+            self._skip = more.skip
+            self._held += end - start + more.skip
+            kept = end
+        else:
+            self._held += more.at - start
+            kept = more.at
+        self._check_size(self._held + end - kept - _cut_tail(more.fields))
+        return kept
 
     def _check_size(self, size: int) -> None:
         if size > self.max_frame_bytes:

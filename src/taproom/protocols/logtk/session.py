@@ -28,6 +28,7 @@ from .frames import (
     Frame,
     FrameDecoder,
     Init,
+    OversizeData,
     Ping,
     Pong,
     encode_frame,
@@ -143,7 +144,9 @@ class ServerConnection:
     ``app`` is given for WebSocket connections (authenticated by the HTTP upgrade); TCP
     connections start in :attr:`State.AUTH` and call ``authenticate(token) -> app | None``
     on the auth frame. Feed bytes with :meth:`receive_data`; the events are
-    :class:`Data` frames (to commit, then :meth:`ack`) and the event classes above. Send
+    :class:`Data` frames (to commit, then :meth:`ack`), :class:`OversizeData` for an entry over
+    ``max_data_bytes`` (cut to its first ``max_data_bytes``; commit and ack it the same way, so
+    one bad entry never blocks a client that resends until acked) and the event classes above. Send
     :meth:`data_to_send` after every call; close the transport once :attr:`closed`.
     """
 
@@ -161,7 +164,10 @@ class ServerConnection:
         self.app = app
         self._authenticate = authenticate
         self.state = State.INIT if app is not None else State.AUTH
-        self._decoder = FrameDecoder(settings.max_frame_bytes, settings.max_data_bytes)
+        # An authenticated peer's entry over max_data_bytes is cut, not fatal (docs/compat.md).
+        self._decoder = FrameDecoder(
+            settings.max_frame_bytes, settings.max_data_bytes, truncate_data=app is not None
+        )
         if self.state is State.AUTH:
             self._decoder.set_limits(settings.max_auth_frame_bytes, settings.max_auth_frame_bytes)
         self._out: list[bytes] = []
@@ -228,6 +234,10 @@ class ServerConnection:
                 events.append(frame)
                 received += 1
                 continue
+            if type(frame) is OversizeData and self.state is State.OPEN:
+                events.append(frame)
+                received += 1
+                continue
             if self.state is State.CLOSED:
                 break  # nothing is taken after a close
             self._apply(frame, events)
@@ -246,6 +256,7 @@ class ServerConnection:
         if self.state is State.INIT:
             s = self.settings
             self._decoder.set_limits(s.max_frame_bytes, s.max_data_bytes)
+            self._decoder.truncate_data = True
             return data[room:]
         error = self._decoder.error
         if error is not None and error.reason == "frame_too_large":
@@ -320,7 +331,7 @@ class ServerConnection:
         if state is State.INIT:
             if isinstance(frame, Init):
                 self._init(frame, events)
-            elif isinstance(frame, Data):
+            elif isinstance(frame, Data | OversizeData):
                 self._violation(
                     events,
                     "data_before_init",
