@@ -19,7 +19,7 @@ from taproom.cli import main as taproom_main
 from taproom.clients.lager import DuplicateTap, KegWriter, Mug, Tap
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.keg import read_keg, sidecar_path
-from tests.protocols.lager.nasa_peer import check_format_xml
+from tests.protocols.lager.nasa_peer import check_format_xml, read_keg_like_lagr2hdf5
 from tests.support import fuzz_examples, running_app
 
 FORMATS = {
@@ -363,6 +363,31 @@ class TestKegCrash:
         assert keg.counts() == {late_uuid: 200}
         assert outside_uuid not in keg.formats
         assert keg.table(late_uuid)["state"].tolist() == ["go"] * 200
+
+    async def test_recorded_keg_reads_with_lagr2hdf5_rules(self, tmp_path: Path) -> None:
+        """nasa/lager's lagr2hdf5.py failed on kegs taproom recorded (TypeError: no key)."""
+        path = tmp_path / "rec.lgr"
+        async with running_app(tmp_path, enable=["lager"]) as app:
+            where = addresses(app)
+
+            def scenario() -> None:
+                tap = Tap("/RobotA/Motion/", FORMATS["/RobotA/Motion/"], **where).register()
+                writer = KegWriter(path, taps=["/RobotA/Motion/"], **where).start()
+                for i in range(200):
+                    tap.log(ts_ns=10_000 + i, x=i / 4, n=i)
+                deadline = time.monotonic() + 10
+                while writer.records < 200 and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                writer.stop()
+                tap.close()
+
+            await asyncio.to_thread(scenario)
+        columns, timestamps = read_keg_like_lagr2hdf5(path)
+        assert columns == {
+            "x|/RobotA/Motion/": [i / 4 for i in range(200)],
+            "n|/RobotA/Motion/": list(range(200)),
+        }
+        assert timestamps == [10_000 + i for i in range(200)]
 
 
 class TestKegCommand:

@@ -8,18 +8,35 @@ github.com/nasa/lager): no C++ peer is available here, so these keep its observa
   share/data_format.xsd and share/keg_schema.xsd (the rules written out here; the XSD files are
   not copied): exact element names and nesting, required attributes, no undeclared ones, the
   ``LimitedString`` version (at most 8 characters) and ``PositiveInteger`` size/offset.
+* :func:`write_unfinished_keg` -- what nasa/lager's Keg leaves when its process dies: a zero
+  header (version and offset), the records, and a ``.lgr.format`` sidecar to which it appended
+  the whole ``<keg>`` document each time it learnt a format.
+* :func:`read_keg_like_lagr2hdf5` -- the rules of nasa/lager's scripts/lagr2hdf5.py (header,
+  XML from dataFormatOffset to the end, formats with uuid/version/key, items by C++ type name,
+  the record walk), without h5py.
 """
 
 from __future__ import annotations
 
+import binascii
 import re
 import struct
+import uuid as uuid_module
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import zmq
 import zmq.asyncio
 
-__all__ = ["NasaChpClient", "XsdError", "check_format_xml", "check_keg_xml"]
+__all__ = [
+    "NasaChpClient",
+    "XsdError",
+    "check_format_xml",
+    "check_keg_xml",
+    "read_keg_like_lagr2hdf5",
+    "write_unfinished_keg",
+]
 
 _DOUBLE = struct.Struct("=d")
 
@@ -148,3 +165,82 @@ def check_keg_xml(text: str | bytes) -> None:
         for meta in _children(children[1], "meta"):
             _attributes(meta, ("key", "value"))
             _element_only(meta)
+
+
+def _xerces_keg(formats: Mapping[str, tuple[str, str]]) -> str:
+    """createFromUuidMap's document: the format elements of each registration (key and
+    version as the tap wrote them) get the uuid string; Xerces sorts attributes by name."""
+    parts = ['<?xml version="1.0" encoding="UTF-8" standalone="no" ?><keg><formats>']
+    for uuid_text, (key, items_xml) in formats.items():
+        parts.append(
+            f'<format key="{key}" uuid="{uuid_text}" version="BEERR01">{items_xml}</format>'
+        )
+    parts.append("</formats></keg>")
+    return "".join(parts)
+
+
+def write_unfinished_keg(
+    path: Path,
+    formats: Mapping[str, tuple[str, str]],
+    records: Iterable[tuple[str, int, bytes]],
+) -> None:
+    """``formats``: uuid string -> (key, the <item> elements); ``records``: (uuid string,
+    timestamp ns, row in network order), as Mug::subscriberThread hands them to Keg::write."""
+    with open(path, "wb") as f:
+        f.write(bytes(10))  # Keg::start: emptyVersion (0) and emptyOffset (0), patched at stop
+        for uuid_text, ts, row in records:
+            f.write(uuid_module.UUID(uuid_text).bytes + struct.pack(">Q", ts) + row)
+    known: dict[str, tuple[str, str]] = {}
+    with open(str(path) + ".format", "wb") as sidecar:
+        for uuid_text, fmt in formats.items():  # Keg::addFormat -> writeFormatFile: appends
+            known[uuid_text] = fmt
+            sidecar.write(_xerces_keg(known).encode())
+
+
+# lagr2hdf5.py's type_map: struct codes by C++ type name (nothing else is readable).
+LAGR2HDF5_TYPES = {
+    "int8_t": "b",
+    "uint8_t": "B",
+    "int16_t": "h",
+    "uint16_t": "H",
+    "int32_t": "i",
+    "uint32_t": "I",
+    "int64_t": "q",
+    "uint64_t": "Q",
+    "float32": "f",
+    "float64": "d",
+}
+
+
+def read_keg_like_lagr2hdf5(path: Path) -> tuple[dict[str, list[object]], list[int]]:
+    """The columns lagr2hdf5.py would put in its HDF5 file ("name|key" -> values, in file order)
+    and the timestamps it reads. Its failures stay failures: a format without ``key`` raises
+    TypeError, an unknown type KeyError, a size that is not the type's struct.error. Uuids are
+    compared as text, as under the Python 2 the script was written for."""
+    with open(path, "rb") as f:
+        _version = struct.unpack("!H", f.read(2))[0]
+        dataoffset = struct.unpack("!Q", f.read(8))[0]
+        f.seek(dataoffset)
+        root = ET.fromstring(f.read())
+        column_size = 0
+        items: list[tuple[str, int, str, str, str]] = []
+        columns: dict[str, list[object]] = {}
+        for m in root.iter("format"):
+            uuid_text, key = m.get("uuid"), m.get("key")
+            for n in m:
+                name, size, dtype = n.get("name"), int(n.get("size") or 0), n.get("type")
+                items.append((name, size, dtype, uuid_text, key))  # type: ignore[arg-type]
+                column_size += size
+                columns.setdefault(name + "|" + key, [])  # type: ignore[operator]
+        f.seek(10, 0)
+        timestamps = []
+        while True:
+            if f.tell() + column_size > dataoffset:
+                break
+            record_uuid = binascii.hexlify(f.read(16)).decode()
+            timestamps.append(struct.unpack("!Q", f.read(8))[0])
+            for name, size, dtype, uuid_text, key in items:
+                if uuid_text.replace("-", "") == record_uuid:
+                    value = struct.unpack("!" + LAGR2HDF5_TYPES[dtype], f.read(size))[0]
+                    columns[name + "|" + key].append(value)
+    return columns, timestamps

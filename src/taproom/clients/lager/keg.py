@@ -63,7 +63,7 @@ class KegWriter:
             chosen.append(reg)
         self._file = KegFileWriter(
             self.path,
-            {reg.uuid_str: reg.format for reg in chosen},
+            {reg.uuid_str: reg.format.with_key(reg.key) for reg in chosen},
             self.metadata,
             fsync=self.fsync,
         )
@@ -86,7 +86,7 @@ class KegWriter:
                     reg = mug.lookup(msg.uuid)
                     if reg is not None and len(msg.payload) == reg.format.row_size:
                         if not keg.has(msg.uuid):
-                            keg.add_format(reg.uuid_str, reg.format)
+                            keg.add_format(reg.uuid_str, reg.format.with_key(reg.key))
                         keg.write(msg.uuid, msg.ts_ns, msg.payload)
                         self.records += 1
                     if time.monotonic() >= next_flush:

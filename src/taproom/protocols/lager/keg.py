@@ -12,6 +12,9 @@ patches dataFormatOffset only when it stops, so a keg whose writer died has a ze
 make such a keg readable the writer keeps a sidecar ``<keg>.format`` (the same XML, replaced
 atomically whenever a tap is added, before that tap's first record) while it records;
 :func:`read_keg` uses it to recover the records, dropping (and reporting) a torn last record.
+nasa/lager's writer leaves the whole header zero (version too) until it stops, and *appends*
+the complete ``<keg>`` document to its sidecar at every format it learns: the reader takes the
+last complete document (each holds every format so far).
 
 Public, stable API (the Spark keg source uses it): :func:`read_keg` -> :class:`KegContents`
 and :class:`KegFileWriter`. File I/O only; no sockets, no clock.
@@ -20,6 +23,7 @@ and :class:`KegFileWriter`. File I/O only; no sockets, no clock.
 from __future__ import annotations
 
 import os
+import re
 import struct
 import uuid as uuid_module
 from collections.abc import Iterator, Mapping
@@ -283,6 +287,11 @@ class KegContents:
         return columns
 
 
+# One whole <keg> document; nasa/lager's sidecar holds several back to back (declarations
+# between them), the last one possibly torn by the crash.
+_KEG_DOCUMENT = re.compile(rb"<keg[\s>].*?</keg\s*>", re.DOTALL)
+
+
 def _read_sidecar(path: str) -> tuple[dict[str, DataFormat], dict[str, str]]:
     try:
         with open(sidecar_path(path), "rb") as f:
@@ -291,10 +300,14 @@ def _read_sidecar(path: str) -> tuple[dict[str, DataFormat], dict[str, str]]:
         raise KegError(
             f"{path}: unfinished keg (dataFormatOffset is 0) and no sidecar {sidecar_path(path)}"
         ) from None
-    try:
-        return parse_keg_xml(text)
-    except FormatError as exc:
-        raise KegError(f"{sidecar_path(path)}: {exc}") from None
+    documents = [m.group() for m in _KEG_DOCUMENT.finditer(text)]
+    error: FormatError | None = None
+    for document in reversed(documents):  # the last whole one knows every format
+        try:
+            return parse_keg_xml(document)
+        except FormatError as exc:
+            error = error or exc
+    raise KegError(f"{sidecar_path(path)}: {error or 'no complete <keg> document'}")
 
 
 def read_keg(path: str | os.PathLike[str]) -> KegContents:
@@ -305,9 +318,10 @@ def read_keg(path: str | os.PathLike[str]) -> KegContents:
     if len(blob) < HEADER_SIZE:
         raise KegError(f"{path}: {len(blob)} bytes, shorter than the keg header")
     version, offset = _HEADER.unpack_from(blob)
-    if version != KEG_VERSION:
+    # Unfinished: taproom writes its version and offset 0, nasa/lager a zero header.
+    recovered = offset == 0 and version in (0, KEG_VERSION)
+    if version != KEG_VERSION and not recovered:
         raise KegError(f"{path}: keg version {version}, taproom reads {KEG_VERSION}")
-    recovered = offset == 0
     if recovered:
         formats, metadata = _read_sidecar(path)
         end = len(blob)
