@@ -220,10 +220,10 @@ class ConsoleConfig:
         2000, "events queued per live-tail page before the rest are skipped (and counted)", min=10
     )
     tail_events_per_s: int = setting(
-        20_000,
-        "committed events the live tail decodes per second, all pages together; the rest are "
-        "skipped and counted so the tail never takes the hub's CPU from ingest",
-        min=100,
+        500,
+        "committed events the live tail decodes per second, all pages together (more than a "
+        "person reads); the rest are skipped and counted so the tail never takes ingest's CPU",
+        min=10,
     )
     max_tail_clients: int = setting(16, "live-tail pages open at once", min=1, max=1024)
     max_rows: int = setting(10_000, "rows one /api/ answer may hold", min=100)

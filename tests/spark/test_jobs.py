@@ -124,6 +124,42 @@ def test_report_reads_the_rollups(
     assert len(slow) == 3
 
 
+def test_console_reads_the_rollup_tables(
+    spark: Any, logjam_journal: Path, logjam_events: list[GeneratedEvent], tmp_path: Path
+) -> None:
+    """The console's Requests page over the tables the job wrote: per-minute counts, and
+    percentiles of whole minutes (histograms merged across actions) against exact values."""
+    from taproom.web.rollups import Rollups
+
+    out = tmp_path / "rollup"
+    run_rollup(spark, [str(logjam_journal)], str(out), tables=("requests",), progress=False)
+    per_minute: dict[tuple[str, str, Any], list[float]] = {}
+    for key, value in reference_requests(logjam_events).items():
+        minute, app, env = key[0], key[1], key[2]
+        per_minute.setdefault((f"{app}-{env}", minute.strftime("%Y-%m-%d"), minute), []).extend(
+            value["times"]
+        )
+    rollups = Rollups(str(out))
+    streams = {(stream, date) for stream, date, _ in per_minute}
+    for stream, date in sorted(streams)[:3]:
+        assert stream in [s["stream"] for s in rollups.apps(date)["streams"]]
+        day = rollups.day(stream, date, 10)
+        want = {
+            int(minute.replace(tzinfo=dt.UTC).timestamp()): times
+            for (s, d, minute), times in per_minute.items()
+            if (s, d) == (stream, date)
+        }
+        assert day["minutes"] == sorted(want)
+        for i, minute in enumerate(day["minutes"]):
+            times = want[minute]
+            assert day["requests"][i] == len(times)
+            for q, name in ((0.5, "p50"), (0.99, "p99")):
+                ordered = sorted(times)
+                exact = ordered[math.ceil(q * len(ordered)) - 1]
+                assert abs(day[name][i] - exact) <= 0.0101 * exact + 0.002, (minute, name)
+        assert sum(a["count"] for a in day["actions"]) <= sum(day["requests"])
+
+
 # --- streaming: a clean stop, a SIGKILL, a restart; then compare with the batch job --------
 
 WATERMARK_MIN = 10

@@ -28,7 +28,7 @@ from taproom.clients.eventbus import EventBusClient
 from taproom.clients.lager import KegWriter, Tap
 from taproom.clients.logjam import LogjamAgent
 from taproom.clients.lumberjack import AsyncLumberjackClient
-from taproom.spark.buckets import bucket_of
+from taproom.spark.buckets import LOG_GAMMA
 from tests.support import HubProcess, write_config
 
 __all__ = [
@@ -183,80 +183,86 @@ def write_rollups(
     seed: int = 7,
     action_names: tuple[str, ...] = (),
 ) -> int:
-    """``requests/date=<date>/part.parquet`` with ``streams[app_env]`` requests each, spread over
-    ``minutes`` and ``actions`` (``action_names`` name the first ones); returns the number of
-    rows written."""
+    """``requests/date=<date>/part-N.parquet`` with ``streams[app_env]`` requests each, spread
+    over ``minutes`` and ``actions`` (``action_names`` name the first ones), with histograms
+    whose counts add up to each row's count; returns the number of rows written. Vectorised:
+    10M requests take seconds (the console bench uses it at that scale)."""
     rng = np.random.default_rng(seed)
-    day = dt.datetime.fromisoformat(date).replace(tzinfo=dt.UTC)
-    columns: dict[str, list[Any]] = {}
-
-    def add(name: str, values: Any) -> None:
-        columns.setdefault(name, []).extend(values)
-
-    for stream, total in streams.items():
-        app, _, env = stream.rpartition("-")
-        cells = minutes * actions
-        counts = rng.multinomial(total, rng.dirichlet(np.ones(cells)))
-        for cell in range(cells):
-            minute, action = divmod(cell, actions)
-            count = int(counts[cell])
-            if not count:
-                continue
-            scale = 20.0 * (action + 1)
-            times = rng.lognormal(np.log(scale), 0.6, size=min(count, 64))
-            weights = np.full(len(times), count / len(times))
-            buckets: dict[int, float] = {}
-            for t, w in zip(times.tolist(), weights.tolist(), strict=True):
-                buckets[bucket_of(t)] = buckets.get(bucket_of(t), 0.0) + w
-            histogram = _integer_histogram(buckets, count)
-            time_sum = float(np.mean(times) * count)
-            add("minute", [day + dt.timedelta(minutes=minute)])
-            add("app", [app])
-            add("env", [env])
-            name = action_names[action] if action < len(action_names) else f"Api{action}#show"
-            add("action", [name])
-            add("module", ["Others"])
-            add("frontend", [0])
-            add("count", [count])
-            add("total_time_sum", [time_sum])
-            add("total_time_max", [float(times.max())])
-            satisfied = int(count * 0.8)
-            add("apdex_satisfied", [satisfied])
-            add("apdex_tolerating", [int(count * 0.15)])
-            add("apdex", [(satisfied + count * 0.075) / count])
-            add("status_4xx", [int(count * 0.02)])
-            add("status_5xx", [int(count * 0.005)])
-            add("exceptions", [int(count * 0.01)])
-            for name in _SEVERITIES:
-                add(f"severity_{name}", [count if name == "info" else 0])
-            for i, name in enumerate(TIME_RESOURCES):
-                add(f"{name}_sum", [time_sum * (0.4, 0.3, 0.1, 0.05)[i]])
-            add("db_calls_sum", [float(count * 3)])
-            add("total_time_histogram", [histogram])
-    table = pa.table(
-        {
-            **{k: v for k, v in columns.items() if k != "total_time_histogram"},
-            "total_time_histogram": pa.array(
-                columns.get("total_time_histogram", []),
-                pa.list_(pa.struct([("b", pa.int32()), ("n", pa.int64())])),
-            ),
-        }
-    )
-    table = table.set_column(
-        table.schema.get_field_index("minute"),
-        "minute",
-        pa.array(columns.get("minute", []), pa.timestamp("us", tz="UTC")),
+    day = np.datetime64(dt.datetime.fromisoformat(date), "us")
+    names = np.array(
+        [action_names[a] if a < len(action_names) else f"Api{a}#show" for a in range(actions)],
+        dtype=object,
     )
     out = directory / "requests" / f"date={date}"
     out.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, out / "part-0.parquet")
-    return table.num_rows
-
-
-def _integer_histogram(buckets: dict[int, float], count: int) -> list[dict[str, int]]:
-    """Round weighted bucket counts to integers that add up to ``count``."""
-    items = sorted(buckets.items())
-    rounded = [int(w) for _, w in items]
-    for i in range(count - sum(rounded)):
-        rounded[i % len(rounded)] += 1
-    return [{"b": b, "n": n} for (b, _), n in zip(items, rounded, strict=True) if n]
+    rows = 0
+    for part, (stream, total) in enumerate(streams.items()):
+        app, _, env = stream.rpartition("-")
+        cells = minutes * actions
+        counts = rng.multinomial(total, rng.dirichlet(np.ones(cells)))
+        keep = np.flatnonzero(counts)
+        counts = counts[keep]
+        minute, action = np.divmod(keep, actions)
+        # Up to 32 sampled durations per row stand for its requests (log-normal per action).
+        samples = np.minimum(counts, 32)
+        row_of = np.repeat(np.arange(len(keep)), samples)
+        times = rng.lognormal(np.log(20.0 * (action[row_of] + 1)), 0.6)
+        weights = counts[row_of] / samples[row_of]
+        time_sum = np.bincount(row_of, weights=times * weights, minlength=len(keep))
+        time_max = np.zeros(len(keep))
+        np.maximum.at(time_max, row_of, times)
+        buckets = np.ceil(np.log(np.maximum(times, 0.001)) / LOG_GAMMA).astype(np.int64)
+        key, index = np.unique(row_of * 100_000 + (buckets + 50_000), return_inverse=True)
+        mass = np.bincount(index, weights=weights)
+        entry_row = key // 100_000
+        entry_bucket = (key % 100_000 - 50_000).astype(np.int32)
+        # Integer counts per bucket that add up to the row's count: floors, then one more for
+        # the first few buckets of each row.
+        floors = np.floor(mass).astype(np.int64)
+        short = counts - np.bincount(entry_row, weights=floors, minlength=len(keep)).astype(int)
+        starts = np.searchsorted(entry_row, np.arange(len(keep)))
+        rank = np.arange(len(key)) - starts[entry_row]
+        n = floors + (rank < short[entry_row])
+        offsets = np.concatenate(([0], np.cumsum(np.bincount(entry_row, minlength=len(keep)))))
+        histogram = pa.ListArray.from_arrays(
+            pa.array(offsets, pa.int32()),
+            pa.StructArray.from_arrays(
+                [pa.array(entry_bucket), pa.array(n, pa.int64())], names=["b", "n"]
+            ),
+        )
+        satisfied = (counts * 0.8).astype(np.int64)
+        tolerating = (counts * 0.15).astype(np.int64)
+        table = pa.table(
+            {
+                "minute": pa.array(
+                    day + minute.astype("timedelta64[m]"), pa.timestamp("us", "UTC")
+                ),
+                "app": pa.array([app] * len(keep)),
+                "env": pa.array([env] * len(keep)),
+                "action": pa.array(names[action]),
+                "module": pa.array(["Others"] * len(keep)),
+                "frontend": pa.array(np.zeros(len(keep), np.int64)),
+                "count": pa.array(counts.astype(np.int64)),
+                "total_time_sum": pa.array(time_sum),
+                "total_time_max": pa.array(time_max),
+                "apdex_satisfied": pa.array(satisfied),
+                "apdex_tolerating": pa.array(tolerating),
+                "apdex": pa.array((satisfied + tolerating / 2) / counts),
+                "status_4xx": pa.array((counts * 0.02).astype(np.int64)),
+                "status_5xx": pa.array((counts * 0.005).astype(np.int64)),
+                "exceptions": pa.array((counts * 0.01).astype(np.int64)),
+                **{
+                    f"severity_{s}": pa.array(counts if s == "info" else np.zeros_like(counts))
+                    for s in _SEVERITIES
+                },
+                **{
+                    f"{r}_sum": pa.array(time_sum * share)
+                    for r, share in zip(TIME_RESOURCES, (0.4, 0.3, 0.1, 0.05), strict=True)
+                },
+                "db_calls_sum": pa.array(counts * 3.0),
+                "total_time_histogram": histogram,
+            }
+        )
+        pq.write_table(table, out / f"part-{part}.parquet")
+        rows += table.num_rows
+    return rows

@@ -128,6 +128,25 @@ async def test_tail_streams_committed_events_and_reports_skips(tmp_path):
         assert counted == 40
 
 
+async def test_tail_decodes_within_its_budget_and_reports_the_rest(tmp_path):
+    async with running_app(tmp_path, console={"tail_events_per_s": 10}) as app:
+        base = f"http://{app.addresses['web']}"
+        async with ClientSession() as http, http.ws_connect(f"{base}/api/tail") as ws:
+            await asyncio.sleep(0.2)
+            await app.hub.ingest(batch(*[b'{"n":%d}' % i for i in range(50)]))
+            events, skipped = [], 0
+            while len(events) + skipped < 50:
+                data = orjson.loads((await asyncio.wait_for(ws.receive(), 10)).data)
+                events += data["events"]
+                skipped += data["skipped"]
+            assert [e["offset"] for e in events] == list(range(10))  # the batch's front
+            assert skipped == 40
+        counted = app.hub.metrics.registry.get_sample_value(
+            "taproom_web_tail_skipped_events_total", {"reason": "decode_budget"}
+        )
+        assert counted == 40
+
+
 async def test_tail_from_an_offset_then_live(tmp_path):
     async with running_app(tmp_path) as app:
         await app.hub.ingest(batch(b'{"old":0}', b'{"old":1}', b'{"old":2}'))
@@ -243,3 +262,9 @@ async def test_requests_day_from_rollup_tables(tmp_path):
             assert top["breakdown"]["db_time"] == pytest.approx(0.4 * top["time_sum"], rel=1e-3)
             _, other = await get_json(http, f"{base}/api/requests/day?date=2026-01-03&stream=x-y")
             assert other["minutes"] == [] and other["actions"] == []
+            # A rewritten day (a re-run of the job) is read again, not served from the cache.
+            write_rollups(rollups, "2026-01-02", {"shop-prod": 60_000}, actions=5, minutes=60)
+            _, again = await get_json(
+                http, f"{base}/api/requests/day?date=2026-01-02&stream=shop-prod&actions=3"
+            )
+            assert sum(again["requests"]) == 60_000

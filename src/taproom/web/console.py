@@ -189,9 +189,9 @@ class Console:
         while not ws.closed:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(client.wakeup.wait(), 2.0)
-            records, skipped = client.take(TAIL_MESSAGE_EVENTS)
+            rows, skipped = client.take(TAIL_MESSAGE_EVENTS)
             message = {
-                "events": [event_json(r) for r in records],
+                "events": rows,
                 "skipped": skipped,
                 "end_offset": journal.end_offset,
             }

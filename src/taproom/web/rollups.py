@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from ..spark.buckets import GAMMA, LOG_GAMMA, bucket_value
 __all__ = ["MAX_DATES", "Rollups"]
 
 MAX_DATES = 400  # a bit over a year of daily partitions listed
+CACHED_ANSWERS = 16  # day answers kept (a few KB to a few hundred KB each)
 HEATMAP_ROWS_PER_DECADE = 4
 HEATMAP_RANGE_MS = (0.1, 100_000.0)
 # Time resources shown as the per-action breakdown: gc_time is part of the others' time, and
@@ -36,41 +39,80 @@ _DATE_DIR = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
 _PARTITIONING = ds.partitioning(pa.schema([("date", pa.string())]), flavor="hive")
 
 
+def _size_mtime(entry: os.DirEntry[str]) -> tuple[int, int]:
+    stat = entry.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
 def _split_stream(stream: str) -> tuple[str, str]:
     """app-env as the rollup splits it: the env is what follows the last dash."""
     app, dash, env = stream.rpartition("-")
     return (app, env) if dash and app else (stream, "")
 
 
-def _quantiles(
-    group: np.ndarray[Any, Any],
-    groups: int,
-    buckets: np.ndarray[Any, Any],
-    counts: np.ndarray[Any, Any],
-    qs: tuple[float, ...],
-) -> list[list[float | None]]:
-    """Nearest-rank quantiles per group from (group, bucket, count) triples."""
-    out: list[list[float | None]] = [[None] * groups for _ in qs]
-    if not len(group):
-        return out
-    order = np.lexsort((buckets, group))
-    g, b, n = group[order], buckets[order], counts[order]
-    cumulative = np.cumsum(n)
-    totals = np.bincount(g, weights=n, minlength=groups)
-    starts = np.concatenate(([0.0], np.cumsum(totals)[:-1]))
-    within = cumulative - starts[g]
-    for qi, q in enumerate(qs):
-        reached = within >= q * totals[g]
-        hit_groups, first = np.unique(g[reached], return_index=True)
-        hit_buckets = b[reached][first]
-        for gi, bucket in zip(hit_groups.tolist(), hit_buckets.tolist(), strict=True):
-            out[qi][gi] = round(bucket_value(int(bucket)), 3)
-    return out
+class _Histograms:
+    """Many rows' histograms merged per group (a minute, an action) as one dense matrix:
+    groups x buckets, built with one bincount, so merging is linear in the stored entries."""
+
+    def __init__(
+        self,
+        group: np.ndarray[Any, Any],
+        groups: int,
+        buckets: np.ndarray[Any, Any],
+        counts: np.ndarray[Any, Any],
+    ) -> None:
+        self.low = int(buckets.min()) if len(buckets) else 0
+        width = int(buckets.max()) - self.low + 1 if len(buckets) else 1
+        self.matrix = np.bincount(
+            group * width + (buckets - self.low), weights=counts, minlength=groups * width
+        ).reshape(groups, width)
+
+    def quantile(self, q: float) -> list[float | None]:
+        """Nearest-rank q-quantile per group (the value of the bucket that holds it)."""
+        cumulative = np.cumsum(self.matrix, axis=1)
+        totals = cumulative[:, -1]
+        first = np.argmax(cumulative >= (q * totals)[:, None], axis=1)
+        return [
+            round(bucket_value(int(b) + self.low), 3) if total > 0 else None
+            for b, total in zip(first.tolist(), totals.tolist(), strict=True)
+        ]
+
+    def heatmap(self) -> dict[str, Any]:
+        """Requests per group and latency band (HEATMAP_ROWS_PER_DECADE bands a decade)."""
+        low, high = (math.log10(v) * HEATMAP_ROWS_PER_DECADE for v in HEATMAP_RANGE_MS)
+        buckets = np.arange(self.matrix.shape[1]) + self.low
+        # log10 of bucket_value(b), vectorised: (b ln GAMMA + ln(2 / (GAMMA + 1))) / ln 10
+        log10_values = (buckets * LOG_GAMMA + math.log(2 / (GAMMA + 1))) / math.log(10)
+        bands = np.clip(np.floor(log10_values * HEATMAP_ROWS_PER_DECADE), low, high - 1)
+        bands = bands.astype(np.int64) - int(low)
+        rows = int(high - low)
+        grid = np.zeros((self.matrix.shape[0], rows))
+        np.add.at(grid.T, bands, self.matrix.T)
+        return {
+            "bands_ms": [
+                round(10 ** ((low + k) / HEATMAP_ROWS_PER_DECADE), 4) for k in range(rows)
+            ],
+            "counts": np.rint(grid).astype(np.int64).tolist(),
+        }
 
 
 class Rollups:
+    """Reads the rollup tables. Answers are kept for the same files (names, sizes, mtimes) of
+    a date, so a page reloaded over a finished day does not read it again."""
+
     def __init__(self, directory: str) -> None:
         self.directory = directory
+        self._answers: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _files_of(self, date: str) -> tuple[tuple[str, int, int], ...]:
+        path = os.path.join(self._table_dir("requests"), f"date={date}")
+        try:
+            with os.scandir(path) as entries:
+                found = [(e.name, *_size_mtime(e)) for e in entries if e.is_file()]
+        except (FileNotFoundError, NotADirectoryError):
+            return ()
+        return tuple(sorted(found))
 
     def _table_dir(self, table: str) -> str:
         return os.path.join(self.directory, table)
@@ -108,6 +150,20 @@ class Rollups:
 
     def day(self, stream: str, date: str, max_actions: int) -> dict[str, Any]:
         """One app-env's day: per-minute series, heatmap, actions and their time breakdown."""
+        key = (stream, date, max_actions, self._files_of(date))
+        with self._lock:  # worker threads share the cache
+            answer = self._answers.get(key)
+            if answer is not None:
+                self._answers.move_to_end(key)
+                return answer
+        answer = self._day(stream, date, max_actions)
+        with self._lock:
+            self._answers[key] = answer
+            while len(self._answers) > CACHED_ANSWERS:
+                self._answers.popitem(last=False)
+        return answer
+
+    def _day(self, stream: str, date: str, max_actions: int) -> dict[str, Any]:
         app, env = _split_stream(stream)
         result: dict[str, Any] = {"stream": stream, "date": date, "minutes": [], "actions": []}
         dataset = self._dataset("requests")
@@ -130,9 +186,9 @@ class Rollups:
             return result
         minute_ms = pc.cast(table.column("minute"), pa.timestamp("ms")).cast(pa.int64())
         minutes, minute_of_row = np.unique(minute_ms.to_numpy(), return_inverse=True)
-        actions, action_of_row = np.unique(
-            np.asarray(table.column("action").to_pylist(), dtype=object), return_inverse=True
-        )
+        encoded = pc.dictionary_encode(table.column("action")).combine_chunks()
+        actions = encoded.dictionary.to_pylist()
+        action_of_row = encoded.indices.to_numpy().astype(np.int64)
 
         def per(group: np.ndarray[Any, Any], size: int, column: str) -> np.ndarray[Any, Any]:
             values = table.column(column).to_numpy(zero_copy_only=False).astype(float)
@@ -165,14 +221,15 @@ class Rollups:
             flat = pc.list_flatten(histogram)
             buckets = flat.field("b").to_numpy().astype(np.int64)
             counts = flat.field("n").to_numpy().astype(float)
-            p50, p95, p99 = _quantiles(
-                minute_of_row[parents], len(minutes), buckets, counts, (0.5, 0.95, 0.99)
+            by_minute = _Histograms(minute_of_row[parents], len(minutes), buckets, counts)
+            result.update(
+                p50=by_minute.quantile(0.5),
+                p95=by_minute.quantile(0.95),
+                p99=by_minute.quantile(0.99),
+                heatmap=by_minute.heatmap(),
             )
-            result.update(p50=p50, p95=p95, p99=p99)
-            result["heatmap"] = self._heatmap(minute_of_row[parents], len(minutes), buckets, counts)
-            (action_p95,) = _quantiles(
-                action_of_row[parents], len(actions), buckets, counts, (0.95,)
-            )
+            by_action = _Histograms(action_of_row[parents], len(actions), buckets, counts)
+            action_p95 = by_action.quantile(0.95)
         total_time = float(action_time.sum()) or 1.0
         stacks = {r: per(action_of_row, len(actions), r) for r in resources}
         order = np.argsort(-action_time)[:max_actions]
@@ -196,26 +253,3 @@ class Rollups:
         result["actions"] = rows
         result["action_count"] = len(actions)
         return result
-
-    @staticmethod
-    def _heatmap(
-        group: np.ndarray[Any, Any],
-        groups: int,
-        buckets: np.ndarray[Any, Any],
-        counts: np.ndarray[Any, Any],
-    ) -> dict[str, Any]:
-        """Requests per minute and latency band (HEATMAP_ROWS_PER_DECADE bands a decade)."""
-        low, high = (math.log10(v) * HEATMAP_ROWS_PER_DECADE for v in HEATMAP_RANGE_MS)
-        # log10 of bucket_value(b), vectorised: (b ln GAMMA + ln(2 / (GAMMA + 1))) / ln 10
-        log10_values = (buckets * LOG_GAMMA + math.log(2 / (GAMMA + 1))) / math.log(10)
-        bands = np.clip(np.floor(log10_values * HEATMAP_ROWS_PER_DECADE), low, high - 1)
-        bands = bands.astype(np.int64) - int(low)
-        rows = int(high - low)
-        grid = np.bincount(group * rows + bands, weights=counts, minlength=groups * rows)
-        grid = grid.reshape(groups, rows)
-        return {
-            "bands_ms": [
-                round(10 ** ((low + k) / HEATMAP_ROWS_PER_DECADE), 4) for k in range(rows)
-            ],
-            "counts": grid.astype(np.int64).tolist(),
-        }

@@ -5,7 +5,9 @@ watches; each page has its own filters and a bounded queue. Nothing here can slo
 
 * the hub drops batches for the subscription when its queue is full (counted by the hub);
 * at most ``[console] tail_events_per_s`` committed events per second are decoded, for all
-  pages together; the rest are skipped;
+  pages together (the front of a batch, when a batch is larger than what is left); the rest
+  are skipped without being looked at;
+* each decoded event becomes one tail row, shared by every page that shows it;
 * a page whose queue is full misses events.
 
 Every skip is counted per page and sent to it (``"skipped": n``), so the page can say so.
@@ -20,11 +22,11 @@ import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from ..hub import Hub
-from ..hub.core import CommittedBatch
-from ..records import Record
+from ..records import Record, iter_batch
 
 __all__ = ["TailClient", "TailFilter", "TailHub", "event_json"]
 
@@ -67,24 +69,29 @@ def event_json(record: Record) -> dict[str, Any]:
 
 
 class TailClient:
-    """One page's filter, queue and skip count."""
+    """One page's filter, queue (of ready tail rows) and skip count."""
 
     def __init__(self, tail_filter: TailFilter, maxlen: int) -> None:
         self.filter = tail_filter
         self.maxlen = maxlen
-        self.queue: deque[Record] = deque()
+        self.queue: deque[dict[str, Any]] = deque()
         self.skipped = 0
         self.after = -1  # offsets at or below this were sent (backlog and live may overlap)
         self.wakeup = asyncio.Event()
 
-    def offer(self, records: list[Record]) -> None:
+    def offer(self, records: list[Record], rows: dict[int, dict[str, Any]]) -> None:
+        """Queue the matching ``records``; ``rows`` caches their tail rows across pages, so
+        each record is turned into a row once however many pages show it."""
         for record in records:
             if record.offset <= self.after or not self.filter.matches(record):
                 continue
             if len(self.queue) >= self.maxlen:
                 self.skipped += 1
-            else:
-                self.queue.append(record)
+                continue
+            row = rows.get(record.offset)
+            if row is None:
+                row = rows[record.offset] = event_json(record)
+            self.queue.append(row)
         if self.queue or self.skipped:
             self.wakeup.set()
 
@@ -92,14 +99,14 @@ class TailClient:
         self.skipped += count
         self.wakeup.set()
 
-    def take(self, limit: int) -> tuple[list[Record], int]:
-        records = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
-        if records:
-            self.after = max(self.after, records[-1].offset)
+    def take(self, limit: int) -> tuple[list[dict[str, Any]], int]:
+        rows = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
+        if rows:
+            self.after = max(self.after, rows[-1]["offset"])
         skipped, self.skipped = self.skipped, 0
         if not self.queue:
             self.wakeup.clear()
-        return records, skipped
+        return rows, skipped
 
 
 class TailHub:
@@ -160,7 +167,7 @@ class TailHub:
             return found, scanned
 
         found, _ = await asyncio.to_thread(read)
-        client.offer(found)
+        client.offer(found, {})
 
     async def _run(self) -> None:
         sub = self.hub.subscribe(OUTPUT_NAME, lossy=True, maxsize=256)
@@ -175,19 +182,21 @@ class TailHub:
                 now = time.monotonic()
                 if now - window_start >= 1.0:
                     window_start, budget = now, self.events_per_s
-                if batch.count > budget:
-                    self._skip_all(batch.count, "decode_budget")
-                    continue
-                budget -= batch.count
-                self._fan_out(batch)
+                # Decode only the front of a batch that exceeds what is left of the budget.
+                take = min(batch.count, budget)
+                budget -= take
+                if take < batch.count:
+                    self._skip_all(batch.count - take, "decode_budget")
+                if take:
+                    self._fan_out(list(islice(iter_batch(batch.body, batch.base_offset), take)))
         finally:
             sub.close()
 
-    def _fan_out(self, batch: CommittedBatch) -> None:
-        records = batch.records()
+    def _fan_out(self, records: list[Record]) -> None:
+        rows: dict[int, dict[str, Any]] = {}
         for client in list(self.clients):
             before = client.skipped
-            client.offer(records)
+            client.offer(records, rows)
             if client.skipped > before:
                 self._m_skipped.labels(reason="page_queue_full").inc(client.skipped - before)
 
