@@ -1,5 +1,6 @@
 """Journal and hub figures (issue 2): append rate with fsync=always through the hub API,
-commit latency, read/replay rate, and recovery time of a 1 GB journal.
+commit latency, read/replay rate, and recovery time of a 1 GB journal, clean, with a torn tail
+and with corrupt frames (issue 19: damage is quarantined and walked past, never cut).
 
 The hub runs in this process pinned to one core (commit thread and event loop share it), as a
 protocol server's hub would.
@@ -15,7 +16,7 @@ import time
 
 from taproom.config import load_config
 from taproom.hub import Hub
-from taproom.journal import Journal, JournalReader
+from taproom.journal import Journal, JournalReader, check_journal
 from taproom.records import BatchBuilder, EncodedBatch
 
 from .common import Figure, peak_rss_mib, percentile
@@ -139,7 +140,55 @@ def run(quick: bool) -> list[Figure]:
                 "< 5",
             )
         )
+        figures += corruption_figures(path, size_target)
         figures.append(Figure("peak RSS of the bench process", peak_rss_mib(), "MiB"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return figures
+
+
+def _damage(path: str, position: int, nbytes: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(position)
+        f.write(os.urandom(nbytes))
+
+
+def corruption_figures(path: str, size_target: int) -> list[Figure]:
+    """Open, replay and check a journal with corrupt frames in the middle of the last segment
+    and of a sealed one: each costs one frame, found by resynchronising on the next."""
+    names = sorted(n for n in os.listdir(path) if n.endswith(".seg"))
+    last, first = os.path.join(path, names[-1]), os.path.join(path, names[0])
+    mib = size_target >> 20
+    figures = []
+    _damage(last, os.path.getsize(last) // 2, 64)
+    t0 = time.perf_counter()
+    j = Journal(path)
+    figures.append(
+        Figure(
+            f"recovery of a {mib} MiB journal ({len(names)} segments), corrupt frame mid last",
+            time.perf_counter() - t0,
+            "s",
+            "< 5",
+        )
+    )
+    j.close()
+    _damage(first, os.path.getsize(first) // 3, 4 << 20)  # 4 MiB of garbage to resync over
+    j = Journal(path)
+    t0 = time.perf_counter()
+    n = sum(count for _b, count, _body in j.read_batches(0))
+    elapsed = time.perf_counter() - t0
+    lost = sum(d.lost_events for d in j.damage())
+    j.close()
+    figures.append(
+        Figure(f"replay past 2 quarantined regions ({lost:,} events lost)", n / elapsed, "events/s")
+    )
+    t0 = time.perf_counter()
+    report = check_journal(path)
+    figures.append(
+        Figure(
+            f"journal check of {mib} MiB ({len(report['problems'])} problems found)",
+            time.perf_counter() - t0,
+            "s",
+        )
+    )
     return figures

@@ -12,17 +12,27 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from taproom.app import App
 from taproom.config import Config, known_sections, load_config
 from taproom.servers import SERVICE_MODULES
 
-__all__ = ["SOAK", "HubProcess", "fuzz_examples", "running_app", "write_config"]
+__all__ = [
+    "SOAK",
+    "HubProcess",
+    "fill",
+    "fuzz_examples",
+    "needs_mount",
+    "running_app",
+    "small_tmpfs",
+    "write_config",
+]
 
 # `make test` runs the short, real version of every fuzz and crash loop; `make soak` the long one.
 SOAK = os.environ.get("TAPROOM_SOAK") == "1"
@@ -31,6 +41,37 @@ SOAK = os.environ.get("TAPROOM_SOAK") == "1"
 def fuzz_examples(in_test: int, in_soak: int) -> int:
     """How many examples or cycles: ``in_test`` under `make test`, ``in_soak`` under soak."""
     return in_soak if SOAK else in_test
+
+
+# A real full filesystem: a small tmpfs, which only root can mount.
+needs_mount = pytest.mark.skipif(
+    os.geteuid() != 0, reason="a real full filesystem needs root to mount tmpfs"
+)
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (e.g. "2m") mounted at ``path`` for the block."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Fill the filesystem of ``path`` to its last byte; delete the returned file to free it."""
+    filler = path / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        for size in (65536, 4096, 1):  # down to the last byte the filesystem has
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * size)
+    finally:
+        os.close(fd)
+    return filler
 
 
 def _toml_value(value: Any) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from .config import describe_defaults, load_config
-from .errors import ConfigError, TaproomError
+from .errors import ConfigError, JournalError, TaproomError
 
 __all__ = ["CLI_PLUGINS", "main"]
 
@@ -155,20 +155,32 @@ def cmd_journal_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+# `taproom journal check` exit codes (also in its --help and docs/operations.md).
+CHECK_OK = 0  # nothing wrong, or everything found was repaired
+CHECK_PROBLEMS = 1  # problems remain: lost offsets (quarantined, gaps) or unrepaired damage
+CHECK_FAILED = 2  # the journal could not be checked (no such directory, unreadable)
+
+
 def cmd_journal_check(args: argparse.Namespace) -> int:
     from .journal import check_journal
 
-    report = check_journal(_journal_dir(args), repair=args.repair)
+    try:
+        report = check_journal(_journal_dir(args), repair=args.repair)
+    except (JournalError, OSError) as exc:
+        print(f"taproom: journal check: {exc}", file=sys.stderr)
+        return CHECK_FAILED
     if args.json:
         print(orjson.dumps(report).decode())
     else:
         print(
-            f"segments {report['segments']}, batches {report['batches']}, events {report['events']}"
+            f"segments {report['segments']}, batches {report['batches']}, "
+            f"events {report['events']}, lost events {report['lost_events']}"
         )
         for problem in report["problems"]:
-            print(f"problem: {problem}")
-        print("ok" if report["ok"] else ("repaired" if args.repair else "problems found"))
-    return 0 if report["ok"] or args.repair else 1
+            done = " (repaired)" if problem["repaired"] else ""
+            print(f"{problem['kind']}: {problem['segment']}: {problem['problem']}{done}")
+        print("ok" if report["ok"] else "problems remain")
+    return CHECK_OK if report["ok"] else CHECK_PROBLEMS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,10 +220,21 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--journal", metavar="DIR")
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_journal_stats)
-    q = jsub.add_parser("check", help="verify every CRC (exit 1 on problems)")
+    q = jsub.add_parser(
+        "check",
+        help="verify every frame; exit 0 ok, 1 problems remain, 2 cannot check",
+        description="Verify every frame of every segment and list damage with its offsets. "
+        "Exit status: 0 nothing wrong (or all of it repaired), 1 problems remain (lost "
+        "offsets: quarantined frames or gaps, which no repair brings back; or damage found "
+        "without --repair), 2 the journal could not be checked.",
+    )
     _config_arg(q)
     q.add_argument("--journal", metavar="DIR")
-    q.add_argument("--repair", action="store_true", help="truncate at the first bad frame")
+    q.add_argument(
+        "--repair",
+        action="store_true",
+        help="cut a torn tail, rewrite damaged segment headers (stop the hub first)",
+    )
     q.add_argument("--json", action="store_true")
     q.set_defaults(func=cmd_journal_check)
 

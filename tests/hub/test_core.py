@@ -6,6 +6,7 @@ import asyncio
 
 from taproom.config import load_config
 from taproom.hub import Hub
+from taproom.journal.segments import scan_segment, segment_name
 from taproom.records import BatchBuilder
 
 
@@ -109,3 +110,27 @@ async def test_backpressure_when_pending_bytes_over_bound(tmp_path):
         await future
         await asyncio.sleep(0)
         assert hub.has_capacity
+
+
+async def test_read_back_walks_past_quarantined_damage_and_counts_the_gap(tmp_path):
+    async with Hub(_config(tmp_path)) as hub:
+        for k in range(6):
+            await hub.ingest(_batch(5, f"b{k}-"))
+    seg = tmp_path / "j" / segment_name(0)
+    position = dict(scan_segment(str(seg)).index)[10]  # the batch of offsets 10-14
+    with open(seg, "r+b") as f:
+        f.seek(position + 40)
+        f.write(b"\xff\xff")
+    async with Hub(_config(tmp_path)) as hub:
+        sub = hub.subscribe("replay", from_offset=0)
+        await hub.ingest(_batch(5, "new-"))
+        seen = []
+        while len(seen) < 30:
+            seen.extend(r.offset for r in (await asyncio.wait_for(sub.__anext__(), 5)).records())
+        assert seen == [*range(10), *range(15, 35)]  # later offsets as they were acked
+        gap = hub.metrics.registry.get_sample_value(
+            "taproom_hub_output_dropped_events_total", {"output": "replay"}
+        )
+        assert gap == 5
+        assert any("offsets 10-14 lost" in line for line in hub.degraded())
+        assert hub.readiness() == []  # damage is reported, not a reason to stop serving

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from taproom.errors import CorruptSegment
 from taproom.journal import CursorStore, Journal, JournalReader, check_journal
 from taproom.journal.segments import SEGMENT_HEADER, segment_name
 from taproom.records import BatchBuilder, EncodedBatch, Record
@@ -107,7 +106,7 @@ class TestRecovery:
         assert os.path.getsize(active_path(j2)) == good_size
         assert len(payloads(j2)) == 3
 
-    def test_flipped_bit_in_last_batch_is_cut(self, tmp_path):
+    def test_flipped_bit_in_last_batch_is_cut_and_its_offsets_not_reused(self, tmp_path):
         j = Journal(tmp_path)
         j.commit([batch("a")])
         j.commit([batch("b")])
@@ -120,7 +119,17 @@ class TestRecovery:
             f.write(bytes([byte[0] ^ 0x01]))
         assert check_journal(tmp_path)["ok"] is False
         j2 = Journal(tmp_path)
-        assert j2.next_offset == 3
+        # A complete last frame that fails its CRC is cut like a torn write, but its offsets
+        # may have been acked: new events start after them, in a new segment.
+        assert [r.offset for r in j2.read(0)] == [0, 1, 2]
+        assert j2.next_offset == 6
+        assert j2.commit([batch("c")]) == [6]
+        lost = j2.metrics.registry.get_sample_value(
+            "taproom_journal_lost_events_total", {"reason": "crc_mismatch"}
+        )
+        assert lost == 3
+        j2.close()
+        assert [r.offset for r in Journal(tmp_path).read(0)] == [0, 1, 2, 6, 7, 8]
 
     def test_torn_new_segment_header_is_removed(self, tmp_path):
         j = Journal(tmp_path)
@@ -139,7 +148,9 @@ class TestRecovery:
         assert j.commit([batch("a")]) == [0]
         assert os.path.getsize(active_path(j)) > SEGMENT_HEADER.size
 
-    def test_reader_stops_before_an_unfinished_tail_but_refuses_sealed_corruption(self, tmp_path):
+    def test_reader_stops_before_an_unfinished_tail_and_walks_past_sealed_corruption(
+        self, tmp_path
+    ):
         j = Journal(tmp_path, segment_bytes=1024 * 1024)
         big = batch("x", 50, 40_000)
         j.commit([big])
@@ -148,12 +159,16 @@ class TestRecovery:
         first = j.segments()[0].path
         with open(active_path(j), "ab") as f:
             f.write(b"\1" * 30)  # half-written frame in the last segment
-        assert len(list(JournalReader(tmp_path).read(0))) == 100
+        reader = JournalReader(tmp_path)
+        assert len(list(reader.read(0))) == 100
+        assert reader.damage == {}  # an unfinished tail is not damage
         with open(first, "r+b") as f:
             f.seek(100)
             f.write(b"garbage!")
-        with pytest.raises(CorruptSegment):
-            list(JournalReader(tmp_path).read(0))
+        reader = JournalReader(tmp_path)
+        assert [r.offset for r in reader.read(0)] == list(range(50, 100))
+        (damage,) = reader.damage.values()
+        assert (damage.first_offset, damage.end_offset, damage.reason) == (0, 50, "crc_mismatch")
 
 
 class TestCheck:

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import subprocess
-from pathlib import Path
 
 import orjson
 import pytest
 
 from taproom.records import BatchBuilder
-from tests.support import running_app
+from tests.support import fill, needs_mount, running_app, small_tmpfs
 
 
 async def http(address: str, request: bytes) -> tuple[int, bytes]:
@@ -36,7 +33,11 @@ async def test_health_ready_metrics(tmp_path):
         web = app.addresses["web"]
         assert await get(web, "/health") == (200, b'{"status":"alive"}\n')
         status, body = await get(web, "/ready")
-        assert status == 200 and orjson.loads(body) == {"ready": True, "reasons": []}
+        assert status == 200 and orjson.loads(body) == {
+            "ready": True,
+            "reasons": [],
+            "degraded": [],
+        }
         b = BatchBuilder()
         b.add("test", b"x")
         await app.hub.ingest(b.build())
@@ -116,34 +117,7 @@ async def test_connection_limit_and_head_timeout(tmp_path):
         assert registry.get_sample_value(sample, {"reason": "timeout"}) == 2
 
 
-def _can_mount() -> bool:
-    return os.geteuid() == 0
-
-
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str):
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(path: Path) -> Path:
-    filler = path / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        for size in (65536, 4096, 1):  # down to the last byte the filesystem has
-            with contextlib.suppress(OSError):
-                while True:
-                    os.write(fd, b"\0" * size)
-    finally:
-        os.close(fd)
-    return filler
-
-
-@pytest.mark.skipif(not _can_mount(), reason="a real full filesystem needs root to mount tmpfs")
+@needs_mount
 async def test_disk_full_pauses_acks_reports_not_ready_and_recovers(tmp_path):
     with small_tmpfs(tmp_path / "mnt", "2m") as mnt:
         async with running_app(tmp_path, journal={"dir": str(mnt / "journal")}) as app:

@@ -102,7 +102,7 @@ class Subscription:
             "hub",
             "output_dropped",
             "events",
-            "Events dropped for a lossy output that fell behind",
+            "Events an output never got: lossy and behind, deleted by retention, or lost in the journal",
             ("output",),
         ).labels(output=name)
         m.gauge(
@@ -176,6 +176,9 @@ class Subscription:
             self._lagging = False
             return None
         base, count, body = item
+        if base > start:
+            # Offsets the journal quarantined (or that are in no segment): a counted gap.
+            self._m_drop.inc(base - start)
         batch = CommittedBatch(base, count, body)
         if base < start:  # the subscription started inside this batch: trim the front
             records = [r for r in batch.records() if r.offset >= start]
@@ -448,6 +451,11 @@ class Hub:
         if self._thread is None or not self._thread.is_alive():
             reasons.append("commit thread not running")
         return reasons
+
+    def degraded(self) -> list[str]:
+        """What an operator must know that does not stop the hub serving: journal damage that
+        was quarantined (its events are lost; everything else is served)."""
+        return self.journal.damage_summary()
 
 
 def _set_exception_if_pending(future: asyncio.Future[Commit], exc: Exception) -> None:

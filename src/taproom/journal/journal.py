@@ -6,47 +6,63 @@ One writer (the hub's commit thread) calls :meth:`Journal.commit`; any number of
 
 Failure model (DESIGN.md decision 2):
 
-* A torn or corrupt tail found on open is truncated, logged and counted; opening never fails
-  because of it.
-* ``ENOSPC`` while writing: the partial write is cut off again, :class:`DiskFull` is raised and
-  the offsets are handed out again by the next attempt. Nothing was acknowledged.
+* A torn tail of the active segment (damage with no valid frame after it) found on open is
+  truncated, logged and counted; opening never fails because of it.
+* Damage anywhere else (a corrupt frame with valid frames after it, in any segment; a damaged
+  segment header) is quarantined, never cut: readers walk past it to the next valid frame,
+  every later frame keeps its offset, and the lost offsets are a gap that is logged, counted
+  (``taproom_journal_lost_events_total{reason}``) and listed by :meth:`Journal.damage`.
+* ``ENOSPC`` while writing or while creating the next segment: nothing of the commit stays,
+  :class:`DiskFull` is raised and the same offsets are handed out by the next attempt.
 * A failed ``fsync`` (or other write error): the descriptor is closed and never trusted again;
   the file is reopened and truncated to the last position known durable, and
-  :class:`JournalFailed` is raised so the caller rewrites the batches.
+  :class:`JournalFailed` is raised so the caller rewrites its batches. Offsets already handed
+  out for what was cut (acked under ``fsync = interval``) are never handed out again: the next
+  segment starts after them and they are a counted gap.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
+import itertools
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import DiskFull, JournalError, JournalFailed
 from ..metrics import Metrics
 from ..records import EncodedBatch, Record
 from .segments import (
+    FRAME,
     SEGMENT_HEADER,
-    SEGMENT_MAGIC,
+    Damage,
     encode_frame_header,
-    iter_frames,
     read_segment_header,
     records_in_range,
     scan_segment,
+    segment_base,
+    segment_bases,
     segment_batches,
+    segment_header,
     segment_name,
+    walk_frames,
+    write_segment_header,
 )
 
 __all__ = ["FSYNC_POLICIES", "Journal", "SegmentInfo"]
 
 log = logging.getLogger("taproom.journal")
 FSYNC_POLICIES = ("always", "interval", "off")
+# A segment is created under this suffix and renamed into place once its header is on disk.
+_CREATING = ".tmp"
+# /ready and logs name at most this many damaged regions, then say how many more there are.
+_DAMAGE_SHOWN = 5
 
 
 @dataclass(slots=True)
@@ -54,7 +70,7 @@ class SegmentInfo:
     base_offset: int
     path: str
     size: int
-    end_offset: int  # offset after its last record (known for sealed and active segments)
+    end_offset: int  # offset after its last record (the next segment's base once sealed)
     index: list[tuple[int, int]] | None = None  # sparse (base offset, position), built lazily
 
 
@@ -83,20 +99,33 @@ class Journal:
         self.fsync_policy = fsync
         self.segment_bytes = segment_bytes
         self.metrics = metrics or Metrics()
-        self._lock = threading.Lock()  # guards the segment list for readers
+        self._lock = threading.Lock()  # guards the segment list and the damage map for readers
         self._segments: list[SegmentInfo] = []
+        self._damage: dict[tuple[str, int], Damage] = {}
         self._fd = -1
         self._written_pos = 0  # end of the active segment as written
         self._durable_pos = 0  # end of the active segment as known on disk
-        self._durable_offset = 0
+        self._synced_offset = 0  # offset after the last record at _durable_pos
+        self._durable_offset = 0  # offsets below are committed: readable, or a counted gap
         self._next_offset = 0
         self._unsynced = False
         self.failed: str | None = None  # why appends are refused, until recovery succeeds
+        self._gap_reason = "cut_after_failure"  # why offsets past _synced_offset are lost
         self._m_truncated = self.metrics.counter(
-            "journal", "truncated", "bytes", "Bytes cut from a torn or corrupt tail on open"
+            "journal", "truncated", "bytes", "Bytes cut from a torn tail on open"
         )
         self._m_recoveries = self.metrics.counter(
             "journal", "recoveries", "events", "Recoveries on open or after a failure", ("reason",)
+        )
+        self._m_lost = self.metrics.counter(
+            "journal",
+            "lost",
+            "events",
+            "Offsets with no readable event: quarantined frames, or data cut after a failure",
+            ("reason",),
+        )
+        self._m_quarantined = self.metrics.counter(
+            "journal", "quarantined", "bytes", "Damaged segment bytes readers skip", ("reason",)
         )
         self._m_appended = self.metrics.counter(
             "journal", "appended", "events", "Events committed to the journal"
@@ -117,93 +146,171 @@ class Journal:
         self.metrics.gauge_fn(
             "journal", "next", "offset", "Offset the next event will get", lambda: self._next_offset
         )
+        self.metrics.gauge_fn(
+            "journal",
+            "damaged",
+            "regions",
+            "Quarantined regions found so far in segments still on disk",
+            lambda: len(self._damage),
+        )
 
     # --- opening and recovery ------------------------------------------------------------
 
-    def _list_segment_files(self) -> list[str]:
-        names = [n for n in os.listdir(self.path) if n.endswith(".seg") and n[:-4].isdigit()]
-        return sorted(names, key=lambda n: int(n[:-4]))
-
     def _recover(self) -> None:
-        names = self._list_segment_files()
-        # A crash while creating a segment can leave a file with a torn header at the end.
-        while names:
-            last = os.path.join(self.path, names[-1])
-            result = scan_segment(last)
-            if result.problem == "torn or foreign header" and len(names) > 1:
-                log.warning("journal: removing segment %s with a torn header", names[-1])
-                self._m_truncated.inc(result.file_size)
-                self._m_recoveries.labels(reason="torn_segment_header").inc()
-                os.unlink(last)
-                _fsync_dir(self.path)
-                names.pop()
-                continue
-            break
-        for name in names[:-1]:
-            base = int(name[:-4])
-            size = os.path.getsize(os.path.join(self.path, name))
-            self._segments.append(SegmentInfo(base, os.path.join(self.path, name), size, -1))
-        # End offsets of sealed segments: the next segment's base.
-        for i, seg in enumerate(self._segments):
-            nxt = self._segments[i + 1].base_offset if i + 1 < len(self._segments) else None
-            seg.end_offset = nxt if nxt is not None else -1
-        if names:
-            last_path = os.path.join(self.path, names[-1])
-            result = scan_segment(last_path)
-            if self._segments:
-                self._segments[-1].end_offset = result.base_offset
-            if result.problem is not None:
-                cut = result.file_size - result.valid_end
-                if result.problem == "torn or foreign header":
-                    log.warning("journal: rewriting torn header of %s", names[-1])
-                    self._m_recoveries.labels(reason="torn_segment_header").inc()
-                    self._write_new_segment_file(last_path, result.base_offset, truncate=True)
-                    result.valid_end = SEGMENT_HEADER.size
-                else:
-                    log.warning(
-                        "journal: truncating %d bytes of torn tail in %s (%s)",
-                        cut,
-                        names[-1],
-                        result.problem,
-                    )
-                    self._m_recoveries.labels(reason="torn_tail").inc()
-                    fd = os.open(last_path, os.O_RDWR)
-                    try:
-                        os.ftruncate(fd, result.valid_end)
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-                self._m_truncated.inc(max(cut, 0))
-            active = SegmentInfo(
-                result.base_offset, last_path, result.valid_end, result.next_offset, result.index
+        for name in os.listdir(self.path):
+            if name.endswith(".seg" + _CREATING):  # a roll interrupted before its rename
+                os.unlink(os.path.join(self.path, name))
+        bases = segment_bases(self.path)
+        # Before segments were created under a temporary name, a crash while creating one
+        # could leave a last file holding part of a header and nothing else.
+        while bases:
+            last = os.path.join(self.path, segment_name(bases[-1]))
+            if os.path.getsize(last) > SEGMENT_HEADER.size or self._header_ok(last):
+                break
+            self._m_recoveries.labels(reason="torn_segment_header").inc()
+            if len(bases) == 1:
+                log.warning("journal: rewriting torn header of %s", segment_name(bases[-1]))
+                write_segment_header(last, bases[-1])
+                break
+            log.warning("journal: removing segment %s with a torn header", segment_name(bases[-1]))
+            self._m_truncated.inc(os.path.getsize(last))
+            os.unlink(last)
+            _fsync_dir(self.path)
+            bases.pop()
+        for base, next_base in itertools.pairwise(bases):
+            path = os.path.join(self.path, segment_name(base))
+            self._segments.append(SegmentInfo(base, path, os.path.getsize(path), next_base))
+        handed_out = 0
+        if bases:
+            active, handed_out = self._recover_active(
+                os.path.join(self.path, segment_name(bases[-1]))
             )
             self._segments.append(active)
-            self._next_offset = result.next_offset
         else:
             path = os.path.join(self.path, segment_name(0))
-            self._write_new_segment_file(path, 0)
+            self._create_segment(path, 0)
             self._segments.append(SegmentInfo(0, path, SEGMENT_HEADER.size, 0, []))
-            self._next_offset = 0
+        self._next_offset = self._segments[-1].end_offset
         self._open_active()
-        self._durable_offset = self._next_offset
+        self._durable_offset = self._synced_offset = self._next_offset
+        if handed_out > self._next_offset:
+            # A whole last frame failed its CRC: a torn write, or acked data gone bad. Its
+            # offsets may have been acked and fanned out, so new events start after them.
+            self._next_offset = self._durable_offset = handed_out
+            self._gap_reason = "crc_mismatch"
+            try:
+                self._continue_after_gap()
+            except JournalError as exc:
+                self.failed = str(exc)  # the next commit tries again
 
-    def _write_new_segment_file(
-        self, path: str, base_offset: int, *, truncate: bool = False
-    ) -> None:
-        flags = os.O_RDWR | os.O_CREAT | (os.O_TRUNC if truncate else os.O_EXCL)
-        fd = os.open(path, flags, 0o644)
+    @staticmethod
+    def _header_ok(path: str) -> bool:
+        fd = os.open(path, os.O_RDONLY)
         try:
-            os.write(fd, SEGMENT_HEADER.pack(SEGMENT_MAGIC, base_offset))
-            os.fsync(fd)
+            return read_segment_header(fd) == segment_base(os.path.basename(path))
         finally:
             os.close(fd)
-        _fsync_dir(self.path)
+
+    def _recover_active(self, path: str) -> tuple[SegmentInfo, int]:
+        """Verify the active segment: quarantine damage, cut a torn tail, mend its header.
+
+        Also returns the offset after the last frame whose header was whole (higher than the
+        segment's end offset when the cut tail began with a complete frame).
+        """
+        name = os.path.basename(path)
+        result = scan_segment(path)
+        if result.header is not None:
+            # Its frames are intact and the base is in the file name: write it back.
+            log.warning("journal: %s; rewritten from the file name", result.header.describe())
+            self._m_recoveries.labels(reason="segment_header").inc()
+            write_segment_header(path, result.base_offset)
+        for damage in result.damage:
+            self._quarantine(damage)
+        handed_out = result.next_offset
+        if result.tail is not None:
+            if result.tail.reason == "crc_mismatch":
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    _len, _crc, base, count = FRAME.unpack(
+                        os.pread(fd, FRAME.size, result.tail.position)
+                    )
+                finally:
+                    os.close(fd)
+                handed_out = base + count
+            cut = result.file_size - result.tail.position
+            log.warning(
+                "journal: truncating %d bytes of torn tail in %s (%s at position %d)",
+                cut,
+                name,
+                result.tail.detail,
+                result.tail.position,
+            )
+            self._m_recoveries.labels(reason="torn_tail").inc()
+            self._m_truncated.inc(cut)
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.ftruncate(fd, result.tail.position)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        active = SegmentInfo(
+            result.base_offset, path, result.valid_end, result.next_offset, result.index
+        )
+        return active, handed_out
+
+    def _create_segment(self, path: str, base_offset: int) -> None:
+        """Create a segment holding only its header, or nothing at all if that fails."""
+        creating = path + _CREATING
+        try:
+            fd = os.open(creating, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                if os.write(fd, segment_header(base_offset)) != SEGMENT_HEADER.size:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(creating, path)
+            _fsync_dir(self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(creating)
+            if exc.errno == errno.ENOSPC:
+                raise DiskFull("no space left on the journal's device for a new segment") from exc
+            raise JournalFailed(f"could not create segment {path}: {exc.strerror}") from exc
 
     def _open_active(self) -> None:
         active = self._segments[-1]
         self._fd = os.open(active.path, os.O_RDWR | os.O_APPEND)
         self._written_pos = self._durable_pos = os.fstat(self._fd).st_size
         active.size = self._written_pos
+
+    # --- damage ---------------------------------------------------------------------------
+
+    def _quarantine(self, damage: Damage) -> None:
+        """Record damage a reader walked past: logged and counted once per region."""
+        key = (damage.segment, damage.position)
+        with self._lock:
+            if key in self._damage:
+                return
+            self._damage[key] = damage
+        self._m_lost.labels(reason=damage.reason).inc(damage.lost_events)
+        self._m_quarantined.labels(reason=damage.reason).inc(damage.nbytes)
+        log.warning("journal: quarantined %s", damage.describe())
+
+    def damage(self) -> list[Damage]:
+        """Damaged regions found so far (on open, or by any read) in segments still on disk."""
+        with self._lock:
+            return sorted(self._damage.values(), key=lambda d: (d.segment, d.position))
+
+    def damage_summary(self) -> list[str]:
+        """One line per damaged region (at most a few, then a count), for /ready and logs."""
+        found = self.damage()
+        lines = [f"journal damage quarantined: {d.describe()}" for d in found[:_DAMAGE_SHOWN]]
+        if len(found) > _DAMAGE_SHOWN:
+            lines.append(f"journal damage quarantined: {len(found) - _DAMAGE_SHOWN} more regions")
+        if lines:
+            lines.append("run `taproom journal check` for the full list")
+        return lines
 
     # --- writing (the commit thread only) -------------------------------------------------
 
@@ -213,7 +320,7 @@ class Journal:
 
     @property
     def end_offset(self) -> int:
-        """Offsets below this are committed and readable."""
+        """Offsets below this are committed: readable, or a counted gap."""
         return self._durable_offset
 
     @property
@@ -225,21 +332,30 @@ class Journal:
         return sum(s.size for s in self._segments)
 
     def _roll(self) -> None:
-        """Seal the active segment and start a new one at ``next_offset``."""
+        """Seal the active segment and start a new one at ``next_offset``.
+
+        The new segment is complete on disk before the old one is let go, so a failure here
+        (disk full) leaves the active segment as it was and the next commit simply retries.
+        """
         if self._unsynced:
-            os.fsync(self._fd)
-            self._m_fsyncs.inc()
-            self._unsynced = False
-        os.close(self._fd)
-        self._fd = -1
+            self.sync()
         path = os.path.join(self.path, segment_name(self._next_offset))
-        self._write_new_segment_file(path, self._next_offset)
+        self._create_segment(path, self._next_offset)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND)
+        except OSError as exc:
+            raise JournalFailed(f"could not open new segment: {exc.strerror}") from exc
+        old_fd = self._fd
         with self._lock:
             self._segments[-1].end_offset = self._next_offset
             self._segments.append(
                 SegmentInfo(self._next_offset, path, SEGMENT_HEADER.size, self._next_offset, [])
             )
-        self._open_active()
+        self._fd = fd
+        self._written_pos = self._durable_pos = SEGMENT_HEADER.size
+        self._synced_offset = self._next_offset
+        with contextlib.suppress(OSError):
+            os.close(old_fd)
 
     def commit(self, batches: Sequence[EncodedBatch]) -> list[int]:
         """Write ``batches`` and make them durable per the fsync policy; their base offsets.
@@ -290,6 +406,7 @@ class Journal:
             raise JournalFailed(f"fsync failed: {exc.strerror}") from exc
         if self.fsync_policy == "always":
             self._durable_pos = pos
+            self._synced_offset = offset
         self._next_offset = offset
         with self._lock:
             active.size = pos
@@ -326,6 +443,7 @@ class Journal:
             "journal: %s; descriptor dropped, will reopen and truncate to durable data", reason
         )
         self.failed = reason
+        self._gap_reason = "cut_after_failure"
         try:
             os.close(self._fd)
         except OSError:
@@ -335,22 +453,41 @@ class Journal:
     def _try_reopen(self) -> None:
         """Reopen the active segment and cut it back to the last position known durable."""
         active = self._segments[-1]
-        try:
-            fd = os.open(active.path, os.O_RDWR | os.O_APPEND)
-            os.ftruncate(fd, self._durable_pos)
-            os.fsync(fd)
-        except OSError as exc:
-            raise JournalFailed(f"journal still failing: {exc.strerror}") from exc
-        self._fd = fd
-        self._written_pos = self._durable_pos
-        self._next_offset = self._durable_offset
-        with self._lock:
-            active.size = self._durable_pos
-            active.end_offset = self._durable_offset
-            active.index = None
+        if self._fd < 0:
+            try:
+                fd = os.open(active.path, os.O_RDWR | os.O_APPEND)
+                os.ftruncate(fd, self._durable_pos)
+                os.fsync(fd)
+            except OSError as exc:
+                raise JournalFailed(f"journal still failing: {exc.strerror}") from exc
+            self._fd = fd
+            self._written_pos = self._durable_pos
+            self._unsynced = False
+            with self._lock:
+                active.size = self._durable_pos
+                active.end_offset = self._synced_offset
+                active.index = None
+        self._continue_after_gap()
         self._m_recoveries.labels(reason="reopen_after_failure").inc()
         log.warning("journal: recovered after failure (%s)", self.failed)
         self.failed = None
+
+    def _continue_after_gap(self) -> None:
+        """If offsets were handed out past what the active segment holds (acked already under
+        ``fsync = interval``, seen by outputs), start a new segment after them: they stay a
+        counted gap and are never handed out again for other events."""
+        lost = self._next_offset - self._synced_offset
+        if not lost:
+            return
+        self._roll()  # DiskFull here leaves `failed` set: the next commit tries again
+        self._m_lost.labels(reason=self._gap_reason).inc(lost)
+        log.error(
+            "journal: offsets %d-%d are lost (%s); new events continue at %d",
+            self._next_offset - lost,
+            self._next_offset - 1,
+            self._gap_reason,
+            self._next_offset,
+        )
 
     def sync(self) -> None:
         """fsync unsynced writes (policy ``interval``/``off``, and before close)."""
@@ -359,12 +496,12 @@ class Journal:
                 os.fsync(self._fd)
             except OSError as exc:
                 # Data written since the last good fsync may be gone from the page cache.
-                self._durable_offset = min(self._durable_offset, self._next_offset)
                 self._fail(f"fsync failed: {exc.strerror}")
                 raise JournalFailed(f"fsync failed: {exc.strerror}") from exc
             self._m_fsyncs.inc()
             self._unsynced = False
             self._durable_pos = self._written_pos
+            self._synced_offset = self._next_offset
 
     def enforce_retention(
         self, retention_bytes: int, retention_age_s: float, now: float | None = None
@@ -382,15 +519,18 @@ class Journal:
             over_age = retention_age_s > 0 and mtime < now - retention_age_s
             if not (over_size or over_age):
                 break
+            name = os.path.basename(oldest.path)
             with self._lock:
                 self._segments.pop(0)
+                for key in [k for k in self._damage if k[0] == name]:
+                    del self._damage[key]
             try:
                 os.unlink(oldest.path)
             except FileNotFoundError:
                 pass
             deleted += 1
             self._m_deleted.inc()
-            log.info("journal: retention deleted %s", os.path.basename(oldest.path))
+            log.info("journal: retention deleted %s", name)
         if deleted:
             _fsync_dir(self.path)
         return deleted
@@ -400,8 +540,9 @@ class Journal:
             try:
                 self.sync()
             finally:
-                os.close(self._fd)
-                self._fd = -1
+                if self._fd >= 0:
+                    os.close(self._fd)
+                    self._fd = -1
 
     # --- reading (any thread) -------------------------------------------------------------
 
@@ -413,12 +554,15 @@ class Journal:
         if seg.index is None:
             index = []
             size = os.fstat(fd).st_size
-            for info, _body, problem in iter_frames(
-                fd, SEGMENT_HEADER.size, seg.base_offset, size, verify=False
+            name = os.path.basename(seg.path)
+            for item in walk_frames(
+                fd, name, SEGMENT_HEADER.size, seg.base_offset, size, verify=False
             ):
-                if problem is not None or info.base_offset >= limit:
+                if isinstance(item, Damage):
+                    continue  # reads walk it again with CRCs checked, and report it
+                if item.base_offset >= limit:
                     break
-                index.append((info.base_offset, info.position))
+                index.append((item.base_offset, item.position))
             seg.index = index
         return seg.index
 
@@ -429,13 +573,15 @@ class Journal:
         ``from_offset`` up to ``end_offset`` (default: the end when called).
 
         The first batch may start before ``from_offset``; use :meth:`read` for records.
-        Raises :class:`CorruptSegment` if a committed batch fails its CRC.
+        Quarantined damage is skipped (and reported, see :meth:`damage`): its offsets are a gap
+        between the batches yielded.
         """
         end = self._durable_offset if end_offset is None else min(end_offset, self._durable_offset)
         segments = self.segments()
         bases = [s.base_offset for s in segments]
-        i = max(bisect.bisect_right(bases, from_offset) - 1, 0)
-        for seg in segments[i:]:
+        first = max(bisect.bisect_right(bases, from_offset) - 1, 0)
+        for i in range(first, len(segments)):
+            seg = segments[i]
             if seg.base_offset >= end:
                 return
             try:
@@ -449,7 +595,13 @@ class Journal:
                 if k >= 0:
                     start = index[k]
                 yield from segment_batches(
-                    fd, seg.path, start, from_offset, end, unfinished_ok=False
+                    fd,
+                    seg.path,
+                    start,
+                    from_offset,
+                    end,
+                    sealed_end=bases[i + 1] if i + 1 < len(bases) else None,
+                    on_damage=self._quarantine,
                 )
             finally:
                 os.close(fd)
@@ -470,56 +622,5 @@ class Journal:
             "next_offset": self._next_offset,
             "events": self._next_offset - segments[0].base_offset,
             "fsync": self.fsync_policy,
+            "damaged_regions": len(self._damage),
         }
-
-
-def check_journal(path: str | os.PathLike[str], *, repair: bool = False) -> dict[str, Any]:
-    """Verify every CRC of every segment without opening the journal for writing.
-
-    Returns a report; with ``repair`` a segment is truncated at its first bad frame (a sealed
-    segment cut this way leaves a gap in offsets, which readers skip and the report states).
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise JournalError(f"{path}: not a journal directory")
-    names = sorted(
-        (n.name for n in root.iterdir() if n.suffix == ".seg" and n.stem.isdigit()),
-        key=lambda n: int(n[:-4]),
-    )
-    report: dict[str, Any] = {"segments": len(names), "batches": 0, "events": 0, "problems": []}
-    expected: int | None = None
-    for name in names:
-        seg_path = str(root / name)
-        result = scan_segment(seg_path, verify=True)
-        report["batches"] += len(result.index)
-        report["events"] += result.next_offset - result.base_offset
-        if expected is not None and result.base_offset != expected:
-            report["problems"].append(
-                {
-                    "segment": name,
-                    "problem": f"gap: expected base {expected}, found {result.base_offset}",
-                }
-            )
-        expected = result.next_offset
-        if result.problem is not None:
-            entry: dict[str, Any] = {
-                "segment": name,
-                "problem": result.problem,
-                "valid_bytes": result.valid_end,
-                "bytes_after": result.file_size - result.valid_end,
-            }
-            if repair and result.valid_end >= SEGMENT_HEADER.size:
-                fd = os.open(seg_path, os.O_RDWR)
-                try:
-                    os.ftruncate(fd, result.valid_end)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                entry["repaired"] = True
-            report["problems"].append(entry)
-    report["ok"] = not report["problems"]
-    return report
-
-
-# re-exported for tests that want to look at a header directly
-__all__ += ["check_journal", "read_segment_header"]

@@ -1,8 +1,10 @@
 """Read-only access to a journal directory from another process (``taproom tail``, Spark).
 
 Unlike :class:`~taproom.journal.Journal`, a reader never writes: it does not truncate a torn
-tail, it stops before it. In the last segment a frame that does not verify yet is taken as
-"still being written" and reading stops there; in a sealed segment it is corruption.
+tail, it stops before it. In the last segment damage that no valid frame follows is taken as
+"still being written" and reading stops there. Any other damage (a corrupt frame with valid
+frames after it, a corrupt sealed segment, a damaged segment header) is walked past exactly as
+the hub does: it is logged, listed in :attr:`JournalReader.damage`, and its offsets are a gap.
 
 With ``fsync = always`` a reader in another process may see a batch a few milliseconds before
 its fsync returns; a crash in that window can take the batch back. Consumers that must never
@@ -11,15 +13,25 @@ see such a batch read through the hub's subscriptions instead.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator
 
-from ..errors import CorruptSegment, JournalError
+from ..errors import JournalError
 from ..records import Record
-from .segments import SEGMENT_HEADER, read_segment_header, records_in_range, segment_batches
+from .segments import (
+    SEGMENT_HEADER,
+    Damage,
+    records_in_range,
+    segment_bases,
+    segment_batches,
+    segment_name,
+)
 
 __all__ = ["JournalReader"]
+
+log = logging.getLogger("taproom.journal")
 
 
 class JournalReader:
@@ -27,13 +39,16 @@ class JournalReader:
         self.path = str(path)
         if not os.path.isdir(self.path):
             raise JournalError(f"{self.path}: no journal directory here")
+        self.damage: dict[tuple[str, int], Damage] = {}  # found so far, by (segment, position)
 
     def segment_bases(self) -> list[int]:
-        names = [n for n in os.listdir(self.path) if n.endswith(".seg") and n[:-4].isdigit()]
-        return sorted(int(n[:-4]) for n in names)
+        return segment_bases(self.path)
 
-    def _path(self, base: int) -> str:
-        return os.path.join(self.path, f"{base:020d}.seg")
+    def _on_damage(self, damage: Damage) -> None:
+        key = (damage.segment, damage.position)
+        if key not in self.damage:
+            self.damage[key] = damage
+            log.warning("journal: skipping damage: %s", damage.describe())
 
     def read_batches(
         self, from_offset: int = 0, end_offset: int | None = None
@@ -48,23 +63,20 @@ class JournalReader:
             base = bases[i]
             if end_offset is not None and base >= end_offset:
                 return
-            last = i == len(bases) - 1
+            path = os.path.join(self.path, segment_name(base))
             try:
-                fd = os.open(self._path(base), os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 continue
             try:
-                if read_segment_header(fd) != base:
-                    if last:
-                        return
-                    raise CorruptSegment(f"segment {base}: bad header", segment=self._path(base))
                 yield from segment_batches(
                     fd,
-                    self._path(base),
+                    path,
                     (base, SEGMENT_HEADER.size),
                     from_offset,
                     end_offset,
-                    unfinished_ok=last,
+                    sealed_end=bases[i + 1] if i + 1 < len(bases) else None,
+                    on_damage=self._on_damage,
                 )
             finally:
                 os.close(fd)
@@ -74,7 +86,8 @@ class JournalReader:
 
     def end_offset(self) -> int:
         """Offset after the last verified record (scans the last segment)."""
-        end = self.segment_bases()[-1] if self.segment_bases() else 0
+        bases = self.segment_bases()
+        end = bases[-1] if bases else 0
         for base, count, _ in self.read_batches(end):
             end = base + count
         return end

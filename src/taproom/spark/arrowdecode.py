@@ -7,11 +7,11 @@ variable-length field becomes an Arrow *view* array pointing into the batch body
 C++ cast then compacts into an ordinary string/binary column. ``attrs`` is the exception: it is
 JSON and parsed per record, but only for records that carry any (most carry none).
 
-Reading segments (:func:`iter_chunks`) follows :class:`taproom.journal.JournalReader`'s rules:
-frames are CRC-checked; in the last segment a frame that does not verify yet is "still being
-written" and reading stops there; in a sealed segment it is corruption and raises
-:class:`~taproom.errors.CorruptSegment`. Planning (:func:`scan_frames`) reads frame headers
-only, so splitting a journal into partitions costs one small ``pread`` per batch.
+Reading segments (:func:`iter_chunks`) follows :class:`taproom.journal.JournalReader`'s rules
+(one walker, :func:`taproom.journal.segments.walk_frames`): frames are CRC-checked; damage at
+the end of the last segment is "still being written" and reading stops there; any other damage
+is skipped and its offsets are a gap, never renumbered. Planning (:func:`scan_frames`) reads
+frame headers only, so splitting a journal into partitions costs one small ``pread`` per batch.
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ import pyarrow as pa
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import CorruptSegment
-from ..journal.segments import FRAME, SEGMENT_HEADER, crc_of, iter_frames, read_segment_header
+from ..journal.segments import (
+    FRAME,
+    SEGMENT_HEADER,
+    Damage,
+    crc_of,
+    segment_bases,
+    segment_name,
+    walk_frames,
+)
 
 __all__ = [
     "ARROW_SCHEMA",
@@ -262,16 +270,8 @@ class FrameRef:
     length: int  # body length
 
 
-def segment_bases(path: str) -> list[int]:
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        return []
-    return sorted(int(n[:-4]) for n in names if n.endswith(".seg") and n[:-4].isdigit())
-
-
 def _segment_path(path: str, base: int) -> str:
-    return os.path.join(path, f"{base:020d}.seg")
+    return os.path.join(path, segment_name(base))
 
 
 def journal_start(path: str) -> int:
@@ -281,11 +281,12 @@ def journal_start(path: str) -> int:
 
 
 def scan_frames(path: str, lo: int = 0, hi: int | None = None) -> list[FrameRef]:
-    """Frame headers overlapping ``[lo, hi)``; stops at the first frame that does not fit.
+    """Frame headers overlapping ``[lo, hi)``, walking past damage as the journal does.
 
-    Only headers are read; bodies are CRC-checked by :func:`iter_chunks` when read. A frame
-    header that is torn or runs past the end of the last segment ends the list there (it is
-    being written); the same in a sealed segment raises :class:`CorruptSegment`.
+    Only headers are read; bodies are CRC-checked by :func:`iter_chunks` when read (frames
+    found by resynchronising after damage are checked here already). Damage at the end of the
+    last segment ends the list (it is being written); any other damage is skipped: its offsets
+    are a gap between the frames listed.
     """
     bases = segment_bases(path)
     frames: list[FrameRef] = []
@@ -295,36 +296,23 @@ def scan_frames(path: str, lo: int = 0, hi: int | None = None) -> list[FrameRef]
             break
         if nxt is not None and nxt <= lo:
             continue
-        last = nxt is None
         try:
             fd = os.open(_segment_path(path, base), os.O_RDONLY)
         except FileNotFoundError:
             continue
         try:
-            if read_segment_header(fd) != base:
-                if last:
-                    break
-                raise CorruptSegment(
-                    f"segment {base}: bad header", segment=_segment_path(path, base)
-                )
             size = os.fstat(fd).st_size
-            for info, _body, problem in iter_frames(
-                fd, SEGMENT_HEADER.size, base, size, verify=False
+            for item in walk_frames(
+                fd, segment_name(base), SEGMENT_HEADER.size, base, size, verify=False, end_bound=nxt
             ):
-                if problem is not None:
-                    if last:
-                        break
-                    raise CorruptSegment(
-                        f"segment {base}: {problem} at {info.position}",
-                        segment=_segment_path(path, base),
-                        position=info.position,
-                    )
-                if hi is not None and info.base_offset >= hi:
+                if isinstance(item, Damage):
+                    continue  # at_end is the last item: the walk ends by itself
+                if hi is not None and item.base_offset >= hi:
                     break
-                if info.base_offset + info.count <= lo:
+                if item.end_offset <= lo:
                     continue
                 frames.append(
-                    FrameRef(base, info.position, info.base_offset, info.count, info.body_length)
+                    FrameRef(base, item.position, item.base_offset, item.count, item.body_length)
                 )
         finally:
             os.close(fd)
@@ -332,14 +320,14 @@ def scan_frames(path: str, lo: int = 0, hi: int | None = None) -> list[FrameRef]
 
 
 def verified_end(path: str, frames: list[FrameRef]) -> int:
-    """End offset of the longest prefix of ``frames`` whose bodies pass their CRC.
+    """End offset of the last of ``frames`` whose body passes its CRC (-1 if none does).
 
     The planner of a streaming micro-batch promises these offsets to Spark, so it checks the
-    frames it has not promised before (a body may still be in flight in the last segment).
+    frames it has not promised before. A frame that fails with a later frame passing is
+    damage (the reader skips it); one that fails with none passing after it may be a batch in
+    flight in the last segment, so the promise stops before it.
     """
-    if not frames:
-        return -1
-    end = frames[0].base_offset
+    end = -1
     fd = -1
     current = -1
     try:
@@ -352,9 +340,8 @@ def verified_end(path: str, frames: list[FrameRef]) -> int:
             raw = os.pread(fd, FRAME.size + frame.length, frame.position)
             length, crc, base, count = FRAME.unpack_from(raw)
             body = raw[FRAME.size :]
-            if len(body) != length or crc_of(base, count, body) != crc:
-                break
-            end = base + count
+            if len(body) == length and crc_of(base, count, body) == crc:
+                end = base + count
     finally:
         if fd >= 0:
             os.close(fd)
@@ -367,63 +354,51 @@ def iter_chunks(
     """Verified batch bodies from frame ``start`` on, joined into chunks of about
     ``chunk_bytes``: yields ``(joined bodies, offset of their first record)`` until ``hi``.
 
-    Record encoding is self-delimiting and frames of one segment continue each other's
-    offsets, so bodies can be decoded as one long body.
+    Record encoding is self-delimiting and consecutive frames continue each other's offsets,
+    so bodies can be decoded as one long body; a chunk never spans a gap (damage the walk
+    skipped, or offsets between segments).
     """
     bases = segment_bases(path)
+    if start.segment not in bases:
+        raise CorruptSegment(f"segment {start.segment} vanished", segment=path)
     parts: list[bytes] = []
     size = 0
-    first = start.base_offset
-    expected = start.base_offset
-    seg_index = bases.index(start.segment) if start.segment in bases else -1
-    if seg_index < 0:
-        raise CorruptSegment(f"segment {start.segment} vanished", segment=path)
+    first = expected = start.base_offset
     position = start.position
-    while seg_index < len(bases) and expected < hi:
-        base = bases[seg_index]
-        last = seg_index == len(bases) - 1
-        seg_path = _segment_path(path, base)
-        fd = os.open(seg_path, os.O_RDONLY)
+    for i in range(bases.index(start.segment), len(bases)):
+        base = bases[i]
+        nxt = bases[i + 1] if i + 1 < len(bases) else None
+        if base >= hi:
+            break
+        walk_from = (position, expected) if position else (SEGMENT_HEADER.size, base)
+        fd = os.open(_segment_path(path, base), os.O_RDONLY)
         try:
-            if position == 0:
-                if read_segment_header(fd) != base:
-                    if last:
-                        break
-                    raise CorruptSegment(f"segment {base}: bad header", segment=seg_path)
-                position = SEGMENT_HEADER.size
             file_size = os.fstat(fd).st_size
-            for info, body, problem in iter_frames(fd, position, expected, file_size, verify=True):
-                if problem is not None:
-                    if last:
-                        expected = hi  # still being written: stop like JournalReader
-                        break
-                    raise CorruptSegment(
-                        f"segment {base}: {problem} at {info.position}",
-                        segment=seg_path,
-                        position=info.position,
-                    )
-                if info.base_offset >= hi:
+            for item in walk_frames(
+                fd, segment_name(base), *walk_from, file_size, verify=True, end_bound=nxt
+            ):
+                if isinstance(item, Damage):
+                    continue  # a gap: the next frame's offset does not follow, flushed below
+                if item.base_offset >= hi:
                     break
-                assert body is not None
-                parts.append(body)
-                size += len(body)
-                expected = info.base_offset + info.count
+                if item.base_offset != expected and parts:
+                    yield b"".join(parts), first
+                    parts, size = [], 0
+                if not parts:
+                    first = item.base_offset
+                assert item.body is not None
+                parts.append(item.body)
+                size += len(item.body)
+                expected = item.end_offset
                 if size >= chunk_bytes:
                     yield b"".join(parts), first
-                    parts, size, first = [], 0, expected
+                    parts, size = [], 0
                 if expected >= hi:
                     break
         finally:
             os.close(fd)
-        seg_index += 1
+        if expected >= hi:
+            break
         position = 0
-        if seg_index < len(bases) and bases[seg_index] != expected and expected < hi:
-            # A gap between segments (retention or a foreign file): the next segment's
-            # offsets are authoritative, and chunks must not join across the gap.
-            if parts:
-                yield b"".join(parts), first
-                parts, size = [], 0
-            expected = bases[seg_index]
-            first = expected
     if parts:
         yield b"".join(parts), first

@@ -35,7 +35,11 @@ def add_routes(app: web.Application, server: WebServer) -> None:
 
     async def ready(request: web.Request) -> web.Response:
         reasons = server.readiness()
-        body = orjson.dumps({"ready": not reasons, "reasons": reasons}) + b"\n"
+        # degraded: what an operator must see that does not make the hub unready (quarantined
+        # journal damage, with its offsets).
+        degraded = server.hub.degraded()
+        body = orjson.dumps({"ready": not reasons, "reasons": reasons, "degraded": degraded})
+        body += b"\n"
         return _reply(503 if reasons else 200, body, "application/json")
 
     app.router.add_get("/metrics", metrics)
