@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -74,6 +75,10 @@ class _Pending:
     future: asyncio.Future[Commit]
     loop: asyncio.AbstractEventLoop
     submitted: float
+
+    @property
+    def size(self) -> int:
+        return len(self.batch.body)
 
 
 class Subscription:
@@ -208,8 +213,11 @@ class Hub:
         )
         self.cursors = CursorStore(jc.dir)
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._pending_bytes = 0
+        self._pending_bytes = 0  # admitted to the commit queue, not yet committed
         self._pending_lock = threading.Lock()
+        # Submitted while there was no room: admitted in order as commits free room (loop only).
+        self._waiting: deque[_Pending] = deque()
+        self._waiting_bytes = 0
         self._capacity = asyncio.Event()
         self._capacity.set()
         self._subscriptions: set[Subscription] = set()
@@ -232,6 +240,19 @@ class Hub:
         m.gauge_fn(
             "hub", "pending", "bytes", "Accepted, not yet committed", lambda: self._pending_bytes
         )
+        m.gauge_fn(
+            "hub",
+            "admission_waiting",
+            "bytes",
+            "Submitted without room under max_pending_bytes, waiting to be admitted",
+            lambda: self._waiting_bytes,
+        )
+        self._m_held = m.counter(
+            "hub",
+            "admission_held",
+            "batches",
+            "Batches that waited for room under max_pending_bytes before being admitted",
+        )
         self._m_backpressure = m.counter(
             "hub", "backpressure_waits", "calls", "Times a server waited for commit capacity"
         )
@@ -249,6 +270,15 @@ class Hub:
     async def stop(self) -> None:
         """Stop taking ingest, commit what is queued, stop the commit thread, close outputs."""
         self._accepting = False
+        self._grace_deadline = time.monotonic() + self.config.hub.grace_period_s
+        # Batches waiting for room were accepted by submit(): they go in as commits free room,
+        # within the grace period; what is still waiting then is refused.
+        while self._waiting and self._thread is not None and not self._grace_expired():
+            await asyncio.sleep(0.01)
+        while self._waiting:
+            held = self._waiting.popleft()
+            _set_exception_if_pending(held.future, HubStopped("the hub stopped before room"))
+        self._waiting_bytes = 0
         if self._thread is not None:
             self._queue.put(None)
             await asyncio.to_thread(self._thread.join)
@@ -267,10 +297,13 @@ class Hub:
     # --- ingest ---------------------------------------------------------------------------
 
     def submit(self, batch: EncodedBatch) -> asyncio.Future[Commit]:
-        """Queue ``batch`` for the next group commit; the future resolves once durable.
+        """Queue ``batch`` for a group commit; the future resolves once durable.
 
-        Does not wait for capacity: servers call :meth:`wait_capacity` (or :meth:`ingest`)
-        before reading more from their sockets.
+        Never blocks. ``hub.max_pending_bytes`` is a hard bound on what is admitted to the
+        commit queue: a batch that does not fit waits, in submission order, until commits make
+        room (a batch larger than the bound is admitted alone). Servers call
+        :meth:`wait_capacity` (or :meth:`ingest`) before reading more from their sockets, so
+        what waits stays one batch per server.
         """
         if not self._accepting:
             raise HubStopped("the hub is shutting down")
@@ -279,15 +312,31 @@ class Hub:
         if batch.count == 0:
             future.set_result(Commit(self.journal.end_offset, 0))
             return future
-        size = len(batch.body)
+        pending = _Pending(batch, future, loop, time.monotonic())
+        if self._waiting or not self._admit(pending):
+            self._m_held.inc()
+            self._waiting.append(pending)
+            self._waiting_bytes += pending.size
+        self._update_capacity()
+        return future
+
+    def _admit(self, pending: _Pending) -> bool:
+        """Into the commit queue if it fits under the bound; False if it must wait."""
         with self._pending_lock:
-            self._pending_bytes += size
+            total = self._pending_bytes + pending.size
+            if self._pending_bytes and total > self.config.hub.max_pending_bytes:
+                return False
+            self._pending_bytes = total
             if self.oldest_pending_since is None:
                 self.oldest_pending_since = time.monotonic()
-            if self._pending_bytes >= self.config.hub.max_pending_bytes:
-                self._capacity.clear()
-        self._queue.put(_Pending(batch, future, loop, time.monotonic()))
-        return future
+        self._queue.put(pending)
+        return True
+
+    def _update_capacity(self) -> None:
+        if not self._waiting and self._pending_bytes < self.config.hub.max_pending_bytes:
+            self._capacity.set()
+        else:
+            self._capacity.clear()
 
     async def ingest(self, batch: EncodedBatch) -> Commit:
         """Wait for capacity, submit, and wait until ``batch`` is durable."""
@@ -302,6 +351,7 @@ class Hub:
 
     @property
     def has_capacity(self) -> bool:
+        """True while nothing waits for room and admitted bytes are under the bound."""
         return self._capacity.is_set()
 
     # --- commit thread --------------------------------------------------------------------
@@ -409,9 +459,9 @@ class Hub:
         for p, base in zip(group, bases, strict=True):
             if not p.future.done():
                 p.future.set_result(Commit(base, p.batch.count))
-        with self._pending_lock:
-            if self._pending_bytes < self.config.hub.max_pending_bytes:
-                self._capacity.set()
+        while self._waiting and self._admit(self._waiting[0]):
+            self._waiting_bytes -= self._waiting.popleft().size
+        self._update_capacity()
         if self._subscriptions:
             for p, base in zip(group, bases, strict=True):
                 committed = CommittedBatch(base, p.batch.count, p.batch.body)
@@ -441,10 +491,10 @@ class Hub:
     def readiness(self) -> list[str]:
         """Reasons the hub is not ready; empty when it is."""
         reasons = []
-        if self.journal_problem:
-            reasons.append(f"journal: {self.journal_problem}")
-        if self.journal.failed:
-            reasons.append(f"journal: {self.journal.failed}")
+        problem = self.journal_problem or self.journal.failed
+        if problem:
+            # Set by the first failed commit: senders are not being acked from then on.
+            reasons.append(f"acks paused, journal not writable: {problem}")
         since = self.oldest_pending_since
         if since is not None and time.monotonic() - since > self.config.hub.stall_after_s:
             reasons.append(f"commit loop stalled for {time.monotonic() - since:.1f}s")
