@@ -1,0 +1,399 @@
+"""Both LogTK listeners (WebSocket and TCP), the idempotency index and the auth checks."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hashlib
+import hmac
+import http
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable
+from typing import Any
+
+from websockets.exceptions import ConnectionClosed, InvalidHeader
+from websockets.frames import CloseCode as WSCloseCode
+from websockets.headers import parse_subprotocol
+
+from ...hub import Hub
+from ...hub.core import Commit
+from ...protocols.logtk import CloseCode, ServerConnection
+from .config import APP_NAME, LogTKConfig
+from .dedup import DedupIndex, parse_event_id
+from .session import Session
+
+__all__ = ["AuthLimiter", "LogTKService", "create_service"]
+
+log = logging.getLogger("taproom.logtk")
+
+
+class AuthLimiter:
+    """A token bucket of failed authentications per peer address."""
+
+    def __init__(self, per_minute: float, burst: int, max_peers: int) -> None:
+        self.rate = per_minute / 60
+        self.burst = burst
+        self.max_peers = max_peers
+        self._peers: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def _level(self, peer: str, now: float) -> float:
+        tokens, last = self._peers.get(peer, (float(self.burst), now))
+        return min(float(self.burst), tokens + (now - last) * self.rate)
+
+    def allowed(self, peer: str, now: float) -> bool:
+        return self._level(peer, now) >= 1.0
+
+    def failed(self, peer: str, now: float) -> None:
+        level = max(0.0, self._level(peer, now) - 1.0)
+        self._peers[peer] = (level, now)
+        self._peers.move_to_end(peer)
+        while len(self._peers) > self.max_peers:
+            self._peers.popitem(last=False)
+
+
+# --- the service ----------------------------------------------------------------------------
+
+
+class LogTKService:
+    """Both listeners, the dedup index and the auth checks."""
+
+    def __init__(self, hub: Hub, config: LogTKConfig) -> None:
+        self.hub = hub
+        self.config = config
+        self.settings = config.server_settings()
+        self.dedup = DedupIndex(config.dedup_window_s, config.dedup_max_entries)
+        self.pending: dict[int, asyncio.Future[Commit]] = {}
+        self.limiter = AuthLimiter(
+            config.auth_failures_per_minute, config.auth_failure_burst, config.max_tracked_peers
+        )
+        self._tokens = {
+            name: bytes.fromhex(app.token_sha256.lower()) for name, app in config.apps.items()
+        }
+        self.sessions: set[Session] = set()
+        self._tcp_server: asyncio.Server | None = None
+        self._ws_server: Any = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._counts = {"logtk_ws": 0, "logtk_tcp": 0}
+        m = hub.metrics
+        self.m_duplicates = m.counter(
+            "logtk", "duplicates", "events", "Data frames already stored, acked again"
+        )
+        self.m_truncated_bytes = m.counter(
+            "logtk",
+            "truncated",
+            "bytes",
+            "Bytes cut from entries over max_data_bytes (each entry is stored cut and acked)",
+        )
+        self.m_auth_failed = m.counter(
+            "logtk", "auth_failed", "attempts", "Failed authentications (rate-limited included)"
+        )
+        m.gauge_fn("logtk", "dedup_index", "entries", "Idempotency keys remembered", self._size)
+        m.gauge_fn(
+            "logtk",
+            "dedup_evicted",
+            "entries",
+            "Idempotency keys dropped before their window ended (dedup_max_entries)",
+            lambda: float(self.dedup.evicted),
+        )
+        self._gauges = {name: m.connections("logtk", name) for name in ("logtk_ws", "logtk_tcp")}
+
+    def _size(self) -> float:
+        return float(len(self.dedup))
+
+    # --- authentication -------------------------------------------------------------------
+
+    def _match(self, token: bytes, only: str | None) -> str | None:
+        """Constant-time comparison against every candidate (no early exit)."""
+        digest = hashlib.sha256(token).digest()
+        found = None
+        for name, expected in self._tokens.items():
+            if only is not None and name != only:
+                continue
+            if hmac.compare_digest(digest, expected) and found is None:
+                found = name
+        return found
+
+    def authenticate(self, token: bytes, peer: str, only: str | None = None) -> str | None:
+        now = time.monotonic()
+        if not self.limiter.allowed(peer, now):
+            self.m_auth_failed.inc()
+            self.hub.metrics.rejected("logtk", "auth_rate_limited")
+            return None
+        app = self._match(token, only) if token else None
+        if app is None:
+            self.limiter.failed(peer, now)
+            self.m_auth_failed.inc()
+            self.hub.metrics.rejected("logtk", "bad_token" if token else "missing_token")
+        return app
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> dict[str, str]:
+        await asyncio.to_thread(self._rebuild_dedup)
+        from websockets.asyncio.server import serve
+
+        c = self.config
+        self._tcp_server = await asyncio.start_server(
+            self._on_tcp, c.host, c.tcp_port, limit=c.max_frame_bytes
+        )
+        self._ws_server = await serve(
+            self._on_ws,
+            c.host,
+            c.ws_port,
+            process_request=self._process_request,
+            process_response=self._process_response,
+            subprotocols=["logtk"],  # type: ignore[list-item]
+            max_size=c.max_frame_bytes,
+            ping_interval=None,  # the sessions ping themselves: a pong is activity
+            compression="deflate" if c.ws_compression else None,
+            open_timeout=c.handshake_timeout_s,
+            close_timeout=2,
+        )
+        tcp = self._tcp_server.sockets[0].getsockname()
+        ws = next(iter(self._ws_server.sockets)).getsockname()
+        self._expire_task = asyncio.create_task(self._expire_loop())
+        return {"logtk_ws": f"{ws[0]}:{ws[1]}", "logtk_tcp": f"{tcp[0]}:{tcp[1]}"}
+
+    async def stop(self) -> None:
+        if self._tcp_server is not None:
+            self._tcp_server.close()
+        if self._ws_server is not None:
+            self._ws_server.close(close_connections=False)
+        grace = min(5.0, self.hub.config.hub.grace_period_s)
+        await asyncio.gather(
+            *(s.shutdown(grace) for s in list(self.sessions)), return_exceptions=True
+        )
+        for task in list(self._tasks):
+            task.cancel()
+        self._expire_task.cancel()
+        if self._ws_server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._ws_server.wait_closed(), timeout=grace)
+        if self._tcp_server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._tcp_server.wait_closed(), timeout=grace)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(max(1.0, self.dedup.window_s / DedupIndex.BUCKETS))
+            self.dedup.expire(time.time())
+
+    def _rebuild_dedup(self) -> None:
+        """Every LogTK event id committed within the window, read back from the journal."""
+        journal = self.hub.journal
+        cutoff_ns = int((time.time() - self.config.dedup_window_s) * 1e9)
+        end = journal.end_offset
+        start = max(journal.first_offset, end - self.config.dedup_rebuild_max_records)
+        # Skip whole segments that end before the window: their newest record is older.
+        for seg in reversed(journal.segments()):
+            if seg.base_offset <= start:
+                break
+            first = next(journal.read(seg.base_offset, seg.base_offset + 1), None)
+            if first is not None and first.received_ns < cutoff_ns:
+                start = max(start, seg.base_offset)
+                break
+        count = 0
+        for record in journal.read(start, end):
+            if record.protocol != "logtk" or record.received_ns < cutoff_ns:
+                continue
+            parsed = parse_event_id(record.event_id)
+            if parsed is None:
+                continue
+            app, client_id, idem = parsed
+            self.dedup.add(self.dedup.slot(app, client_id) | idem, record.received_ns / 1e9)
+            count += 1
+        log.info("logtk: idempotency index rebuilt from %d journal records", count)
+
+    def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _enter(self, listener: str) -> bool:
+        if self._counts[listener] >= self.config.max_connections:
+            self.hub.metrics.rejected("logtk", "too_many_connections")
+            return False
+        self._counts[listener] += 1
+        self._gauges[listener].inc()
+        return True
+
+    def _leave(self, listener: str) -> None:
+        self._counts[listener] -= 1
+        self._gauges[listener].dec()
+
+    # --- TCP ------------------------------------------------------------------------------
+
+    async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername") or ("?", 0)
+        peer = f"{peername[0]}:{peername[1]}"
+        if not self._enter("logtk_tcp"):
+            writer.close()
+            return
+        loop = asyncio.get_running_loop()
+        conn = ServerConnection(
+            self.settings,
+            now=loop.time(),
+            authenticate=lambda token: self.authenticate(token, peername[0]),
+        )
+
+        async def send(data: bytes) -> None:
+            writer.write(data)
+            await writer.drain()
+
+        async def close() -> None:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+        session = Session(self, conn, send, "tcp", peer)
+        self.sessions.add(session)
+        sender = self._spawn(session.sender(close))
+        ticker = self._spawn(session.ticker())
+        try:
+            while not conn.closed:
+                await session.wait_room()
+                if conn.closed:
+                    break
+                try:
+                    data = await reader.read(256 * 1024)
+                except (ConnectionError, OSError):
+                    break
+                if not data:
+                    break
+                session.handle(conn.receive_data(data, loop.time()))
+        except Exception:
+            log.exception("tcp %s: internal error", peer)
+            conn.close(CloseCode.INTERNAL_ERROR, "internal error")
+        finally:
+            session.wake.set()
+            if not conn.closed:
+                conn.close(CloseCode.NO_ACK, None)  # the peer is gone: stop the sender
+                conn.data_to_send()
+                session.wake.set()
+            ticker.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(sender), timeout=5)
+            self.sessions.discard(session)
+            self._leave("logtk_tcp")
+
+    # --- WebSocket ------------------------------------------------------------------------
+
+    def _reject(self, connection: Any, status: http.HTTPStatus, reason: str) -> Any:
+        self.hub.metrics.rejected("logtk", reason)
+        return connection.respond(status, f"{status.phrase}\n")
+
+    def _process_request(self, connection: Any, request: Any) -> Any:
+        """404/503/429/401/400 before the 101 (the seed's upgrade section), each counted."""
+        c = self.config
+        path = request.path.split("?", 1)[0]
+        if not path.startswith(c.path_prefix):
+            return self._reject(connection, http.HTTPStatus.NOT_FOUND, "unknown_namespace")
+        namespace = path[len(c.path_prefix) :]
+        known = namespace in self._tokens
+        if not known and not (c.wildcard_namespace and APP_NAME.match(namespace)):
+            return self._reject(connection, http.HTTPStatus.NOT_FOUND, "unknown_namespace")
+        if self._counts["logtk_ws"] >= c.max_connections:
+            return self._reject(
+                connection, http.HTTPStatus.SERVICE_UNAVAILABLE, "too_many_connections"
+            )
+        peer = connection.remote_address[0] if connection.remote_address else "?"
+        header = request.headers.get("X-LogTK-Auth")
+        token = b""
+        if header:
+            with contextlib.suppress(binascii.Error, ValueError):
+                token = base64.b64decode(header.strip(), validate=True)
+        if not self.limiter.allowed(peer, time.monotonic()):
+            self.authenticate(token, peer)  # counts the refusal
+            return connection.respond(http.HTTPStatus.TOO_MANY_REQUESTS, "Too Many Requests\n")
+        if self.authenticate(token, peer, namespace if known else None) is None:
+            return connection.respond(http.HTTPStatus.UNAUTHORIZED, "Unauthorized\n")
+        try:
+            offered = [
+                name
+                for header in request.headers.get_all("Sec-WebSocket-Protocol")
+                for name in parse_subprotocol(header)
+            ]
+        except InvalidHeader:
+            return None  # the library's own negotiation answers 400 (counted in _process_response)
+        if not offered:
+            return self._reject(connection, http.HTTPStatus.BAD_REQUEST, "missing_subprotocol")
+        if "logtk" not in offered:
+            return self._reject(connection, http.HTTPStatus.BAD_REQUEST, "wrong_subprotocol")
+        return None
+
+    def _process_response(self, connection: Any, request: Any, response: Any) -> None:
+        """Counts the refusals the library makes itself (a malformed upgrade request)."""
+        if response.status_code != http.HTTPStatus.SWITCHING_PROTOCOLS and (
+            connection.protocol.handshake_exc is not None
+        ):
+            self.hub.metrics.rejected("logtk", "bad_handshake")
+
+    async def _on_ws(self, ws: Any) -> None:
+        c = self.config
+        path = ws.request.path.split("?", 1)[0]
+        namespace = path[len(c.path_prefix) :]
+        remote = ws.remote_address or ("?", 0)
+        peer = f"{remote[0]}:{remote[1]}"
+        if not self._enter("logtk_ws"):
+            await ws.close()
+            return
+        loop = asyncio.get_running_loop()
+        conn = ServerConnection(self.settings, now=loop.time(), app=namespace)
+
+        async def close() -> None:
+            await ws.close()
+
+        session = Session(self, conn, ws.send, "ws", peer)
+        self.sessions.add(session)
+        sender = self._spawn(session.sender(close))
+        ticker = self._spawn(session.ticker())
+        keepalive = (
+            self._spawn(session.ws_keepalive(ws, c.ws_ping_interval_s, c.ws_ping_timeout_s))
+            if c.ws_ping_interval_s
+            else None
+        )
+        try:
+            while not conn.closed:
+                await session.wait_room()
+                if conn.closed:
+                    break
+                try:
+                    message = await ws.recv()
+                except ConnectionClosed as exc:
+                    if exc.sent is not None and exc.sent.code == WSCloseCode.MESSAGE_TOO_BIG:
+                        # Over max_frame_bytes the WebSocket layer itself refuses the message.
+                        self.hub.metrics.rejected("logtk", "ws_message_too_big")
+                        log.warning("ws %s: a message over max_frame_bytes; closed 1009", peer)
+                    break
+                if isinstance(message, str):
+                    # LogTK is binary; a text message cannot be a frame stream.
+                    self.hub.metrics.rejected("logtk", "text_message")
+                    conn.close(CloseCode.MALFORMED, "malformed frame received")
+                    session.wake.set()
+                    break
+                session.handle(conn.receive_data(message, loop.time()))
+        except Exception:
+            log.exception("ws %s: internal error", peer)
+            conn.close(CloseCode.INTERNAL_ERROR, "internal error")
+        finally:
+            session.wake.set()
+            if not conn.closed:
+                conn.close(CloseCode.NO_ACK, None)
+                conn.data_to_send()
+                session.wake.set()
+            ticker.cancel()
+            if keepalive is not None:
+                keepalive.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(sender), timeout=5)
+            self.sessions.discard(session)
+            self._leave("logtk_ws")
+
+
+def create_service(hub: Hub, section: LogTKConfig) -> LogTKService:
+    return LogTKService(hub, section)

@@ -1,0 +1,274 @@
+"""One LogTK connection: the state machine, its acks, its window, its sender."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from websockets.exceptions import ConnectionClosed
+
+from ...errors import HubStopped
+from ...hub.core import Commit
+from ...protocols.logtk import (
+    Authenticated,
+    AuthFailed,
+    CloseCode,
+    CloseReceived,
+    Data,
+    Initialized,
+    OversizeData,
+    ServerConnection,
+    Violation,
+    time_reader,
+)
+from ...records import BatchBuilder
+
+if TYPE_CHECKING:
+    from .service import LogTKService
+
+__all__ = ["Session"]
+
+log = logging.getLogger("taproom.logtk")
+
+
+class Session:
+    """One connection: the state machine, its acks, its window, its sender."""
+
+    def __init__(
+        self,
+        service: LogTKService,
+        conn: ServerConnection,
+        send: Callable[[bytes], Awaitable[None]],
+        transport: str,
+        peer: str,
+    ) -> None:
+        self.service = service
+        self.conn = conn
+        self._send = send
+        self.transport = transport
+        self.peer = peer
+        self.loop = asyncio.get_running_loop()
+        self.wake = asyncio.Event()
+        self.room = asyncio.Event()
+        self.room.set()
+        self.inflight: set[asyncio.Future[Commit]] = set()
+        self.done = asyncio.Event()
+        self.stream = conn.app or ""
+        self._slot = 0
+        self._producer = ""
+        self._id_prefix = ""
+        self._time_of = time_reader("")
+        self._attrs = orjson.dumps({"peer": peer, "transport": transport})
+
+    def handle(self, events: list[Any]) -> None:
+        datas: list[Data | OversizeData] = []
+        for event in events:
+            if type(event) is Data or type(event) is OversizeData:
+                datas.append(event)
+            elif isinstance(event, Initialized):
+                app = self.conn.app or ""
+                self._slot = self.service.dedup.slot(app, event.client_id)
+                self._producer = f"{event.client_id:08x}"
+                self._id_prefix = f"{app}:{event.client_id:08x}:"
+                self._time_of = time_reader(event.format)
+            elif isinstance(event, Violation):
+                self.service.hub.metrics.rejected("logtk", event.reason)
+                log.info("%s %s: closing: %s", self.transport, self.peer, event.message)
+            elif isinstance(event, AuthFailed):
+                log.info("%s %s: authentication failed", self.transport, self.peer)
+            elif isinstance(event, Authenticated):
+                self.stream = event.app
+            elif isinstance(event, CloseReceived):
+                log.debug("%s %s: peer closed (%s)", self.transport, self.peer, event.code)
+        if datas:
+            self._ingest(datas)
+        if self.conn.unacked >= self.service.config.max_unacked:
+            self.room.clear()
+        self.wake.set()
+
+    def _ingest(self, datas: list[Data | OversizeData]) -> None:
+        svc = self.service
+        dedup = svc.dedup
+        pending = svc.pending
+        builder = BatchBuilder()
+        stored: list[int] = []  # keys to store
+        batch_idems: list[int] = []  # idems acked with this batch (new ones and in-batch repeats)
+        seen_here: set[int] = set()
+        at_once: list[int] = []
+        waits: dict[asyncio.Future[Commit], list[int]] = {}
+        slot = self._slot
+        prefix = self._id_prefix
+        fmt = self.conn.format
+        time_of = self._time_of
+        duplicates = 0
+        for frame in datas:
+            idem = frame.idem
+            key = slot | idem
+            if key in seen_here:
+                batch_idems.append(idem)
+                duplicates += 1
+                continue
+            first = pending.get(key)
+            if first is not None:
+                waits.setdefault(first, []).append(idem)
+                duplicates += 1
+                continue
+            if key in dedup:
+                at_once.append(idem)
+                duplicates += 1
+                continue
+            builder.add(
+                "logtk",
+                frame.data,
+                stream=self.stream,
+                producer=self._producer,
+                seq=idem,
+                event_id=f"{prefix}{idem:08x}",
+                ts_ns=time_of(frame.data),
+                content_type=fmt,
+                attrs=self._attrs if isinstance(frame, Data) else self._cut(frame),
+            )
+            seen_here.add(key)
+            stored.append(key)
+            batch_idems.append(idem)
+        if duplicates:
+            svc.m_duplicates.inc(duplicates)
+        if at_once:
+            self.ack(at_once)
+        for future, idems in waits.items():
+            self._after(future, idems, ())
+        if stored:
+            try:
+                future = svc.hub.submit(builder.build())
+            except HubStopped:
+                self.settle(len(batch_idems))
+                self.conn.close(CloseCode.SHUTTING_DOWN, "server shutting down")
+                return
+            svc.hub.metrics.accepted("logtk", len(stored))
+            for key in stored:
+                pending[key] = future
+            self._after(future, batch_idems, stored)
+
+    def _cut(self, frame: OversizeData) -> bytes:
+        """An entry over max_data_bytes is stored cut to its first max_data_bytes and acked
+        like any other (docs/compat.md): counted, logged with the client id, and marked in the
+        record's attrs with its whole size."""
+        svc = self.service
+        svc.hub.metrics.rejected("logtk", "data_truncated")
+        svc.m_truncated_bytes.inc(frame.size - len(frame.data))
+        log.warning(
+            "%s %s: entry %s%08x (app:client:idem) of %d bytes is over max_data_bytes; "
+            "stored its first %d bytes and acked it",
+            self.transport,
+            self.peer,
+            self._id_prefix,
+            frame.idem,
+            frame.size,
+            len(frame.data),
+        )
+        return orjson.dumps(
+            {"peer": self.peer, "transport": self.transport, "truncated_from": str(frame.size)}
+        )
+
+    def _after(self, future: asyncio.Future[Commit], idems: list[int], keys: Any) -> None:
+        self.inflight.add(future)
+
+        def done(fut: asyncio.Future[Commit]) -> None:
+            self.inflight.discard(fut)
+            ok = not fut.cancelled() and fut.exception() is None
+            svc = self.service
+            if keys:
+                pop = svc.pending.pop
+                for key in keys:
+                    pop(key, None)
+                if ok:
+                    svc.dedup.add_many(keys, time.time())
+            if ok:
+                self.ack(idems)
+            else:
+                # Not acked: the client resends with the same idem and the hub stores it then.
+                self.settle(len(idems))
+                if not self.conn.closed:
+                    log.warning("%s %s: commit failed; closing", self.transport, self.peer)
+                    self.conn.close(CloseCode.INTERNAL_ERROR, "internal error")
+                    self.wake.set()
+
+        future.add_done_callback(done)
+
+    def ack(self, idems: list[int]) -> None:
+        self.conn.ack(idems)
+        self.settle(len(idems))
+        self.wake.set()
+
+    def settle(self, count: int) -> None:
+        self.conn.settled(count)
+        if self.conn.unacked < self.service.config.max_unacked:
+            self.room.set()
+
+    async def sender(self, close_transport: Callable[[], Awaitable[None]]) -> None:
+        """Writes what the state machine queued; closes the transport once it is closed."""
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                out = self.conn.data_to_send()
+                if out:
+                    await self._send(out)
+                if self.conn.closed:
+                    break
+        except Exception as exc:  # the peer went away mid-write
+            log.debug("%s %s: send failed: %r", self.transport, self.peer, exc)
+        finally:
+            self.done.set()
+            self.room.set()
+            with contextlib.suppress(Exception):
+                await close_transport()
+
+    async def ticker(self) -> None:
+        while not self.conn.closed:
+            interval = self.conn.ping_interval_s
+            await asyncio.sleep(min(0.5, interval / 2) if interval else 0.5)
+            events = self.conn.tick(self.loop.time())
+            if events:
+                self.handle(events)
+            elif self.conn.closed:
+                self.wake.set()
+            self.wake.set()
+
+    async def ws_keepalive(self, ws: Any, interval: float, timeout: float) -> None:
+        """WebSocket pings: an answered one keeps an idle connection open (logtkjs owes no
+        LogTK pongs over WebSocket), one unanswered within ``timeout`` closes it."""
+        while not self.conn.closed:
+            await asyncio.sleep(interval)
+            try:
+                pong = await ws.ping()
+                await asyncio.wait_for(pong, timeout)
+            except ConnectionClosed:
+                return
+            except TimeoutError:
+                if not self.conn.closed:
+                    self.service.hub.metrics.rejected("logtk", "ws_ping_timeout")
+                    log.info("ws %s: no pong in %.1f s; closing", self.peer, timeout)
+                    self.conn.close(CloseCode.PING_TIMEOUT, "ping timeout")
+                    self.wake.set()
+                return
+            self.conn.alive(self.loop.time())
+
+    async def wait_room(self) -> None:
+        """Backpressure: the hub's capacity and this connection's unacked window."""
+        await self.service.hub.wait_capacity()
+        while not self.room.is_set():
+            await self.room.wait()
+
+    async def shutdown(self, grace: float) -> None:
+        if self.inflight:
+            await asyncio.wait(list(self.inflight), timeout=grace)
+        self.conn.close(CloseCode.SHUTTING_DOWN, "server shutting down")
+        self.wake.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.done.wait(), timeout=grace)
