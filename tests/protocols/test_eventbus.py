@@ -21,6 +21,7 @@ from taproom.protocols.eventbus import (
     SyncStart,
     broadcast_frames,
     hugz_frames,
+    kvmsg,
     matches,
     parse_broadcast,
     parse_pub,
@@ -218,6 +219,10 @@ class TestCompatibility:
     def test_empty_data_is_nil(self) -> None:
         assert parse_pub(_frames(data=b"")).data == b"\xc0"
 
+    def test_empty_data_from_the_server_is_a_deletion(self) -> None:
+        assert parse_broadcast(_frames(data=b"")).data == b""
+        assert parse_snapshot_reply([b"SYNC", *_frames(data=b"")]).data == b""
+
     def test_javascript_and_naive_timestamps(self) -> None:
         js = parse_pub(_frames(ts=b"2026-11-22T08:00:00.123Z"))
         assert js.ts_ns == 1795334400123000000
@@ -295,6 +300,103 @@ class TestBinaryStar:
         assert alone.on_peer(BStarState.ACTIVE, 0.0) is BStarState.ACTIVE
 
 
+class TestKvmsg:
+    """The Guide's Clone wire (CHP): kvmsg frames, properties, ICANHAZ?/KTHXBAI/HUGZ."""
+
+    UUID16 = uuid.UUID(UUID).bytes
+
+    def _update(self, **over: bytes) -> list[bytes]:
+        base = {
+            "key": b"/client/42",
+            "seq": bytes(8),
+            "uuid": self.UUID16,
+            "props": b"ttl=5\ncolour=blue\n",
+            "body": b"417503",
+        }
+        base.update(over)
+        return list(base.values())
+
+    def test_update_maps_onto_the_event_fields(self) -> None:
+        update = kvmsg.parse_update(self._update(), Limits())
+        assert (update.topic, update.uuid, update.body) == ("/client/42", UUID, b"417503")
+        assert update.ttl_ms == 5000 and update.timestamp is None and update.producer == ""
+        assert update.properties == b"ttl=5\ncolour=blue\n"
+
+    def test_producer_and_timestamp_properties_become_the_seed_fields(self) -> None:
+        props = b"producer=clonecli\ntimestamp=" + TS.encode() + b"\nx=a=b"  # no final \n
+        update = kvmsg.parse_update(self._update(props=props), Limits())
+        assert (update.producer, update.timestamp) == ("clonecli", TS)
+        assert update.ts_ns == parse_timestamp(TS)
+        assert update.properties == b"x=a=b\n"  # the value runs to the end of its line
+        assert update.ttl_ms == 0
+        sent = kvmsg.update_properties(b"clonecli", TS.encode(), update.properties)
+        assert kvmsg.parse_properties(sent, Limits()) == [
+            ("producer", "clonecli"),
+            ("timestamp", TS),
+            ("x", "a=b"),
+        ]
+
+    def test_empty_body_is_kept_it_means_delete(self) -> None:
+        assert kvmsg.parse_update(self._update(body=b""), Limits()).body == b""
+
+    @pytest.mark.parametrize(
+        ("over", "reason"),
+        [
+            ({"key": b"client/1"}, "bad_topic"),  # keys start with '/' as topics do
+            ({"key": b"HUGZ"}, "bad_topic"),
+            ({"key": b"/\xff"}, "bad_topic"),
+            ({"key": b"/" + b"k" * 1024}, "too_large"),
+            ({"seq": b"\x00" * 4}, "bad_sequence"),
+            ({"uuid": UUID.encode()}, "bad_uuid"),  # text, not the 16 raw bytes
+            ({"uuid": b""}, "bad_uuid"),
+            ({"uuid": uuid.uuid1().bytes}, "bad_uuid"),
+            ({"props": b"no equals sign\n"}, "bad_properties"),
+            ({"props": b"=value\n"}, "bad_properties"),
+            ({"props": b"a=\xff\n"}, "bad_properties"),
+            ({"props": b"p=" + b"x" * 5000}, "too_large"),
+            ({"props": b"ttl=soon\n"}, "bad_ttl"),
+            ({"props": b"ttl=-1\n"}, "bad_ttl"),
+            ({"props": b"timestamp=yesterday\n"}, "bad_timestamp"),
+            ({"props": b"producer=" + b"p" * 300 + b"\n"}, "bad_producer"),
+            ({"body": b"x" * (1024 * 1024 + 1)}, "too_large"),
+        ],
+    )
+    def test_malformed_updates(self, over: dict[str, bytes], reason: str) -> None:
+        with pytest.raises(EventBusError) as info:
+            kvmsg.parse_update(self._update(**over), Limits())
+        assert info.value.reason == reason
+
+    def test_frame_count(self) -> None:
+        for frames in (self._update()[:4], [*self._update(), b"extra"]):
+            with pytest.raises(EventBusError) as info:
+                kvmsg.parse_update(frames, Limits())
+            assert info.value.reason == "frame_count"
+
+    def test_icanhaz_and_the_replies(self) -> None:
+        assert kvmsg.parse_icanhaz([b"ICANHAZ?", b"/client/"], Limits()) == b"/client/"
+        assert kvmsg.parse_icanhaz([b"ICANHAZ?"], Limits()) == b""
+        for bad in ([b"SYNCSTART", b""], [b"ICANHAZ?", b"", b""], []):
+            with pytest.raises(EventBusError):
+                kvmsg.parse_icanhaz(bad, Limits())
+        end = kvmsg.parse_kvmsg(kvmsg.kthxbai_frames(9, b"/client/"))
+        assert (end.key, end.sequence, end.body) == (b"KTHXBAI", 9, b"/client/")
+        beat = kvmsg.parse_kvmsg(kvmsg.hugz_frames(12))
+        assert (beat.key, beat.sequence, beat.uuid, beat.properties, beat.body) == (
+            b"HUGZ",
+            12,
+            b"",
+            b"",
+            b"",
+        )
+
+
+class TestReplicationOfChpFields:
+    def test_properties_body_and_expiry_travel_between_servers(self) -> None:
+        event = Event("/k", 4, "p", TS, UUID, msgpack.packb(b"raw"), 5, (b"ttl=1\n", b"raw"), 9)
+        deletion = Event("/k", 5, "p", TS, UUID, b"", 5, (b"", b""), 0)
+        assert parse_replicate(replicate_frames([event, deletion])) == [event, deletion]
+
+
 # --- properties ----------------------------------------------------------------------------
 
 _json_like = st.recursive(
@@ -365,3 +467,17 @@ def test_random_frames_give_a_command_or_a_documented_error(frames: list[bytes])
                 "bad_subtree",
                 "too_large",
             }
+    try:
+        kvmsg.parse_update(frames, Limits())
+    except EventBusError as exc:
+        assert exc.reason in {
+            "frame_count",
+            "bad_sequence",
+            "bad_topic",
+            "too_large",
+            "bad_uuid",
+            "bad_properties",
+            "bad_producer",
+            "bad_timestamp",
+            "bad_ttl",
+        }

@@ -1,12 +1,14 @@
 """Event BUS (Clone pattern), sans-I/O: the seed's commands and the Binary Star state machine.
 
 ``commands`` frames and parses the seed's SYNCSTART / SYNC / SYNCEND / BROADCAST / PUB (and
-taproom's HUGZ and replication commands); ``bstar`` is the failover state machine. The glue is
+taproom's HUGZ and replication commands); ``kvmsg`` is the ØMQ Guide's own Clone wire (CHP),
+served beside the seed's; ``bstar`` is the failover state machine. The glue is
 ``taproom.servers.eventbus`` (server) and ``taproom.clients.eventbus`` (client).
 """
 
 from __future__ import annotations
 
+from . import kvmsg
 from .bstar import BinaryStar, BStarEvent, BStarState
 from .commands import (
     DEFAULT_LIMITS,
@@ -58,6 +60,7 @@ __all__ = [
     "encode_sequence",
     "format_subtrees",
     "hugz_frames",
+    "kvmsg",
     "matches",
     "parse_broadcast",
     "parse_pub",

@@ -108,6 +108,7 @@ class Limits:
     max_producer_bytes: int = 256
     max_data_bytes: int = 1024 * 1024
     max_subtrees: int = 64
+    max_properties_bytes: int = 4096  # kvmsg properties (the CHP dialect)
 
 
 DEFAULT_LIMITS = Limits()
@@ -120,6 +121,11 @@ class Event(NamedTuple):
     instant as nanoseconds since the epoch (naive timestamps are taken as UTC). A NamedTuple,
     not a dataclass: one is built per event on the hot path and a frozen dataclass costs ten
     times as much to construct.
+
+    An empty ``data`` in a BROADCAST or SYNC is a deletion (a CHP client's empty body, or an
+    expired ``ttl``). ``chp`` and ``expires_ms`` travel only between servers (REPLICATE): for
+    an event that came from a kvmsg client, its other properties and raw body, and the
+    wall-clock time (ms) at which its ``ttl`` expires (0: never).
     """
 
     topic: str
@@ -129,6 +135,8 @@ class Event(NamedTuple):
     uuid: str
     data: bytes
     ts_ns: int = 0
+    chp: tuple[bytes, bytes] | None = None
+    expires_ms: int = 0
 
     def frames(self) -> list[bytes]:
         return [
@@ -264,14 +272,14 @@ def matches(topic: str, subtrees: Sequence[str]) -> bool:
 # --- parsing -----------------------------------------------------------------------------------
 
 
-def _event(frames: Sequence[bytes], limits: Limits, *, empty_sequence_ok: bool) -> Event:
+def _event(frames: Sequence[bytes], limits: Limits, *, from_server: bool) -> Event:
     if len(frames) != 6:
         raise EventBusError(f"{len(frames)} frames, an event has 6", reason="frame_count")
     topic_b, seq_b, producer_b, ts_b, uuid_b, data = frames
     topic = _text(topic_b, limits.max_topic_bytes, "bad_topic", "topic")
     if not topic.startswith("/"):
         raise EventBusError("a topic must start with '/'", reason="bad_topic")
-    sequence = _sequence(seq_b, empty_ok=empty_sequence_ok)
+    sequence = _sequence(seq_b, empty_ok=not from_server)
     producer = _text(producer_b, limits.max_producer_bytes, "bad_producer", "producer")
     if len(ts_b) > 64:
         raise EventBusError("timestamp longer than 64 bytes", reason="bad_timestamp")
@@ -288,7 +296,7 @@ def _event(frames: Sequence[bytes], limits: Limits, *, empty_sequence_ok: bool) 
         )
     if data:
         _check_msgpack(data)
-    else:
+    elif not from_server:
         data = _NIL
     return Event(topic, sequence, producer, timestamp, uuid_b.decode().lower(), data, ts_ns)
 
@@ -299,7 +307,7 @@ def parse_pub(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> Event
     Every frame is validated; the producer's sequence may be empty or decimal text.
     Raises :class:`EventBusError`.
     """
-    return _event(frames, limits, empty_sequence_ok=True)
+    return _event(frames, limits, from_server=False)
 
 
 def parse_broadcast(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> Event | Heartbeat:
@@ -317,7 +325,7 @@ def parse_broadcast(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
             synced = bool(info.get("synced", False))
         producer = frames[2].decode("utf-8", "replace")
         return Heartbeat(sequence, producer, frames[3].decode("ascii", "replace"), state, synced)
-    return _event(frames, limits, empty_sequence_ok=False)
+    return _event(frames, limits, from_server=True)
 
 
 def parse_syncstart(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> SyncStart:
@@ -338,7 +346,7 @@ def parse_snapshot_reply(
     if not frames:
         raise EventBusError("empty message", reason="frame_count")
     if frames[0] == Command.SYNC.value:
-        return _event(frames[1:], limits, empty_sequence_ok=False)
+        return _event(frames[1:], limits, from_server=True)
     if frames[0] == Command.SYNCEND.value:
         if len(frames) != 3:
             raise EventBusError(f"{len(frames)} frames, SYNCEND has 3", reason="frame_count")
@@ -390,11 +398,9 @@ def hugz_frames(
 
 
 def replicate_frames(events: Sequence[Event]) -> list[bytes]:
-    """REPLICATE: committed events in sequence order, one MessagePack array of 7-tuples."""
-    body = msgpack.packb(
-        [(e.topic, e.sequence, e.producer, e.timestamp, e.uuid, e.data, e.ts_ns) for e in events],
-        use_bin_type=True,
-    )
+    """REPLICATE: committed events in sequence order, one MessagePack array of 9-tuples (the
+    fields of :class:`Event`, ``chp`` as nil or [properties, body])."""
+    body = msgpack.packb(events, use_bin_type=True)
     return [Command.REPLICATE.value, body]
 
 
@@ -413,7 +419,7 @@ def parse_replicate(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
     for row in rows:
         if not (
             isinstance(row, tuple)
-            and len(row) == 7
+            and len(row) == 9
             and isinstance(row[0], str)
             and row[0].startswith("/")
             and isinstance(row[1], int)
@@ -423,13 +429,29 @@ def parse_replicate(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
             and isinstance(row[4], str)
             and isinstance(row[5], bytes)
             and isinstance(row[6], int)
+            and (row[7] is None or _is_chp_part(row[7]))
+            and isinstance(row[8], int)
         ):
             raise EventBusError("malformed REPLICATE row", reason="bad_command")
-        if len(row[0].encode()) > limits.max_topic_bytes or len(row[5]) > limits.max_data_bytes:
+        chp_body = row[7][1] if row[7] is not None else b""
+        if (
+            len(row[0].encode()) > limits.max_topic_bytes
+            or len(row[5]) > limits.max_data_bytes + 8  # + a msgpack bin header (CHP bodies)
+            or len(chp_body) > limits.max_data_bytes
+        ):
             raise EventBusError("REPLICATE row over the limits", reason="too_large")
         last = row[1]
         events.append(Event(*row))
     return events
+
+
+def _is_chp_part(value: object) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], bytes)
+        and isinstance(value[1], bytes)
+    )
 
 
 def replicated_frames(sequence: int) -> list[bytes]:
