@@ -9,7 +9,8 @@ The client follows the Clone pattern's client (zguide clonecli6) with the seed's
    seed's rule), one above ``last + 1`` is a gap and triggers a fresh snapshot. To see every
    sequence the SUB takes the whole stream and filters subtrees locally;
 3. publish PUB commands on a DEALER to the COLLECTOR (P+2). An event stays pending, and is
-   sent again under the same UUID, until its BROADCAST is seen; the bus drops the repeats;
+   sent again under the same UUID, until its BROADCAST is seen; the bus drops the repeats and
+   names them, with their sequences, in its next HUGZ (which also confirms them);
 4. a server is alive while it broadcasts or sends HUGZ in the active state. Silence longer than
    ``server_timeout`` (or a snapshot that does not come) moves the client to the next server
    of its list (the Binary Star backup), where it takes a full snapshot and re-sends what is
@@ -238,11 +239,11 @@ class EventBusClient:
                     self.stats["resent"] += 1
                 self._send(pending)
 
-    def _confirm(self, event: Event) -> None:
-        pending = self._pending.pop(event.uuid, None)
+    def _confirm(self, key: str, sequence: int) -> None:
+        pending = self._pending.pop(key, None)
         if pending is not None:
             if not pending.future.done():
-                pending.future.set_result(event.sequence)
+                pending.future.set_result(sequence)
             if len(self._pending) < self.max_pending:
                 self._room.set()
 
@@ -377,6 +378,8 @@ class EventBusClient:
                         if message.state != BStarState.ACTIVE:
                             continue  # a passive server is not serving us
                         alive_at = time.monotonic()
+                        for key, sequence in message.acks:  # our retries the bus already had
+                            self._confirm(key, sequence)
                         if message.sequence > self.last_seq:
                             self.stats["gaps"] += 1
                             return True
@@ -385,7 +388,7 @@ class EventBusClient:
                     if message.sequence <= self.last_seq:
                         # Not applied (the seed's rule), but it proves the bus has the event.
                         self.stats["discarded"] += 1
-                        self._confirm(message)
+                        self._confirm(message.uuid, message.sequence)
                         continue
                     if message.sequence != self.last_seq + 1:
                         self.stats["gaps"] += 1
@@ -396,9 +399,12 @@ class EventBusClient:
                         )
                         return True
                     self.last_seq = message.sequence
-                    self._confirm(message)
+                    self._confirm(message.uuid, message.sequence)
                     if matches(message.topic, self.subtrees):
-                        self.state[message.topic] = message
+                        if message.data:
+                            self.state[message.topic] = message
+                        else:  # an empty data frame deletes the topic (CHP, ttl)
+                            self.state.pop(message.topic, None)
                         if self.on_update is not None:
                             try:
                                 self.on_update(message, "broadcast")

@@ -86,6 +86,7 @@ class Command(Enum):
     SYNCEND = b"SYNCEND"  # 'Frame 0: "SYNCEND"'
     REPLICATE = b"REPLICATE"  # taproom: primary -> backup, a run of committed events
     REPLICATED = b"REPLICATED"  # taproom: backup -> primary, "durable up to this sequence"
+    COPY = b"COPY"  # taproom: passive -> active SNAPSHOT: the whole state as REPLICATEs, SYNCEND
 
 
 class EventBusError(ProtocolError):
@@ -167,13 +168,19 @@ class SyncEnd:
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat:
-    """A HUGZ broadcast: the bus is alive, its sequence, and its Binary Star state."""
+    """A HUGZ broadcast: the bus is alive, its sequence, and its Binary Star state.
+
+    ``acks``: (event UUID, bus sequence) of PUBs the bus dropped as repeats of events it has
+    already committed and broadcast, so that a producer whose retry was a duplicate (it missed
+    the BROADCAST, e.g. across a failover) learns that its event is stored.
+    """
 
     sequence: int
     producer: str
     timestamp: str
     state: int
     synced: bool
+    acks: tuple[tuple[str, int], ...] = ()
 
 
 # --- small field codecs ------------------------------------------------------------------------
@@ -315,6 +322,7 @@ def parse_broadcast(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
     if len(frames) == 6 and frames[0] == HUGZ_TOPIC:
         sequence = _sequence(frames[1], empty_ok=False)
         state, synced = 0, False
+        acks: tuple[tuple[str, int], ...] = ()
         try:
             info = msgpack.unpackb(frames[5], raw=False) if frames[5] else {}
         except Exception:
@@ -323,9 +331,25 @@ def parse_broadcast(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) ->
             raw_state = info.get("state", 0)
             state = raw_state if isinstance(raw_state, int) else 0
             synced = bool(info.get("synced", False))
+            acks = _acks(info.get("acks"))
         producer = frames[2].decode("utf-8", "replace")
-        return Heartbeat(sequence, producer, frames[3].decode("ascii", "replace"), state, synced)
+        timestamp = frames[3].decode("ascii", "replace")
+        return Heartbeat(sequence, producer, timestamp, state, synced, acks)
     return _event(frames, limits, from_server=True)
+
+
+def _acks(value: object) -> tuple[tuple[str, int], ...]:
+    """The well-formed [uuid, sequence] pairs of a HUGZ (anything else is ignored)."""
+    if not isinstance(value, list):
+        return ()
+    return tuple(
+        (pair[0], pair[1])
+        for pair in value
+        if isinstance(pair, list)
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and isinstance(pair[1], int)
+    )
 
 
 def parse_syncstart(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> SyncStart:
@@ -380,10 +404,19 @@ def syncend_frames(subtrees: Sequence[str], sequence: int) -> list[bytes]:
 
 
 def hugz_frames(
-    sequence: int, producer: str, timestamp: str, uuid: str, state: int, synced: bool
+    sequence: int,
+    producer: str,
+    timestamp: str,
+    uuid: str,
+    state: int,
+    synced: bool,
+    acks: Sequence[tuple[str, int]] = (),
 ) -> list[bytes]:
     """The heartbeat, shaped like a BROADCAST so any Clone client can read past it."""
-    data = msgpack.packb({"state": int(state), "synced": synced})
+    info: dict[str, Any] = {"state": int(state), "synced": synced}
+    if acks:
+        info["acks"] = [list(pair) for pair in acks]
+    data = msgpack.packb(info)
     return [
         HUGZ_TOPIC,
         SEQUENCE.pack(sequence),

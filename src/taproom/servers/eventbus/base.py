@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,10 +13,7 @@ import zmq.asyncio
 
 from ...hub import Hub
 from ...hub.core import Commit
-from ...protocols.eventbus import (
-    BinaryStar,
-    Event,
-)
+from ...protocols.eventbus import BinaryStar, Event
 from .config import EventBusConfig
 from .state import PROTOCOL, Dedup, Entry
 
@@ -44,6 +40,18 @@ class BusBase:
     _snapshot_raw: zmq.Socket[bytes]
     _publisher_raw: zmq.Socket[bytes]
     _collector_raw: zmq.Socket[bytes]
+    # The CHP dialect's group (config ``chp``): ROUTER, PUB, and a PULL or SUB collector.
+    _chp_snapshot: zmq.asyncio.Socket
+    _chp_collector: zmq.asyncio.Socket
+    _chp_snapshot_raw: zmq.Socket[bytes]
+    _chp_publisher_raw: zmq.Socket[bytes] | None = None
+    _chp_collector_raw: zmq.Socket[bytes]
+    # The Binary Star peer link (roles primary / backup).
+    _peer_host: str
+    _peer_base: int
+    _peer_sub: zmq.asyncio.Socket
+    _peer_dealer: zmq.asyncio.Socket
+    _peer_dealer_raw: zmq.Socket[bytes]
 
     def __init__(self, hub: Hub, config: EventBusConfig) -> None:
         self.hub = hub
@@ -57,10 +65,22 @@ class BusBase:
         self.hashmap: dict[bytes, Entry] = {}
         self.last_seq = 0  # highest sequence committed and applied (the snapshot's cut)
         self.assigned_seq = 0  # highest sequence handed to the journal
+        self._broadcast_seq = 0  # highest sequence this server has broadcast
         self.dedup = Dedup(config.dedup_window)
         self.synced = config.role != "backup"  # a passive server is in step with its peer
         self.peer_synced = False
         self.peer_acked = 0
+        # The hashmap as it will be once every accepted burst is applied: topic -> (sequence,
+        # bytes charged). Limits and ttl expiry are decided on it, at accept time.
+        self._accepted: dict[bytes, tuple[int, int]] = {}
+        self._accepted_bytes = 0
+        # A passive server's client updates, by UUID in arrival order (clonesrv6 "pending").
+        self._held: dict[str, Event] = {}
+        self._held_bytes = 0
+        # Repeated PUBs of committed events: UUID -> sequence, told to producers in HUGZ.
+        self._dup_acks: dict[str, int] = {}
+        # (expiry ms, topic, sequence) of entries with a ttl, a heap.
+        self._expiry: list[tuple[int, bytes, int]] = []
         self._ack_event = asyncio.Event()
         self._degraded_until = 0
         self._resyncing = False
@@ -74,9 +94,6 @@ class BusBase:
         self._snapshot_slots = asyncio.Semaphore(config.max_snapshots)
         self._snapshot_tasks: set[asyncio.Task[None]] = set()
         self._checkpointed_offset = 0
-        # The last copied events, and after a takeover those of them not known to be broadcast.
-        self._recent_mirror: deque[Entry] = deque(maxlen=4 * config.max_burst)
-        self._uncertain: dict[str, Entry] = {}
         self._ctx: zmq.asyncio.Context | None = None
         self._sockets: list[zmq.Socket[Any]] = []
         self._reject_log_budget = 0.0
@@ -96,10 +113,25 @@ class BusBase:
             "events",
             "Events broadcast before the peer confirmed them (peer dead, slow or resyncing)",
         )
+        self._m_held = m.counter(
+            "eventbus",
+            "held",
+            "events",
+            "Client updates a passive server held, and applied at takeover",
+            ("kind",),
+        )
+        self._m_expired = m.counter("eventbus", "expired", "events", "Keys deleted by their ttl")
         self._m_transitions = m.counter(
             "eventbus", "failover_transitions", "calls", "Binary Star state changes", ("kind",)
         )
         m.gauge_fn("eventbus", "keys", "count", "Topics in the snapshot hashmap", self._keys)
+        m.gauge_fn(
+            "eventbus",
+            "hashmap",
+            "bytes",
+            "Memory charged to the hashmap (max_hashmap_bytes)",
+            self._hashmap_bytes,
+        )
         m.gauge_fn("eventbus", "sequence", "count", "Last broadcast sequence", self._seq)
         m.gauge_fn(
             "eventbus", "bstar_state", "code", "1 primary 2 backup 3 active 4 passive", self._state
@@ -107,6 +139,9 @@ class BusBase:
 
     def _keys(self) -> float:
         return len(self.hashmap)
+
+    def _hashmap_bytes(self) -> float:
+        return self._accepted_bytes
 
     def _seq(self) -> float:
         return self.last_seq

@@ -1,24 +1,22 @@
-"""The broadcaster: committed bursts go into the hashmap and out as BROADCAST; the HUGZ heartbeat."""
+"""The broadcaster: committed bursts go into the hashmap and out as BROADCAST (and as kvmsg on
+the CHP publisher); the HUGZ heartbeat."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import logging
 import time
-import uuid as uuid_mod
 
 import zmq
 import zmq.asyncio
 
-from ...protocols.eventbus import (
-    BStarState,
-    hugz_frames,
-    replicated_frames,
-)
+from ...protocols.eventbus import BStarState, replicated_frames
 from .base import Burst
 from .bstar import BinaryStarPeer
-from .wire import now_iso, rearm, send_event
+from .state import kv_frames
+from .wire import rearm, send_event, send_kvmsg
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -41,23 +39,41 @@ class Broadcaster(BinaryStarPeer):
             commit = await burst.future
         except Exception as exc:  # the hub is stopping or the journal failed
             log.error("eventbus: commit of %d events failed: %s", len(burst.entries), exc)
-            for _seq, frames in burst.entries:
-                self.dedup.forget(frames[4].decode())
+            for entry in burst.entries:
+                self.dedup.forget(entry.frames[4].decode())
+            # Their admission is void: count again from what is really in the hashmap.
+            self._install(self.hashmap)
             return
-        confirmed = burst.needs_peer_ack and await self._wait_peer_ack(burst.entries[-1][0])
+        confirmed = burst.needs_peer_ack and await self._wait_peer_ack(burst.entries[-1].seq)
         hashmap = self.hashmap
         broadcast = self.fsm.active
+        chp_pub = self._chp_publisher_raw
         if broadcast and not confirmed and self.config.role != "standalone":
             self._m_unreplicated.inc(len(burst.entries))
-        for seq, frames in burst.entries:
-            current = hashmap.get(frames[0])
-            if current is None or current[0] < seq:
-                hashmap[frames[0]] = (seq, frames)
-            if broadcast:
-                send_event(pub, frames)
-        if broadcast:
-            self._m_broadcast.inc(len(burst.entries))
-        self.last_seq = max(self.last_seq, burst.entries[-1][0])
+        sent = 0
+        for entry in burst.entries:
+            if chp_pub is not None and entry.kv is None:
+                entry = entry._replace(kv=kv_frames(entry.frames, entry.chp))
+            topic = entry.frames[0]
+            current = hashmap.get(topic)
+            if current is None or current.seq < entry.seq:
+                if entry.frames[5]:
+                    hashmap[topic] = entry
+                else:  # a deletion
+                    hashmap.pop(topic, None)
+            if entry.expires_ms:
+                heapq.heappush(self._expiry, (entry.expires_ms, topic, entry.seq))
+            # A server never broadcasts a sequence at or below one it has broadcast (the seed:
+            # "strictly incremental"); copied events it had already passed are only stored.
+            if broadcast and entry.seq > self._broadcast_seq:
+                send_event(pub, entry.frames)
+                if chp_pub is not None and entry.kv is not None:
+                    send_kvmsg(chp_pub, entry.kv)
+                self._broadcast_seq = entry.seq
+                sent += 1
+        if sent:
+            self._m_broadcast.inc(sent)
+        self.last_seq = max(self.last_seq, burst.entries[-1].seq)
         self._applied_offset = max(self._applied_offset, commit.end_offset)
         if burst.reply_to is not None:
             with contextlib.suppress(zmq.ZMQError):
@@ -66,21 +82,12 @@ class Broadcaster(BinaryStarPeer):
                 )
             rearm(self._collector)
 
-    # --- heartbeat ---------------------------------------------------------------
+    # --- heartbeat -------------------------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_ms / 1000
         while True:
-            frames = hugz_frames(
-                self.last_seq,
-                self.name,
-                now_iso(),
-                str(uuid_mod.uuid4()),
-                int(self.fsm.state),
-                self.synced or self.fsm.active,
-            )
-            with contextlib.suppress(zmq.ZMQError):
-                self._publisher_raw.send_multipart(frames, zmq.NOBLOCK)
+            self._send_hugz()
             if (
                 self.config.role != "standalone"
                 and not self.fsm.active

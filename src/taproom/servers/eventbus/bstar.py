@@ -6,33 +6,39 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid as uuid_mod
 
 import zmq
 import zmq.asyncio
 
 from ...protocols.eventbus import (
     BStarState,
+    Command,
     Event,
     EventBusError,
     Heartbeat,
     SyncEnd,
+    hugz_frames,
+    kvmsg,
     parse_broadcast,
     parse_replicate,
     parse_replicated,
     parse_snapshot_reply,
-    replicate_frames,
-    syncstart_frames,
 )
 from ...records import BatchBuilder
 from ...zmqframes import recv_frames
-from .base import Burst, BusBase
-from .state import PROTOCOL, RESET_ATTRS, Entry, journal_event
-from .wire import MAX_FRAMES, endpoint, rearm, send_event
+from .accept import Acceptor
+from .base import Burst
+from .state import PROTOCOL, RESET_ATTRS, Entry, entry_bytes, journal_event
+from .wire import MAX_FRAMES, endpoint, now_iso
 
 log = logging.getLogger("taproom.eventbus")
 
+# Duplicate acknowledgements carried by one HUGZ (about 50 bytes each).
+ACKS_PER_HUGZ = 1024
 
-class BinaryStarPeer(BusBase):
+
+class BinaryStarPeer(Acceptor):
     """The Binary Star pair: HUGZ from the peer, REPLICATE / REPLICATED, full resync."""
 
     def _connect_peer(self) -> None:
@@ -43,33 +49,7 @@ class BinaryStarPeer(BusBase):
         self._peer_sub.connect(endpoint(host, self._peer_base + 1))
         self._peer_dealer = self._socket(zmq.DEALER, SNDHWM=10_000, IMMEDIATE=1)
         self._peer_dealer.connect(endpoint(host, self._peer_base + 2))
-        self._peer_dealer_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self._peer_dealer.underlying)
-
-    def _replicate(self, events: list[Event]) -> bool:
-        """Send a burst to the passive peer; True when the broadcast must wait for its ack."""
-        now = time.monotonic()
-        if not self.fsm.peer_alive(now):
-            return False
-        # Chunks whose body stays under the peer's MAXMSGSIZE (the same settings on both).
-        budget = self._max_frame - 65536
-        chunks: list[list[Event]] = [[]]
-        size = 0
-        for e in events:
-            cost = len(e.data) + 4 * (len(e.topic) + len(e.producer)) + len(e.timestamp) + 64
-            if chunks[-1] and size + cost > budget:
-                chunks.append([])
-                size = 0
-            chunks[-1].append(e)
-            size += cost
-        try:
-            for chunk in chunks:
-                self._peer_dealer_raw.send_multipart(replicate_frames(chunk), zmq.NOBLOCK)
-        except zmq.Again:
-            self._degraded_until = max(self._degraded_until, events[-1].sequence)
-            return False
-        finally:
-            rearm(self._peer_dealer)
-        return self.peer_synced and self.peer_acked >= self._degraded_until
+        self._peer_dealer_raw = zmq.Socket.shadow(self._peer_dealer.underlying)
 
     # --- mirror (passive side) ----------------------------------------------------------------
 
@@ -82,6 +62,8 @@ class BinaryStarPeer(BusBase):
         except EventBusError as exc:
             self._reject(exc.reason, f"REPLICATE: {exc}")
             return
+        for e in events:
+            self._release_held(e.uuid)
         if self._resyncing:
             if self._resync_buffered + len(events) > self.config.resync_buffer:
                 self._resync_buffer.clear()  # too far behind: the next resync starts over
@@ -110,17 +92,19 @@ class BinaryStarPeer(BusBase):
         entries: list[Entry] = []
         for e in fresh:
             journal_event(builder, e, e.sequence, e.timestamp.encode())
-            frames = tuple(e.frames())
-            entries.append((e.sequence, frames))  # type: ignore[arg-type]
-            self.dedup.add(e.uuid)
+            entry = Entry(e.sequence, tuple(e.frames()), e.chp, e.expires_ms)
+            entries.append(entry)
+            size = entry_bytes(entry.frames, e.chp) if e.data else 0
+            self._track(entry.frames[0], e.sequence, size)
+            self.dedup.add(e.uuid, e.sequence)
         self.assigned_seq = fresh[-1].sequence
         self._m_replicated.inc(len(fresh))
-        self._recent_mirror.extend(entries)
         future = self.hub.submit(builder.build())
         self._inflight.put_nowait(Burst(future, entries, False, identity))
 
     async def _resync(self) -> None:
-        """Copy the active peer's full snapshot into the journal and the hashmap."""
+        """Copy the active peer's whole state (COPY on its SNAPSHOT port) into the journal and
+        the hashmap."""
         assert self._ctx is not None
         self._resyncing = True
         self._resync_overflow = False
@@ -129,16 +113,17 @@ class BinaryStarPeer(BusBase):
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, self.config.snapshot_hwm)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
         try:
             dealer.connect(endpoint(self._peer_host, self._peer_base))
-            await dealer.send_multipart(syncstart_frames((), 0))
+            await dealer.send_multipart([Command.COPY.value])
             timeout = self.config.snapshot_timeout_ms
-            copied: dict[str, Event] = {}
+            copied: list[Event] = []
             end: SyncEnd | None = None
             while end is None:
                 if not await dealer.poll(timeout):
-                    log.warning("eventbus: peer snapshot timed out; will retry")
+                    log.warning("eventbus: copy from the peer timed out; will retry")
                     return
                 while True:
                     try:
@@ -146,32 +131,35 @@ class BinaryStarPeer(BusBase):
                     except zmq.Again:
                         break
                     if frames is None:
-                        log.warning("eventbus: peer snapshot message over %d frames", MAX_FRAMES)
+                        log.warning("eventbus: peer copy message over %d frames", MAX_FRAMES)
+                        continue
+                    if frames[0] == Command.REPLICATE.value:
+                        copied.extend(parse_replicate(frames, self.limits))
                         continue
                     reply = parse_snapshot_reply(frames, self.limits)
                     if isinstance(reply, SyncEnd):
                         end = reply
                         break
-                    copied[reply.topic] = reply
             cut = end.sequence
             # A reset marker, then every entry: a restart rebuilds exactly this state.
             futures = []
             builder = BatchBuilder()
             builder.add(PROTOCOL, b"", seq=cut, attrs=RESET_ATTRS)
             hashmap: dict[bytes, Entry] = {}
-            for e in copied.values():
+            for e in copied:
                 journal_event(builder, e, e.sequence, e.timestamp.encode())
-                frames = e.frames()
-                hashmap[frames[0]] = (e.sequence, tuple(frames))  # type: ignore[assignment]
+                entry = Entry(e.sequence, tuple(e.frames()), e.chp, e.expires_ms)
+                hashmap[entry.frames[0]] = entry
                 if len(builder) >= 10_000:
                     futures.append(self.hub.submit(builder.build()))
             futures.append(self.hub.submit(builder.build()))
             commits = await asyncio.gather(*futures)
             self._applied_offset = max(self._applied_offset, commits[-1].end_offset)
-            self.hashmap = hashmap
+            self._install(hashmap)
             self.last_seq = self.assigned_seq = cut
-            for e in copied.values():
-                self.dedup.add(e.uuid)
+            for e in copied:
+                self.dedup.add(e.uuid, e.sequence)
+                self._release_held(e.uuid)
             buffered, self._resync_buffer = self._resync_buffer, []
             self._resyncing = False
             if self._resync_overflow:
@@ -182,7 +170,7 @@ class BinaryStarPeer(BusBase):
                 self._apply_mirror(identity, events)
             log.info("eventbus: copied %d topics up to sequence %d from the peer", len(copied), cut)
         except EventBusError as exc:
-            log.warning("eventbus: bad snapshot from the peer (%s); will retry", exc)
+            log.warning("eventbus: bad copy from the peer (%s); will retry", exc)
         finally:
             self._resyncing = False
             dealer.close(0)
@@ -220,15 +208,6 @@ class BinaryStarPeer(BusBase):
     # --- the peer's heartbeat and state changes -----------------------------------------------
 
     _peer_state = 0
-    _peer_seq = 0
-
-    def _rebroadcast_uncertain(self, key: str) -> None:
-        """A retried PUB of an event copied from the dead active, maybe never broadcast."""
-        entry = self._uncertain.pop(key, None)
-        if entry is None or not self.fsm.active:
-            return
-        send_event(self._publisher_raw, entry[1])
-        self._m_broadcast.inc()
 
     async def _peer_hugz_loop(self) -> None:
         while True:
@@ -240,7 +219,6 @@ class BinaryStarPeer(BusBase):
             if not isinstance(beat, Heartbeat):
                 continue
             self._peer_state = beat.state
-            self._peer_seq = beat.sequence
             self.peer_synced = beat.synced
             before = self.fsm.state
             self.fsm.on_peer(beat.state, time.monotonic())
@@ -251,6 +229,39 @@ class BinaryStarPeer(BusBase):
                 self._m_transitions.labels(kind=self.fsm.problem.replace(" ", "_")).inc()
                 self.fsm.problem = ""
 
+    def _take_acks(self) -> list[tuple[str, int]]:
+        """Duplicate acknowledgements whose events are applied (so durable and broadcast)."""
+        acks = []
+        for key, seq in list(self._dup_acks.items()):
+            if seq <= self.last_seq:
+                acks.append((key, seq))
+                del self._dup_acks[key]
+                if len(acks) == ACKS_PER_HUGZ:
+                    break
+        return acks
+
+    def _send_hugz(self) -> None:
+        """HUGZ on the seed's PUBLISHER (sequence, Binary Star state, duplicate acks) and, from
+        an active server, on the CHP publisher: a Clone client takes any message as a sign of
+        life, and a passive server serves it nothing."""
+        active = self.fsm.active
+        frames = hugz_frames(
+            self.last_seq,
+            self.name,
+            now_iso(),
+            str(uuid_mod.uuid4()),
+            int(self.fsm.state),
+            self.synced or active,
+            self._take_acks() if active else (),
+        )
+        with contextlib.suppress(zmq.ZMQError):
+            self._publisher_raw.send_multipart(frames, zmq.NOBLOCK)
+        if active and self._chp_publisher_raw is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._chp_publisher_raw.send_multipart(
+                    kvmsg.hugz_frames(self.last_seq), zmq.NOBLOCK
+                )
+
     def _transition(self, before: BStarState) -> None:
         after = self.fsm.state
         log.warning("eventbus: %s -> %s", before.name.lower(), after.name.lower())
@@ -260,12 +271,9 @@ class BinaryStarPeer(BusBase):
         if after is BStarState.ACTIVE:
             self.synced = True
             self.peer_synced = False
+            # New sequences go above anything this server ever broadcast, so that its
+            # broadcasts stay strictly increasing whatever it copied while passive.
+            self.assigned_seq = max(self.assigned_seq, self._broadcast_seq)
             self._degraded_until = self.assigned_seq
-            # Copied events the old active may not have broadcast before it died: its last
-            # HUGZ said how far it had got. A producer retrying one of them gets it broadcast.
-            self._uncertain = {
-                frames[4].decode(): (seq, frames)
-                for seq, frames in self._recent_mirror
-                if seq > self._peer_seq
-            }
-            self._recent_mirror.clear()
+            self._send_hugz()  # say so before the first broadcast as the active server
+            self._apply_held()

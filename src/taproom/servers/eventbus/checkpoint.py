@@ -12,14 +12,14 @@ from collections import deque
 import msgpack
 
 from ...hub import Hub
-from ...protocols.eventbus import (
-    SEQUENCE,
-)
-from .state import PROTOCOL, BusState
+from ...protocols.eventbus import SEQUENCE
+from .state import PROTOCOL, BusState, Entry, record_entry
 
 log = logging.getLogger("taproom.eventbus")
 
-_CHECKPOINT_MAGIC = b"TAPROOM-EVENTBUS-CHECKPOINT-1\n"
+# Version 2 adds each entry's CHP part and expiry, and each recent UUID's sequence. A version 1
+# file is not read: the state then comes from the journal alone, as without a checkpoint.
+_CHECKPOINT_MAGIC = b"TAPROOM-EVENTBUS-CHECKPOINT-2\n"
 
 
 def checkpoint_path(hub: Hub) -> str:
@@ -32,7 +32,7 @@ def write_checkpoint(path: str, state: BusState) -> None:
         [
             state.offset,
             state.sequence,
-            [list(frames) for _seq, frames in state.hashmap.values()],
+            [[*e.frames, e.chp, e.expires_ms] for e in state.hashmap.values()],
             state.recent_uuids,
         ],
         use_bin_type=True,
@@ -72,11 +72,12 @@ def read_checkpoint(path: str) -> BusState | None:
     try:
         offset, sequence, rows, uuids = msgpack.unpackb(body, raw=False, use_list=False)
         state = BusState(offset=offset, sequence=sequence, from_checkpoint=True)
-        state.recent_uuids = list(uuids)
+        state.recent_uuids = [(key, seq) for key, seq in uuids]
         for row in rows:
-            seq = SEQUENCE.unpack(row[1])[0]
-            state.hashmap[row[0]] = (seq, tuple(row))
-    except (ValueError, TypeError, struct.error) as exc:  # a bug, not disk damage (CRC passed)
+            frames = tuple(row[:6])
+            chp = (row[6][0], row[6][1]) if row[6] is not None else None
+            state.hashmap[row[0]] = Entry(SEQUENCE.unpack(row[1])[0], frames, chp, row[7])
+    except (ValueError, TypeError, IndexError, struct.error) as exc:  # a bug (the CRC passed)
         log.warning("eventbus: %s unreadable (%s); scanning the journal", path, exc)
         return None
     return state
@@ -95,8 +96,7 @@ def rebuild_state(hub: Hub, dedup_window: int, path: str | None = None) -> BusSt
     if state is None:
         state = BusState()
     hashmap = state.hashmap
-    uuids: deque[str] = deque(state.recent_uuids, maxlen=max(dedup_window, 1))
-    pack = SEQUENCE.pack
+    uuids: deque[tuple[str, int]] = deque(state.recent_uuids, maxlen=max(dedup_window, 1))
     for record in journal.read(max(state.offset, journal.first_offset)):
         if record.protocol != PROTOCOL:
             continue
@@ -104,22 +104,16 @@ def rebuild_state(hub: Hub, dedup_window: int, path: str | None = None) -> BusSt
             hashmap.clear()
             state.sequence = record.seq
             continue
-        topic = record.topic.encode()
+        entry = record_entry(record)
+        topic = entry.frames[0]
         current = hashmap.get(topic)
-        if current is None or current[0] < record.seq:
-            hashmap[topic] = (
-                record.seq,
-                (
-                    topic,
-                    pack(record.seq),
-                    record.producer.encode(),
-                    str(record.attrs.get("timestamp", "")).encode(),
-                    record.event_id.encode(),
-                    record.payload,
-                ),
-            )
+        if current is None or current.seq < record.seq:
+            if entry.frames[5]:
+                hashmap[topic] = entry
+            else:  # a deletion
+                hashmap.pop(topic, None)
         state.sequence = max(state.sequence, record.seq)
-        uuids.append(record.event_id)
+        uuids.append((record.event_id, record.seq))
     state.recent_uuids = list(uuids) if dedup_window else []
     state.offset = journal.end_offset
     return state

@@ -1,4 +1,5 @@
-"""The COLLECTOR: PUB commands drained in bursts, validated, deduplicated, numbered, journaled."""
+"""The seed's COLLECTOR: PUB commands drained in bursts, validated, deduplicated, numbered,
+journaled (and REPLICATE from the active peer, on a passive server)."""
 
 from __future__ import annotations
 
@@ -6,18 +7,11 @@ import zmq
 import zmq.asyncio
 
 from ...errors import HubStopped
-from ...protocols.eventbus import (
-    SEQUENCE,
-    Command,
-    Event,
-    EventBusError,
-    parse_pub,
-)
+from ...protocols.eventbus import SEQUENCE, Command, Event, EventBusError, parse_pub
 from ...records import BatchBuilder
 from ...zmqframes import recv_frames
-from .base import Burst
 from .broadcast import Broadcaster
-from .state import PROTOCOL, Entry, journal_event
+from .state import Entry, entry_bytes, journal_event
 from .wire import MAX_FRAMES
 
 
@@ -34,12 +28,16 @@ class Collector(Broadcaster):
                 return
 
     def _drain_collector(self) -> None:
+        """The seed's hot path: the frames received are the BROADCAST's frames but for the
+        sequence and the (normalised) uuid and data."""
         raw = self._collector_raw
         limits = self.limits
+        dedup = self.dedup
         builder: BatchBuilder | None = None
         entries: list[Entry] = []
         events: list[Event] = []
         active = self.fsm.active
+        paired = self.config.role != "standalone"
         seq = self.assigned_seq
         pack = SEQUENCE.pack
         for _ in range(self.config.max_burst):
@@ -59,34 +57,21 @@ class Collector(Broadcaster):
                 self._reject(exc.reason, str(exc))
                 continue
             if not active:
-                self._reject("not_active", "PUB to a server that is not active")
+                self._hold(event)
                 continue
-            if not self.dedup.add(event.uuid):
-                self._m_duplicates.inc()
-                self._rebroadcast_uncertain(event.uuid)
+            if event.uuid in dedup:
+                self._duplicate(event.uuid)
+                continue
+            frames = (msg[1], pack(seq + 1), msg[3], msg[4], event.uuid.encode(), event.data)
+            if not self._admit(msg[1], seq + 1, entry_bytes(frames, None)):
                 continue
             seq += 1
+            dedup.add(event.uuid, seq)
             if builder is None:
                 builder = BatchBuilder()
             journal_event(builder, event, seq, msg[4])
-            frames = (msg[1], pack(seq), msg[3], msg[4], event.uuid.encode(), event.data)
-            entries.append((seq, frames))
-            if self.config.role != "standalone":
-                events.append(
-                    Event(
-                        event.topic,
-                        seq,
-                        event.producer,
-                        event.timestamp,
-                        event.uuid,
-                        event.data,
-                        event.ts_ns,
-                    )
-                )
-        if builder is None:
-            return
-        future = self.hub.submit(builder.build())
-        self.assigned_seq = seq
-        self.hub.metrics.accepted(PROTOCOL, len(entries))
-        needs_ack = self._replicate(events) if events else False
-        self._inflight.put_nowait(Burst(future, entries, needs_ack))
+            entries.append(Entry(seq, frames))
+            if paired:
+                events.append(event._replace(sequence=seq))
+        if builder is not None:
+            self._submit(builder, entries, events)

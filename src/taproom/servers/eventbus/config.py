@@ -22,6 +22,24 @@ class EventBusConfig:
         min=0,
         max=65533,
     )
+    chp: bool = setting(
+        False,
+        "the ØMQ Guide's own Clone wire (kvmsg) beside the seed's: off, as the seed is the "
+        "contract and it opens three more ports",
+    )
+    chp_port: int = setting(
+        5576,
+        "P of the CHP group: SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2 (the Guide's "
+        "layout; its 5556 is the seed group's here)",
+        min=0,
+        max=65533,
+    )
+    chp_collector: str = setting(
+        "sub",
+        "sub: Clone model 6 clients publish to both servers of a pair; pull: model 5 clients "
+        "push (ZeroMQ refuses the other kind at the handshake)",
+        choices=("sub", "pull"),
+    )
     role: str = setting(
         "standalone",
         "one bus needs no peer; primary/backup form a Binary Star pair (set peer too)",
@@ -57,6 +75,33 @@ class EventBusConfig:
         max=63 * 1024 * 1024,  # under the journal's 64 MiB per record, with room for the rest
     )
     max_subtrees: int = setting(64, "subtrees per SYNCSTART", min=1, max=4096)
+    max_properties_bytes: int = setting(
+        4096, "kvmsg properties are a few name=value lines", min=64, max=65535
+    )
+    max_keys: int = setting(
+        100_000,
+        "topics the hashmap holds (each costs ~0.6 KiB besides its data); an update that "
+        "would add one more is refused",
+        min=1,
+    )
+    max_hashmap_bytes: int = setting(
+        256 * 1024 * 1024,
+        "memory the latest-value hashmap may take (frames + per-entry overhead); an update "
+        "that would grow it past this is refused",
+        min=1024 * 1024,
+    )
+    max_held: int = setting(
+        10_000,
+        "client updates a passive server holds for a takeover (clonesrv6's pending list); "
+        "the oldest go first",
+        min=0,
+    )
+    max_held_bytes: int = setting(
+        16 * 1024 * 1024, "bytes of held updates a passive server keeps", min=0
+    )
+    ttl_check_ms: int = setting(
+        1000, "how often expired ttl keys are deleted (clonesrv's flush_ttl: once a second)", min=10
+    )
     max_snapshots: int = setting(
         16, "snapshots sent at once; more SYNCSTARTs wait (each holds a list of its keys)", min=1
     )
@@ -96,8 +141,14 @@ class EventBusConfig:
             host, _, port = self.peer.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) <= 65533:
                 raise ConfigError("peer must be 'host:port' (the peer's P)", key="peer")
+        if self.chp and self.port and self.chp_port and abs(self.chp_port - self.port) < 3:
+            raise ConfigError("chp_port's three ports overlap port's", key="chp_port")
 
     def limits(self) -> Limits:
         return Limits(
-            self.max_topic_bytes, self.max_producer_bytes, self.max_data_bytes, self.max_subtrees
+            self.max_topic_bytes,
+            self.max_producer_bytes,
+            self.max_data_bytes,
+            self.max_subtrees,
+            self.max_properties_bytes,
         )

@@ -21,7 +21,9 @@ log = logging.getLogger("taproom.eventbus")
 
 
 class EventBusService(SnapshotServer):
-    """The three sockets, the broadcaster, the heartbeat and the Binary Star peer link."""
+    """The sockets, the broadcaster, the heartbeat and the Binary Star peer link."""
+
+    _broadcaster: asyncio.Task[None] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -30,13 +32,15 @@ class EventBusService(SnapshotServer):
         state = await asyncio.to_thread(
             rebuild_state, self.hub, self.config.dedup_window, checkpoint_path(self.hub)
         )
-        self.hashmap = state.hashmap
         self.last_seq = self.assigned_seq = state.sequence
         self._applied_offset = state.offset
         # A state rebuilt by a full scan is saved at the first chance.
         self._checkpointed_offset = state.offset if state.from_checkpoint else -1
-        for key in state.recent_uuids:
-            self.dedup.add(key)
+        for key, seq in state.recent_uuids:
+            self.dedup.add(key, seq)
+        self._ctx = zmq.asyncio.Context()
+        addresses = self._bind()
+        self._install(state.hashmap)
         log.info(
             "eventbus: %d topics, sequence %d rebuilt from %s in %.2fs; role %s",
             len(self.hashmap),
@@ -45,82 +49,125 @@ class EventBusService(SnapshotServer):
             time.monotonic() - started,
             self.config.role,
         )
-        self._ctx = zmq.asyncio.Context()
-        addresses = self._bind()
         loops = [
             self._collector_loop(),
             self._snapshot_loop(),
-            self._broadcast_loop(),
             self._heartbeat_loop(),
             self._checkpoint_loop(),
         ]
+        if self.config.chp:
+            loops += [self._chp_collector_loop(), self._chp_snapshot_loop(), self._expiry_loop()]
         if self.config.role != "standalone":
             self._connect_peer()
             loops += [self._peer_hugz_loop(), self._peer_ack_loop()]
+        self._broadcaster = asyncio.create_task(self._broadcast_loop())
         self._tasks = [asyncio.create_task(c) for c in loops]
         return addresses
 
     def _bind(self) -> dict[str, str]:
-        """SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2; port 0 finds three free ones."""
+        """The seed's group (and the CHP dialect's, when on); see :meth:`_bind_group`."""
         cfg = self.config
-        max_frame = self._max_frame
-        for _attempt in range(100):
-            snapshot = self._socket(
+        # A subscription longer than any topic matches nothing; bounding it keeps a SUB from
+        # growing the PUB's subscription trie by a node per byte (issue 19: 4 x 1 MiB = 264 MB).
+        max_subscription = self.limits.max_topic_bytes + 64
+        snapshot, publisher, collector, base = self._bind_group(
+            cfg.port,
+            (
                 zmq.ROUTER,
-                SNDHWM=cfg.snapshot_hwm,
-                ROUTER_MANDATORY=1,
-                MAXMSGSIZE=self.limits.max_topic_bytes * self.limits.max_subtrees + 4096,
-            )
-            publisher = self._socket(zmq.PUB, SNDHWM=cfg.publisher_hwm)
-            collector = self._socket(zmq.ROUTER, RCVHWM=cfg.collector_hwm, MAXMSGSIZE=max_frame)
+                {
+                    "SNDHWM": cfg.snapshot_hwm,
+                    "ROUTER_MANDATORY": 1,
+                    "MAXMSGSIZE": self.limits.max_topic_bytes * self.limits.max_subtrees + 4096,
+                },
+            ),
+            (zmq.PUB, {"SNDHWM": cfg.publisher_hwm, "MAXMSGSIZE": max_subscription}),
+            (zmq.ROUTER, {"RCVHWM": cfg.collector_hwm, "MAXMSGSIZE": self._max_frame}),
+        )
+        self._snapshot, self._publisher, self._collector = snapshot, publisher, collector
+        # Synchronous shadows of the same sockets: NOBLOCK sends and receives in hot loops
+        # without a future per call.
+        self._snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
+        self._publisher_raw = zmq.Socket.shadow(publisher.underlying)
+        self._collector_raw = zmq.Socket.shadow(collector.underlying)
+        addresses = {
+            "eventbus_snapshot": f"{cfg.host}:{base}",
+            "eventbus_publisher": f"{cfg.host}:{base + 1}",
+            "eventbus_collector": f"{cfg.host}:{base + 2}",
+        }
+        if not cfg.chp:
+            return addresses
+        collector_kind = zmq.SUB if cfg.chp_collector == "sub" else zmq.PULL
+        snapshot, publisher, collector, base = self._bind_group(
+            cfg.chp_port,
+            (
+                zmq.ROUTER,
+                {
+                    "SNDHWM": cfg.snapshot_hwm,
+                    "ROUTER_MANDATORY": 1,
+                    "MAXMSGSIZE": self.limits.max_topic_bytes + 4096,
+                },
+            ),
+            (zmq.PUB, {"SNDHWM": cfg.publisher_hwm, "MAXMSGSIZE": max_subscription}),
+            (collector_kind, {"RCVHWM": cfg.collector_hwm, "MAXMSGSIZE": self._max_frame}),
+        )
+        if collector_kind == zmq.SUB:
+            collector.setsockopt(zmq.SUBSCRIBE, b"")
+        self._chp_snapshot, self._chp_collector = snapshot, collector
+        self._chp_snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
+        self._chp_publisher_raw = zmq.Socket.shadow(publisher.underlying)
+        self._chp_collector_raw = zmq.Socket.shadow(collector.underlying)
+        addresses["eventbus_chp_snapshot"] = f"{cfg.host}:{base}"
+        addresses["eventbus_chp_publisher"] = f"{cfg.host}:{base + 1}"
+        addresses["eventbus_chp_collector"] = f"{cfg.host}:{base + 2}"
+        return addresses
+
+    def _bind_group(
+        self, port: int, *kinds: tuple[int, dict[str, int]]
+    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Socket, int]:
+        """Three sockets at P, P+1, P+2; port 0 finds three consecutive free ones (the OS
+        picks P, and all three are closed and tried again if P+1 or P+2 is taken)."""
+        host = self.config.host
+        for _attempt in range(100):
+            sockets = [self._socket(kind, **options) for kind, options in kinds]
             try:
-                if cfg.port:
-                    base = cfg.port
-                    snapshot.bind(endpoint(cfg.host, base))
+                if port:
+                    base = port
+                    sockets[0].bind(endpoint(host, base))
                 else:
-                    snapshot.bind(endpoint(cfg.host, 0).rsplit(":", 1)[0] + ":*")
-                    bound = snapshot.getsockopt(zmq.LAST_ENDPOINT)
+                    sockets[0].bind(endpoint(host, 0).rsplit(":", 1)[0] + ":*")
+                    bound = sockets[0].getsockopt(zmq.LAST_ENDPOINT)
                     assert isinstance(bound, bytes)
                     base = int(bound.rsplit(b":", 1)[1])
                     if base > 65533:
                         raise zmq.ZMQError(errno.EADDRINUSE)
-                publisher.bind(endpoint(cfg.host, base + 1))
-                collector.bind(endpoint(cfg.host, base + 2))
+                sockets[1].bind(endpoint(host, base + 1))
+                sockets[2].bind(endpoint(host, base + 2))
             except zmq.ZMQError as exc:
-                for sock in (snapshot, publisher, collector):
+                for sock in sockets:
                     sock.close(0)
                     self._sockets.remove(sock)
-                if cfg.port or exc.errno != errno.EADDRINUSE:
+                if port or exc.errno != errno.EADDRINUSE:
                     raise
                 continue
-            self._snapshot, self._publisher, self._collector = snapshot, publisher, collector
-            # Synchronous shadows of the same sockets: NOBLOCK sends and receives in hot loops
-            # without a future per call.
-            self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(snapshot.underlying)
-            self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(publisher.underlying)
-            self._collector_raw: zmq.Socket[bytes] = zmq.Socket.shadow(collector.underlying)
-            return {
-                "eventbus_snapshot": f"{cfg.host}:{base}",
-                "eventbus_publisher": f"{cfg.host}:{base + 1}",
-                "eventbus_collector": f"{cfg.host}:{base + 2}",
-            }
+            return sockets[0], sockets[1], sockets[2], base
         raise OSError(errno.EADDRINUSE, "no three consecutive free ports for the event bus")
 
     async def stop(self) -> None:
         """Stop reading, let submitted bursts commit and go out, close the sockets."""
         self._stopping = True
-        broadcaster = self._tasks[2] if len(self._tasks) > 2 else None
-        others = [t for t in self._tasks if t is not broadcaster]
+        others = list(self._tasks)
         if self._resync_task is not None:
             others.append(self._resync_task)
         others.extend(self._snapshot_tasks)
         for task in others:
             task.cancel()
+        broadcaster = self._broadcaster
         if broadcaster is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._inflight.join(), self.hub.config.hub.grace_period_s)
             broadcaster.cancel()
             others.append(broadcaster)
+            self._broadcaster = None
         for task in others:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
@@ -136,8 +183,6 @@ class EventBusService(SnapshotServer):
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
-
-        self._m_snapshots.inc()
 
     # --- checkpoint ------------------------------------------------------------------------
 

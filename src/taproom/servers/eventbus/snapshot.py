@@ -1,10 +1,12 @@
-"""The SNAPSHOT port: SYNCSTART answered with the hashmap's entries and SYNCEND."""
+"""The SNAPSHOT ports: SYNCSTART (the seed) and ICANHAZ? (CHP) answered with the hashmap's
+entries and SYNCEND / KTHXBAI; COPY (from the passive peer) with the whole state."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
@@ -12,21 +14,28 @@ import zmq.asyncio
 from ...protocols.eventbus import (
     BStarState,
     Command,
+    Event,
     EventBusError,
+    kvmsg,
     parse_syncstart,
+    parse_timestamp,
+    replicate_frames,
     syncend_frames,
 )
 from ...zmqframes import recv_frames
-from .collector import Collector
+from .chp import ChpDialect
 from .wire import MAX_FRAMES, MORE, NOBLOCK, base_send, rearm
-
-SYNC = Command.SYNC.value
-
 
 log = logging.getLogger("taproom.eventbus")
 
+SYNC = Command.SYNC.value
+COPY = Command.COPY.value
+# Events per REPLICATE message of a COPY (each message also stays under the peer's
+# MAXMSGSIZE: see _copy_messages).
+COPY_CHUNK = 1000
 
-class SnapshotServer(Collector):
+
+class SnapshotServer(ChpDialect):
     """Serves snapshots side by side, each to one client."""
 
     async def _snapshot_loop(self) -> None:
@@ -41,6 +50,19 @@ class SnapshotServer(Collector):
                 if msg is None:
                     self._reject("frame_count", f"SNAPSHOT: message over {MAX_FRAMES} frames")
                     continue
+                if msg[1:] == [COPY]:
+                    if not self.fsm.active:
+                        self._reject("not_active", "COPY to a server that is not active")
+                        continue
+                    await self._start_snapshot(
+                        self._snapshot,
+                        raw,
+                        msg[0],
+                        self._copy_messages(),
+                        None,
+                        syncend_frames((), self.last_seq),
+                    )
+                    continue
                 try:
                     request = parse_syncstart(msg[1:], self.limits)
                 except EventBusError as exc:
@@ -49,23 +71,119 @@ class SnapshotServer(Collector):
                 if not self._may_serve():
                     self._reject("not_active", "SYNCSTART to a server that is not active")
                     continue
-                # Snapshots run side by side so one slow client holds up only itself; each
-                # SYNC is sent whole between awaits, so their messages never interleave.
-                await self._snapshot_slots.acquire()
-                task = asyncio.create_task(
-                    self._serve_snapshot(msg[0], request.subtrees, request.sequence)
-                )
-                self._snapshot_tasks.add(task)
-                task.add_done_callback(self._snapshot_tasks.discard)
+                floor = request.sequence
+                prefixes = tuple(s.encode() for s in request.subtrees)
+                values = self.hashmap.values()
+                if prefixes:
+                    frames = [
+                        e.frames
+                        for e in values
+                        if e.seq > floor and e.frames[0].startswith(prefixes)
+                    ]
+                else:
+                    frames = [e.frames for e in values if e.seq > floor]
+                end = syncend_frames(request.subtrees, self.last_seq)
+                await self._start_snapshot(self._snapshot, raw, msg[0], frames, SYNC, end)
 
-    async def _serve_snapshot(self, identity: bytes, subtrees: tuple[str, ...], floor: int) -> None:
+    async def _chp_snapshot_loop(self) -> None:
+        raw = self._chp_snapshot_raw
+        while True:
+            await self._chp_snapshot.poll()
+            while True:
+                try:
+                    msg = recv_frames(raw, MAX_FRAMES)
+                except zmq.Again:
+                    break
+                if msg is None:
+                    self._reject("frame_count", f"CHP SNAPSHOT: message over {MAX_FRAMES} frames")
+                    continue
+                try:
+                    subtree = kvmsg.parse_icanhaz(msg[1:], self.limits)
+                except EventBusError as exc:
+                    self._reject(exc.reason, f"CHP SNAPSHOT: {exc}")
+                    continue
+                if not self._may_serve():
+                    self._reject("not_active", "ICANHAZ? to a server that is not active")
+                    continue
+                entries = [
+                    e.kv
+                    for e in self.hashmap.values()
+                    if e.kv is not None and e.kv[0].startswith(subtree)
+                ]
+                end = kvmsg.kthxbai_frames(self.last_seq, subtree)
+                await self._start_snapshot(self._chp_snapshot, raw, msg[0], entries, None, end)
+
+    def _copy_messages(self) -> list[list[bytes]]:
+        """The whole state as REPLICATE messages, in sequence order, for the passive peer."""
+        events = []
+        for e in sorted(self.hashmap.values(), key=lambda e: e.seq):
+            topic, _seq, producer, timestamp, uuid, data = e.frames
+            try:
+                ts_ns = parse_timestamp(timestamp.decode())
+            except EventBusError:
+                ts_ns = 0
+            events.append(
+                Event(
+                    topic.decode(),
+                    e.seq,
+                    producer.decode(),
+                    timestamp.decode(),
+                    uuid.decode(),
+                    data,
+                    ts_ns,
+                    e.chp,
+                    e.expires_ms,
+                )
+            )
+        budget = self._max_frame - 65536
+        messages: list[list[bytes]] = []
+        chunk: list[Event] = []
+        size = 0
+        for event in events:
+            cost = 128 + len(event.data) + (len(event.chp[1]) if event.chp is not None else 0)
+            if chunk and (size + cost > budget or len(chunk) == COPY_CHUNK):
+                messages.append(replicate_frames(chunk))
+                chunk, size = [], 0
+            chunk.append(event)
+            size += cost
+        if chunk:
+            messages.append(replicate_frames(chunk))
+        return messages
+
+    async def _start_snapshot(
+        self,
+        sock: zmq.asyncio.Socket,
+        raw: zmq.Socket[bytes],
+        identity: bytes,
+        messages: Sequence[Sequence[bytes]],
+        head: bytes | None,
+        end: list[bytes],
+    ) -> None:
+        """Send a snapshot in a task of its own. Snapshots run side by side so one slow client
+        holds up only itself; each message is sent whole between awaits, so they never
+        interleave on the socket. The list is taken in one step with the cut (``end``), so a
+        snapshot is consistent with the broadcasts around it."""
+        await self._snapshot_slots.acquire()
+        task = asyncio.create_task(self._serve_snapshot(sock, raw, identity, messages, head, end))
+        self._snapshot_tasks.add(task)
+        task.add_done_callback(self._snapshot_tasks.discard)
+
+    async def _serve_snapshot(
+        self,
+        sock: zmq.asyncio.Socket,
+        raw: zmq.Socket[bytes],
+        identity: bytes,
+        messages: Sequence[Sequence[bytes]],
+        head: bytes | None,
+        end: list[bytes],
+    ) -> None:
         try:
-            await self._send_snapshot(identity, subtrees, floor)
+            await self._send_snapshot(sock, raw, identity, messages, head, end)
         except zmq.ZMQError as exc:  # the client went away (EHOSTUNREACH) mid-snapshot
             log.info("eventbus: snapshot abandoned: %s", exc)
         finally:
             self._snapshot_slots.release()
-            rearm(self._snapshot)
+            rearm(sock)
 
     def _may_serve(self) -> bool:
         if self.fsm.state is BStarState.PASSIVE and not self.synced:
@@ -76,20 +194,23 @@ class SnapshotServer(Collector):
             self._transition(before)
         return allowed
 
-    async def _send_snapshot(self, identity: bytes, subtrees: tuple[str, ...], floor: int) -> None:
-        cut = self.last_seq
-        prefixes = tuple(s.encode() for s in subtrees)
-        values = self.hashmap.values()
-        if prefixes:
-            entries = [f for s, f in values if s > floor and f[0].startswith(prefixes)]
-        else:
-            entries = [f for s, f in values if s > floor]
-        raw = self._snapshot_raw
+    async def _send_snapshot(
+        self,
+        sock: zmq.asyncio.Socket,
+        raw: zmq.Socket[bytes],
+        identity: bytes,
+        messages: Sequence[Sequence[bytes]],
+        head: bytes | None,
+        end: list[bytes],
+    ) -> None:
+        """Pre-built frames, a few ``send`` calls each, no per-key encoding. The ROUTER has
+        ROUTER_MANDATORY and a high-water mark: a slow client makes this wait (up to
+        ``snapshot_timeout_ms``), never silently cuts its snapshot."""
         more = MORE
         first = MORE | NOBLOCK
         send = base_send
         deadline = time.monotonic() + self.config.snapshot_timeout_ms / 1000
-        for sent, frames in enumerate(entries, 1):
+        for sent, frames in enumerate(messages, 1):
             while True:
                 try:
                     send(raw, identity, first)
@@ -98,21 +219,19 @@ class SnapshotServer(Collector):
                     if time.monotonic() > deadline:
                         log.warning("eventbus: snapshot to a slow client abandoned")
                         return
-                    rearm(self._snapshot)
+                    rearm(sock)
                     await asyncio.sleep(0.001)
-            send(raw, SYNC, more)
-            send(raw, frames[0], more)
-            send(raw, frames[1], more)
-            send(raw, frames[2], more)
-            send(raw, frames[3], more)
-            send(raw, frames[4], more)
-            send(raw, frames[5], 0)
+            if head is not None:
+                send(raw, head, more)
+            for frame in frames[:-1]:
+                send(raw, frame, more)
+            send(raw, frames[-1], 0, False)  # lent, not copied, when large (see wire.py)
             if sent % 4096 == 0:
-                rearm(self._snapshot)
+                rearm(sock)
                 await asyncio.sleep(0)  # let the collector and broadcaster run
         while True:
             try:
-                raw.send_multipart([identity, *syncend_frames(subtrees, cut)], zmq.NOBLOCK)
+                raw.send_multipart([identity, *end], zmq.NOBLOCK)
                 break
             except zmq.Again:
                 if time.monotonic() > deadline:

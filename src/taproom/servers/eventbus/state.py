@@ -1,24 +1,66 @@
-"""The bus state and how bus events become journal records (and back, after a restart)."""
+"""The bus state, and how bus events become journal records (and back, after a restart).
+
+A hashmap entry keeps what both dialects send, ready to go out: the six frames of the seed's
+BROADCAST/SYNC and, once the CHP dialect needs them, the five of a kvmsg. An event that came
+from a kvmsg client also keeps its other properties and raw body (``chp``); its seed data
+frame is that body as a MessagePack bin. An empty data frame is a deletion: it is journaled
+and broadcast, and removes the key from the hashmap.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
-from ...protocols.eventbus import (
-    Event,
-)
-from ...records import BatchBuilder
+import msgpack
+import orjson
+
+from ...protocols.eventbus import SEQUENCE, Event
+from ...protocols.eventbus.kvmsg import update_properties
+from ...records import BatchBuilder, Record
 
 log = logging.getLogger("taproom.eventbus")
 
 PROTOCOL = "eventbus"
 RESET_ATTRS = b'{"eventbus":"reset"}'
+# What one hashmap entry costs besides its frames' bytes (CPython objects: the entry and frame
+# tuples, eleven bytes headers, the dict slots of the hashmap and of the admission table).
+ENTRY_OVERHEAD = 640
+
+Frames = tuple[bytes, ...]
 
 
-# One hashmap entry: the event's bus sequence and its six BROADCAST frames, ready to send.
-Entry = tuple[int, tuple[bytes, bytes, bytes, bytes, bytes, bytes]]
+class Entry(NamedTuple):
+    """One event as the hashmap (and a burst on its way to it) holds it."""
+
+    seq: int
+    frames: Frames  # topic, sequence, producer, timestamp, uuid, data (b"": a deletion)
+    chp: tuple[bytes, bytes] | None = None  # a kvmsg client's other properties and raw body
+    expires_ms: int = 0  # wall-clock ms at which its ttl expires; 0: never
+    kv: Frames | None = None  # key, sequence, uuid(16), properties, body: built when needed
+
+
+def kv_frames(frames: Frames, chp: tuple[bytes, bytes] | None) -> Frames:
+    """The kvmsg of an event: producer and timestamp as properties, then a kvmsg client's own
+    properties; the body is its raw body, or an event from a seed client's MessagePack data."""
+    topic, seq, producer, timestamp, uuid_text, data = frames
+    uuid16 = bytes.fromhex(uuid_text.decode().replace("-", ""))
+    if chp is None:
+        return (topic, seq, uuid16, update_properties(producer, timestamp, b""), data)
+    return (topic, seq, uuid16, update_properties(producer, timestamp, chp[0]), chp[1])
+
+
+def entry_bytes(frames: Frames, chp: tuple[bytes, bytes] | None) -> int:
+    """The memory an entry is charged against ``max_hashmap_bytes``."""
+    size = ENTRY_OVERHEAD + len(frames[0]) + len(frames[2]) + len(frames[3]) + len(frames[5])
+    return size + (len(chp[0]) + len(chp[1]) if chp is not None else 0)
+
+
+def chp_data(body: bytes) -> bytes:
+    """The seed's data frame for a kvmsg body: a MessagePack bin, or empty for a deletion."""
+    return msgpack.packb(body, use_bin_type=True) if body else b""
 
 
 @dataclass
@@ -27,35 +69,39 @@ class BusState:
 
     hashmap: dict[bytes, Entry] = field(default_factory=dict)
     sequence: int = 0
-    recent_uuids: list[str] = field(default_factory=list)
+    recent_uuids: list[tuple[str, int]] = field(default_factory=list)  # (uuid, sequence)
     offset: int = 0  # journal offset the state covers (everything before it is applied)
     from_checkpoint: bool = False
 
 
 class Dedup:
-    """A bounded set of recent event UUIDs (FIFO eviction)."""
+    """The bus sequence of each recent event UUID, bounded (FIFO eviction)."""
 
     def __init__(self, window: int) -> None:
         self.window = window
         self._order: deque[str] = deque()
-        self._set: set[str] = set()
+        self._seqs: dict[str, int] = {}
 
-    def add(self, key: str) -> bool:
-        """Remember ``key``; False if it was already there."""
-        if key in self._set:
-            return False
-        if self.window:
-            self._set.add(key)
-            self._order.append(key)
-            if len(self._order) > self.window:
-                self._set.discard(self._order.popleft())
-        return True
+    def __contains__(self, key: str) -> bool:
+        return key in self._seqs
+
+    def seq_of(self, key: str) -> int:
+        return self._seqs.get(key, 0)
+
+    def add(self, key: str, seq: int) -> None:
+        if not self.window or key in self._seqs:
+            return
+        self._seqs[key] = seq
+        self._order.append(key)
+        if len(self._order) > self.window:
+            self._seqs.pop(self._order.popleft(), None)
 
     def forget(self, key: str) -> None:
-        self._set.discard(key)
+        self._seqs.pop(key, None)
 
-    def recent(self) -> list[str]:
-        return [key for key in self._order if key in self._set]
+    def recent(self) -> list[tuple[str, int]]:
+        seqs = self._seqs
+        return [(key, seqs[key]) for key in self._order if key in seqs]
 
 
 def stream_of(topic: str) -> str:
@@ -65,16 +111,54 @@ def stream_of(topic: str) -> str:
 
 def journal_event(builder: BatchBuilder, event: Event, seq: int, timestamp: bytes) -> None:
     """One bus event as a journal record. The original ISO timestamp rides in attrs, so a
-    snapshot rebuilt from the journal replays it exactly."""
+    snapshot rebuilt from the journal replays it exactly; so do a kvmsg client's properties
+    (its raw body is the payload), the ttl's expiry time, and whether it is a deletion."""
+    if event.chp is None and not event.expires_ms and event.data:  # the seed's hot path
+        payload, content_type = event.data, "msgpack"
+        attrs = b'{"timestamp":"' + timestamp + b'"}'
+    else:
+        extra: dict[str, Any] = {"timestamp": timestamp.decode()}
+        if event.chp is not None:
+            extra["dialect"] = "chp"
+            if event.chp[0]:
+                extra["properties"] = event.chp[0].decode()
+        if not event.data:
+            extra["delete"] = True
+        if event.expires_ms:
+            extra["expires_ms"] = event.expires_ms
+        attrs = orjson.dumps(extra)
+        if event.chp is not None:
+            payload, content_type = event.chp[1], "raw"
+        else:
+            payload, content_type = event.data, "msgpack"
     builder.add(
         PROTOCOL,
-        event.data,
+        payload,
         stream=stream_of(event.topic),
         topic=event.topic,
         producer=event.producer,
         seq=seq,
         event_id=event.uuid,
         ts_ns=event.ts_ns,
-        content_type="msgpack",
-        attrs=b'{"timestamp":"' + timestamp + b'"}',
+        content_type=content_type,
+        attrs=attrs,
     )
+
+
+def record_entry(record: Record) -> Entry:
+    """The hashmap entry a journal record stands for (see :func:`journal_event`)."""
+    attrs = record.attrs
+    data = record.payload
+    chp = None
+    if attrs.get("dialect") == "chp":
+        chp = (str(attrs.get("properties", "")).encode(), data)
+        data = chp_data(data)
+    frames = (
+        record.topic.encode(),
+        SEQUENCE.pack(record.seq),
+        record.producer.encode(),
+        str(attrs.get("timestamp", "")).encode(),
+        record.event_id.encode(),
+        data,
+    )
+    return Entry(record.seq, frames, chp, int(attrs.get("expires_ms", 0) or 0))

@@ -29,7 +29,18 @@ def send_event(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes])
     base_send(sock, frames[2], MORE)
     base_send(sock, frames[3], MORE)
     base_send(sock, frames[4], MORE)
-    base_send(sock, frames[5], 0)
+    # copy=False: pyzmq still copies frames under its copy_threshold (64 KiB) and lends
+    # bigger ones to ZeroMQ, so a large value is not duplicated for every send.
+    base_send(sock, frames[5], 0, False)
+
+
+def send_kvmsg(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes]) -> None:
+    """The five frames of a kvmsg on the CHP publisher."""
+    base_send(sock, frames[0], MORE)
+    base_send(sock, frames[1], MORE)
+    base_send(sock, frames[2], MORE)
+    base_send(sock, frames[3], MORE)
+    base_send(sock, frames[4], 0, False)
 
 
 def rearm(sock: zmq.asyncio.Socket) -> None:

@@ -1,0 +1,188 @@
+"""Admission of updates into the bus: limits, dedup, numbering, the journal batch, replication.
+
+Both collectors (the seed's and the CHP dialect's), the updates a passive server held, and ttl
+expiries end here. What is admitted is decided at accept time on ``_accepted`` (the hashmap as
+it will be once every accepted burst is applied), so limits and expiries never race a burst
+that is still on its way to the disk.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from collections.abc import Iterable
+
+import zmq
+
+from ...protocols.eventbus import SEQUENCE, Event, replicate_frames
+from ...records import BatchBuilder
+from .base import Burst, BusBase
+from .state import PROTOCOL, Entry, entry_bytes, journal_event, kv_frames
+from .wire import rearm
+
+log = logging.getLogger("taproom.eventbus")
+
+# Duplicate acknowledgements kept for the next HUGZ; beyond it the oldest go (their
+# producers retry again and are told in a later HUGZ).
+MAX_DUP_ACKS = 4096
+
+
+class Acceptor(BusBase):
+    """Turns valid updates into journal batches (bursts) for the broadcaster."""
+
+    def _track(self, topic: bytes, seq: int, size: int) -> None:
+        """Count an entry (size 0: a deletion) in ``_accepted`` without limits (replication)."""
+        previous = self._accepted.pop(topic, None)
+        if previous is not None:
+            self._accepted_bytes -= previous[1]
+        if size:
+            self._accepted[topic] = (seq, size)
+            self._accepted_bytes += size
+
+    def _install(self, hashmap: dict[bytes, Entry]) -> None:
+        """Take ``hashmap`` as the state (start, or a copy from the peer): the admission table,
+        the ttl heap and, with the CHP dialect on, every entry's kvmsg frames."""
+        chp = self._chp_publisher_raw is not None
+        for topic, entry in hashmap.items():
+            if chp and entry.kv is None:
+                hashmap[topic] = entry._replace(kv=kv_frames(entry.frames, entry.chp))
+        self.hashmap = hashmap
+        self._accepted = {t: (e.seq, entry_bytes(e.frames, e.chp)) for t, e in hashmap.items()}
+        self._accepted_bytes = sum(size for _seq, size in self._accepted.values())
+        self._expiry = [(e.expires_ms, t, e.seq) for t, e in hashmap.items() if e.expires_ms]
+        heapq.heapify(self._expiry)
+
+    def _admit(self, topic: bytes, seq: int, size: int) -> bool:
+        """Whether an entry of ``size`` bytes (0: a deletion) fits the hashmap's limits."""
+        if size:
+            previous = self._accepted.get(topic)
+            if previous is None and len(self._accepted) >= self.config.max_keys:
+                self._reject("too_many_keys", f"{self.config.max_keys} topics already")
+                return False
+            grow = size - (previous[1] if previous is not None else 0)
+            if self._accepted_bytes + grow > self.config.max_hashmap_bytes:
+                self._reject("hashmap_full", f"{self._accepted_bytes} bytes held already")
+                return False
+        self._track(topic, seq, size)
+        return True
+
+    def _duplicate(self, key: str) -> None:
+        """A repeat of a known event: dropped, and its sequence told in the next HUGZ."""
+        self._m_duplicates.inc()
+        seq = self.dedup.seq_of(key)
+        if seq:
+            self._dup_acks.pop(key, None)
+            self._dup_acks[key] = seq
+            if len(self._dup_acks) > MAX_DUP_ACKS:
+                del self._dup_acks[next(iter(self._dup_acks))]
+
+    def _submit(self, builder: BatchBuilder, entries: list[Entry], events: list[Event]) -> None:
+        """Journal a burst and queue it for the broadcaster (after replicating it)."""
+        future = self.hub.submit(builder.build())
+        self.assigned_seq = entries[-1].seq
+        self.hub.metrics.accepted(PROTOCOL, len(entries))
+        needs_ack = self._replicate(events) if events else False
+        self._inflight.put_nowait(Burst(future, entries, needs_ack))
+
+    def _replicate(self, events: list[Event]) -> bool:
+        """Send a burst to the passive peer; True when the broadcast must wait for its ack."""
+        now = time.monotonic()
+        if not self.fsm.peer_alive(now):
+            return False
+        # Chunks whose body stays under the peer's MAXMSGSIZE (the same settings on both).
+        budget = self._max_frame - 65536
+        chunks: list[list[Event]] = [[]]
+        size = 0
+        for e in events:
+            cost = len(e.data) + 4 * (len(e.topic) + len(e.producer)) + len(e.timestamp) + 64
+            if e.chp is not None:
+                cost += len(e.chp[0]) + len(e.chp[1])
+            if chunks[-1] and size + cost > budget:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(e)
+            size += cost
+        try:
+            for chunk in chunks:
+                self._peer_dealer_raw.send_multipart(replicate_frames(chunk), zmq.NOBLOCK)
+        except zmq.Again:
+            self._degraded_until = max(self._degraded_until, events[-1].sequence)
+            return False
+        finally:
+            rearm(self._peer_dealer)
+        return self.peer_synced and self.peer_acked >= self._degraded_until
+
+    def _accept_events(self, events: Iterable[Event]) -> int:
+        """Admit parsed events (CHP updates, held updates, expiries); returns how many."""
+        builder: BatchBuilder | None = None
+        entries: list[Entry] = []
+        replicas: list[Event] = []
+        paired = self.config.role != "standalone"
+        seq = self.assigned_seq
+        for event in events:
+            if event.uuid in self.dedup:
+                self._duplicate(event.uuid)
+                continue
+            timestamp = event.timestamp.encode()
+            frames = (
+                event.topic.encode(),
+                SEQUENCE.pack(seq + 1),
+                event.producer.encode(),
+                timestamp,
+                event.uuid.encode(),
+                event.data,
+            )
+            size = entry_bytes(frames, event.chp) if event.data else 0
+            if not self._admit(frames[0], seq + 1, size):
+                continue
+            seq += 1
+            self.dedup.add(event.uuid, seq)
+            if builder is None:
+                builder = BatchBuilder()
+            journal_event(builder, event, seq, timestamp)
+            entries.append(Entry(seq, frames, event.chp, event.expires_ms))
+            if paired:
+                replicas.append(event._replace(sequence=seq))
+        if builder is None:
+            return 0
+        self._submit(builder, entries, replicas)
+        return len(entries)
+
+    # --- a passive server's held updates (issue 16 defect 1; clonesrv6's pending list) ---------
+
+    @staticmethod
+    def _held_size(event: Event) -> int:
+        return 256 + len(event.data) + (len(event.chp[1]) if event.chp is not None else 0)
+
+    def _hold(self, event: Event) -> None:
+        """A client update to a passive server: kept (bounded) until the active server's copy
+        of it arrives, or applied if this server takes over first."""
+        if event.uuid in self.dedup or event.uuid in self._held:
+            return  # the active server's copy came first
+        self._held[event.uuid] = event
+        self._held_bytes += self._held_size(event)
+        self._m_held.labels(kind="held").inc()
+        while self._held and (
+            len(self._held) > self.config.max_held or self._held_bytes > self.config.max_held_bytes
+        ):
+            oldest = self._held.pop(next(iter(self._held)))
+            self._held_bytes -= self._held_size(oldest)
+            self._reject("held_overflow", "passive server's held updates are full")
+
+    def _release_held(self, key: str) -> None:
+        """The active server's copy of a held update arrived: the held one is not needed."""
+        event = self._held.pop(key, None)
+        if event is not None:
+            self._held_bytes -= self._held_size(event)
+
+    def _apply_held(self) -> None:
+        """At takeover: the held updates the old active server never replicated, in order."""
+        if not self._held:
+            return
+        held = list(self._held.values())
+        self._held.clear()
+        self._held_bytes = 0
+        applied = self._accept_events(held)
+        self._m_held.labels(kind="applied").inc(applied)
+        log.warning("eventbus: applied %d of %d held updates at takeover", applied, len(held))

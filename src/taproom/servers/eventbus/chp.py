@@ -1,0 +1,113 @@
+"""The CHP dialect's collector (the ØMQ Guide's Clone model 5 PULL or model 6 SUB) and the ttl
+expiry of keys (clonesrv5/6 ``flush_ttl``).
+
+kvmsg updates become bus events (``protocols.eventbus.kvmsg`` maps the fields) and join the
+seed's PUBs in the same hashmap, sequence and journal through :meth:`_accept_events`. A key
+whose ``ttl`` has passed is deleted as the Guide's server does it: a new event, numbered,
+journaled and broadcast with an empty body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import time
+import uuid as uuid_mod
+
+import zmq
+import zmq.asyncio
+
+from ...errors import HubStopped
+from ...protocols.eventbus import Event, EventBusError, kvmsg
+from ...zmqframes import recv_frames
+from .collector import Collector
+from .state import chp_data
+from .wire import MAX_FRAMES, now_iso
+
+
+class ChpDialect(Collector):
+    """Reads kvmsg updates from the CHP collector; deletes expired keys."""
+
+    async def _chp_collector_loop(self) -> None:
+        while True:
+            await self._chp_collector.poll()
+            await self.hub.wait_capacity()
+            try:
+                self._drain_chp_collector()
+            except HubStopped:
+                return
+
+    def _drain_chp_collector(self) -> None:
+        raw = self._chp_collector_raw
+        limits = self.limits
+        received = now_iso()
+        received_ns = time.time_ns()
+        now_ms = received_ns // 1_000_000
+        active = self.fsm.active
+        events: list[Event] = []
+        for _ in range(self.config.max_burst):
+            try:
+                msg = recv_frames(raw, MAX_FRAMES)
+            except zmq.Again:
+                break
+            if msg is None:
+                self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
+                continue
+            try:
+                update = kvmsg.parse_update(msg, limits)
+            except EventBusError as exc:
+                self._reject(exc.reason, f"CHP collector: {exc}")
+                continue
+            event = Event(
+                update.topic,
+                0,
+                update.producer,
+                update.timestamp or received,
+                update.uuid,
+                chp_data(update.body),
+                update.ts_ns if update.timestamp else received_ns,
+                (update.properties, update.body),
+                now_ms + update.ttl_ms if update.ttl_ms else 0,
+            )
+            if active:
+                events.append(event)
+            else:
+                self._hold(event)
+        if events:
+            self._accept_events(events)
+
+    async def _expiry_loop(self) -> None:
+        interval = self.config.ttl_check_ms / 1000
+        while True:
+            await asyncio.sleep(interval)
+            if self.fsm.active and not self._stopping:
+                try:
+                    self._expire(time.time_ns())
+                except HubStopped:
+                    return
+
+    def _expire(self, now_ns: int) -> None:
+        """Delete the keys whose ttl has passed and that no later update replaced."""
+        now_ms = now_ns // 1_000_000
+        heap = self._expiry
+        deletions = []
+        timestamp = now_iso()
+        while heap and heap[0][0] <= now_ms:
+            _expires, topic, seq = heapq.heappop(heap)
+            current = self._accepted.get(topic)
+            if current is None or current[0] != seq:
+                continue  # replaced or deleted since
+            deletions.append(
+                Event(
+                    topic.decode(),
+                    0,
+                    self.name,
+                    timestamp,
+                    str(uuid_mod.uuid4()),
+                    b"",
+                    now_ns,
+                    (b"", b""),
+                )
+            )
+        if deletions:
+            self._m_expired.inc(self._accept_events(deletions))

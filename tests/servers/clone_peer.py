@@ -1,0 +1,158 @@
+"""A Clone client as the ØMQ Guide's model 5 and 6 clients behave, written for these tests from
+the protocol (the Guide's kvmsg wire and clone agent flows), not copied from the Guide.
+
+It speaks only raw ZeroMQ frames: it does not use taproom's kvmsg codec, so it checks the
+server against the protocol rather than against taproom's own reading of it.
+
+* snapshot: a DEALER to P sends ``ICANHAZ?`` + subtree and stores every kvmsg until
+  ``KTHXBAI``, whose sequence becomes the client's;
+* updates: a SUB to P+1 subscribed to the subtree and ``HUGZ``; a kvmsg whose sequence is above
+  the client's is stored (an empty body deletes the key), anything else is dropped;
+* a server silent for ``server_ttl`` (no update, no HUGZ, no snapshot reply) is dead: the client
+  asks the next server for a snapshot (the Binary Star vote);
+* publishing: a kvmsg with sequence 0 and a fresh uuid4, sent once, from a PUSH to the current
+  server's P+2 (model 5) or from a PUB connected to every server's P+2 (model 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+SEQ = struct.Struct(">q")  # network order, as both of the Guide's kvmsg classes write it
+
+
+@dataclass
+class Value:
+    sequence: int
+    body: bytes
+    properties: dict[str, str]
+    uuid: bytes
+
+
+def properties(frame: bytes) -> dict[str, str]:
+    pairs = {}
+    for line in frame.decode().split("\n"):
+        if line:
+            name, _, value = line.partition("=")
+            pairs[name] = value
+    return pairs
+
+
+@dataclass
+class CloneClient:
+    servers: list[tuple[str, int]]  # (host, P) in failover order
+    subtree: bytes = b""
+    model: int = 6
+    server_ttl: float = 2.0
+    kvmap: dict[bytes, Value] = field(default_factory=dict)
+    sequence: int = 0
+    current: int = 0
+    snapshots: int = 0
+    failovers: int = 0
+    received: list[tuple[int, bytes]] = field(default_factory=list)  # (sequence, key) applied
+
+    def __post_init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.synced = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.publisher = self.ctx.socket(zmq.PUB if self.model == 6 else zmq.PUSH)
+        self.publisher.setsockopt(zmq.LINGER, 0)
+        if self.model == 6:
+            for host, port in self.servers:
+                self.publisher.connect(f"tcp://{host}:{port + 2}")
+        else:
+            host, port = self.servers[0]
+            self.publisher.connect(f"tcp://{host}:{port + 2}")
+
+    async def start(self, timeout: float = 20.0) -> CloneClient:
+        self._task = asyncio.create_task(self._agent())
+        await asyncio.wait_for(self.synced.wait(), timeout)
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.ctx.destroy(0)
+
+    async def set(self, key: bytes, body: bytes, ttl: int = 0) -> bytes:
+        """Send one update, once; returns its uuid."""
+        event_uuid = uuid.uuid4().bytes
+        props = b"ttl=%d\n" % ttl if ttl else b""
+        await self.publisher.send_multipart([key, SEQ.pack(0), event_uuid, props, body])
+        return event_uuid
+
+    def _store(self, frames: list[bytes]) -> None:
+        key, seq, event_uuid, props, body = frames
+        sequence = SEQ.unpack(seq)[0]
+        if body:
+            self.kvmap[key] = Value(sequence, body, properties(props), event_uuid)
+        else:
+            self.kvmap.pop(key, None)
+
+    async def _agent(self) -> None:
+        while True:
+            host, port = self.servers[self.current]
+            snapshot = self.ctx.socket(zmq.DEALER)
+            subscriber = self.ctx.socket(zmq.SUB)
+            try:
+                for sock in (snapshot, subscriber):
+                    sock.setsockopt(zmq.LINGER, 0)
+                subscriber.setsockopt(zmq.SUBSCRIBE, self.subtree)
+                subscriber.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+                subscriber.connect(f"tcp://{host}:{port + 1}")
+                snapshot.connect(f"tcp://{host}:{port}")
+                if await self._snapshot(snapshot):
+                    await self._updates(subscriber)
+            finally:
+                snapshot.close(0)
+                subscriber.close(0)
+            # The server gave no hugz: fail over to the next one.
+            self.current = (self.current + 1) % len(self.servers)
+            self.failovers += 1
+            if self.model == 5:
+                host, port = self.servers[self.current]
+                self.publisher.connect(f"tcp://{host}:{port + 2}")
+
+    async def _snapshot(self, snapshot: zmq.asyncio.Socket) -> bool:
+        await snapshot.send_multipart([b"ICANHAZ?", self.subtree])
+        fresh: dict[bytes, Value] = {}
+        while True:
+            if not await snapshot.poll(int(self.server_ttl * 1000)):
+                return False
+            frames = await snapshot.recv_multipart()
+            assert len(frames) == 5, frames
+            if frames[0] == b"KTHXBAI":
+                assert frames[4] == self.subtree
+                self.kvmap = fresh
+                self.sequence = SEQ.unpack(frames[1])[0]
+                self.snapshots += 1
+                self.synced.set()
+                return True
+            key, seq, event_uuid, props, body = frames
+            assert key.startswith(self.subtree) and len(event_uuid) == 16 and body
+            fresh[key] = Value(SEQ.unpack(seq)[0], body, properties(props), event_uuid)
+
+    async def _updates(self, subscriber: zmq.asyncio.Socket) -> None:
+        alive_at = time.monotonic()
+        while time.monotonic() - alive_at < self.server_ttl:
+            if not await subscriber.poll(100):
+                continue
+            frames = await subscriber.recv_multipart()
+            assert len(frames) == 5, frames
+            alive_at = time.monotonic()
+            sequence = SEQ.unpack(frames[1])[0]
+            if frames[0] == b"HUGZ" or sequence <= self.sequence:
+                continue  # "Discard out-of-sequence updates, incl. hugz"
+            self.sequence = sequence
+            self._store(frames)
+            self.received.append((sequence, frames[0]))

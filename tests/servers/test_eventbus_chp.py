@@ -1,0 +1,253 @@
+"""The Event BUS's CHP dialect (the ØMQ Guide's Clone model 5/6 wire) over real ZeroMQ sockets,
+driven by tests/servers/clone_peer.py, a Clone client written from the protocol.
+
+One bus for both dialects: one hashmap, one sequence, one journal. Issue 16, "What to build".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from taproom.clients.eventbus import EventBusClient
+from taproom.journal import JournalReader
+from tests.servers.clone_peer import CloneClient
+from tests.support import HubProcess, running_app, write_config
+
+SEQ = struct.Struct(">q")
+
+
+def _group(addresses: dict[str, str], name: str = "eventbus_chp_snapshot") -> tuple[str, int]:
+    host, port = addresses[name].rsplit(":", 1)
+    return host, int(port)
+
+
+def _metric(app: object, name: str, labels: dict[str, str] | None = None) -> float:
+    value = app.hub.metrics.registry.get_sample_value(name, labels or {})  # type: ignore[attr-defined]
+    return value or 0.0
+
+
+async def _until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    yield context
+    context.destroy(0)
+
+
+def _chp(collector: str, **more: object) -> dict[str, object]:
+    return {"chp": True, "chp_collector": collector, "heartbeat_ms": 100, **more}
+
+
+class TestCloneFlows:
+    """clonecli5 (PUSH) and clonecli6 (PUB) against one taproom bus, with seed clients on it."""
+
+    @pytest.mark.parametrize(("collector", "model"), [("pull", 5), ("sub", 6)])
+    async def test_snapshot_subtree_and_updates_both_ways(
+        self, tmp_path: Path, collector: str, model: int
+    ) -> None:
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=_chp(collector)) as app:
+            chp = _group(app.addresses)
+            seed_url = "tcp://" + app.addresses["eventbus_snapshot"]
+            # state from both dialects before the Clone client joins
+            async with EventBusClient([seed_url], producer="seed") as seed:
+                await (await seed.publish("/client/seed", {"from": "seed"}))
+            writer = await CloneClient([chp], model=model).start()
+            await writer.set(b"/client/1", b"one")
+            await writer.set(b"/other/1", b"elsewhere")
+            await _until(lambda: len(writer.kvmap) == 3, 10, "the writer's own updates")
+            # a client of the /client/ subtree: snapshot, then live updates of both dialects
+            reader = await CloneClient([chp], subtree=b"/client/", model=model).start()
+            assert set(reader.kvmap) == {b"/client/seed", b"/client/1"}
+            assert reader.sequence == 3  # KTHXBAI carries the bus's sequence
+            one = reader.kvmap[b"/client/1"]
+            assert (one.sequence, one.body) == (2, b"one")
+            assert "timestamp" in one.properties
+            from_seed = reader.kvmap[b"/client/seed"]
+            assert msgpack.unpackb(from_seed.body) == {"from": "seed"}
+            assert from_seed.properties["producer"] == "seed"
+            async with EventBusClient([seed_url], producer="seed2") as seed:
+                await (await seed.publish("/client/seed", "again"))
+                await writer.set(b"/client/2", b"two")
+                await _until(lambda: b"/client/2" in reader.kvmap, 10, "the kvmsg update")
+                await _until(lambda: "/client/2" in seed.state, 10, "the seed client")
+                event = seed.state["/client/2"]
+                # a kvmsg body reaches seed clients as a MessagePack bin
+                assert msgpack.unpackb(event.data) == b"two" and event.producer == ""
+            assert msgpack.unpackb(reader.kvmap[b"/client/seed"].body) == "again"
+            assert [s for s, _ in reader.received] == [4, 5]  # one sequence for both dialects
+            await reader.stop()
+            await writer.stop()
+            stored = [(r.topic, r.seq, r.content_type) for r in app.hub.journal.read(0)]
+            assert stored == [
+                ("/client/seed", 1, "msgpack"),
+                ("/client/1", 2, "raw"),
+                ("/other/1", 3, "raw"),
+                ("/client/seed", 4, "msgpack"),
+                ("/client/2", 5, "raw"),
+            ]
+
+    async def test_empty_body_deletes_and_ttl_expires(self, tmp_path: Path) -> None:
+        settings = _chp("pull", ttl_check_ms=100)
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
+            chp = _group(app.addresses)
+            seed_url = "tcp://" + app.addresses["eventbus_snapshot"]
+            clone = await CloneClient([chp], model=5).start()
+            async with EventBusClient([seed_url]) as seed:
+                await clone.set(b"/t/kept", b"k")
+                await clone.set(b"/t/gone", b"g")
+                await clone.set(b"/t/brief", b"b", ttl=1)
+                await _until(lambda: len(clone.kvmap) == 3, 10, "three keys")
+                await _until(lambda: len(seed.state) == 3, 10, "three keys (seed)")
+                assert clone.kvmap[b"/t/brief"].properties["ttl"] == "1"
+                await clone.set(b"/t/gone", b"")  # the Guide's delete
+                await _until(lambda: b"/t/gone" not in clone.kvmap, 10, "the delete")
+                await _until(lambda: "/t/gone" not in seed.state, 10, "the delete (seed)")
+                # the ttl passes: the server deletes the key with a new sequence
+                await _until(lambda: b"/t/brief" not in clone.kvmap, 10, "the expiry")
+                await _until(lambda: "/t/brief" not in seed.state, 10, "the expiry (seed)")
+                assert clone.sequence == 5
+                assert _metric(app, "taproom_eventbus_expired_events_total") == 1
+            fresh = await CloneClient([chp], model=5).start()
+            assert set(fresh.kvmap) == {b"/t/kept"}
+            await fresh.stop()
+            await clone.stop()
+            deletes = [
+                (r.topic, r.attrs.get("delete"))
+                for r in app.hub.journal.read(0)
+                if r.attrs.get("delete")
+            ]
+            assert deletes == [("/t/gone", True), ("/t/brief", True)]
+
+    async def test_malformed_kvmsg_is_counted_by_reason_and_never_broadcast(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=_chp("pull")) as app:
+            host, port = _group(app.addresses)
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"/")
+            sub.connect(f"tcp://{host}:{port + 1}")
+            push = ctx.socket(zmq.PUSH)
+            push.connect(f"tcp://{host}:{port + 2}")
+            await asyncio.sleep(0.2)
+            good = [b"/m/ok", bytes(8), uuid.uuid4().bytes, b"", b"fine"]
+            bad = {
+                "frame_count": good[:4],
+                "bad_uuid": [*good[:2], b"0123456789", *good[3:]],
+                "bad_properties": [*good[:3], b"no equals sign\n", good[4]],
+                "too_large": [b"/" + b"k" * 2000, *good[1:]],
+                "bad_topic": [b"no-slash", *good[1:]],
+            }
+            for frames in bad.values():
+                await push.send_multipart(frames)
+            await push.send_multipart(good)
+            assert await sub.poll(5000)
+            key, seq, *_ = await sub.recv_multipart()
+            assert (key, SEQ.unpack(seq)[0]) == (b"/m/ok", 1)
+            for reason in bad:
+                labels = {"protocol": "eventbus", "reason": reason}
+                assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1, reason
+            assert [r.topic for r in app.hub.journal.read(0)] == ["/m/ok"]
+
+    async def test_chp_state_survives_sigkill(self, tmp_path: Path) -> None:
+        config = write_config(tmp_path, enable=["eventbus"], eventbus=_chp("pull"))
+        with HubProcess(config) as hub:
+            clone = await CloneClient([_group(hub.addresses)], model=5).start()
+            await clone.set(b"/r/a", b"alpha", ttl=3600)
+            await clone.set(b"/r/b", b"beta")
+            await _until(lambda: len(clone.kvmap) == 2, 10, "two keys")
+            before = dict(clone.kvmap)
+            await clone.stop()
+            hub.restart()  # SIGKILL; the state comes back from the journal
+            after = await CloneClient([_group(hub.addresses)], model=5).start()
+            assert after.kvmap == before  # bodies, properties, uuids and sequences
+            assert after.sequence == 2
+            await after.stop()
+
+
+class TestCloneFailover:
+    """Model 6 across a taproom Binary Star pair: the client publishes every update once to both
+    servers; the primary is SIGKILLed; no update is lost (issue 16, defect 1)."""
+
+    async def test_model6_failover_loses_no_update(self, tmp_path: Path) -> None:
+        from tests.servers.test_eventbus import _free_triple, _wait_synced_passive
+
+        timing = {"heartbeat_ms": 100, "peer_timeout_ms": 1000, "replicate_timeout_ms": 2000}
+        primary_port = _free_triple()
+        (tmp_path / "b").mkdir()
+        (tmp_path / "p").mkdir()
+        chp = {"chp": True, "chp_collector": "sub"}
+        backup = HubProcess(
+            write_config(
+                tmp_path / "b",
+                enable=["eventbus"],
+                eventbus={"role": "backup", "peer": f"127.0.0.1:{primary_port}", **timing, **chp},
+            )
+        ).start()
+        primary = HubProcess(
+            write_config(
+                tmp_path / "p",
+                enable=["eventbus"],
+                eventbus={
+                    "role": "primary",
+                    "port": primary_port,
+                    "peer": backup.addresses["eventbus_snapshot"],
+                    **timing,
+                    **chp,
+                },
+            )
+        )
+        try:
+            primary.start()
+            await _wait_synced_passive(backup.addresses["eventbus_publisher"])
+            servers = [_group(primary.addresses), _group(backup.addresses)]
+            client = await CloneClient(servers, model=6, server_ttl=1.5).start()
+            await asyncio.sleep(0.3)  # both SUB collectors have joined the client's PUB
+            sent: dict[bytes, bytes] = {}
+            uuids = []
+            for i in range(30):
+                key, body = b"/f/%d" % (i % 12), b"value %d" % i
+                uuids.append(await client.set(key, body))
+                sent[key] = body
+                if i == 12:
+                    primary.kill()
+                await asyncio.sleep(0.05)
+            await _until(
+                lambda: client.current == 1 and client.synced.is_set() and client.snapshots > 1,
+                30,
+                "the client on the backup",
+            )
+            await _until(
+                lambda: {k: v.body for k, v in client.kvmap.items()} == sent,
+                20,
+                f"every update ({len(sent)} keys)",
+            )
+            await client.stop()
+            # the updates sent after the kill reached only the passive backup, which held them
+            assert "held updates at takeover" in backup.log()
+            # each update once in the backup's journal: replicated or held, never both
+            stored = [
+                r.event_id
+                for r in JournalReader(tmp_path / "b" / "journal").read(0)
+                if r.protocol == "eventbus" and r.topic.startswith("/f/")
+            ]
+            assert sorted(stored) == sorted(str(uuid.UUID(bytes=u)) for u in uuids)
+        finally:
+            backup.kill()
+            primary.kill()
