@@ -27,6 +27,7 @@ __all__ = [
     "SOAK",
     "HubProcess",
     "fill",
+    "flip_byte",
     "fuzz_examples",
     "needs_mount",
     "running_app",
@@ -72,6 +73,15 @@ def fill(path: Path) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+def flip_byte(path: Path | str, position: int, mask: int = 0x40) -> None:
+    """Corrupt one byte of a file in place (journal damage tests)."""
+    with open(path, "r+b") as f:
+        f.seek(position)
+        byte = f.read(1)
+        f.seek(position)
+        f.write(bytes([byte[0] ^ mask]))
 
 
 def _toml_value(value: Any) -> str:

@@ -23,7 +23,7 @@ import pytest
 from taproom.journal import Journal
 from taproom.journal.segments import FRAME, SEGMENT_HEADER, scan_segment, segment_name
 from tests.hub.crash_writer import payload
-from tests.support import fuzz_examples
+from tests.support import flip_byte, fuzz_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -117,7 +117,7 @@ class Corrupter:
         last = k == len(bases) - 1
         kind = rng.choice(["frame", "frame", "header"] + ([] if last else ["cut"]))
         if not frames or kind == "header":
-            self._flip(path, rng.randrange(SEGMENT_HEADER.size))  # costs no frame
+            flip_byte(path, rng.randrange(SEGMENT_HEADER.size), 0x10)  # costs no frame
             self.kinds["header"] += 1
             return
         f = rng.randrange(len(frames))
@@ -131,17 +131,9 @@ class Corrupter:
             # The header of the active segment's last frame is left alone: damage there cannot
             # be told from a torn write, which recovery cuts (docs/operations.md).
             low = position + FRAME.size if last and f == len(frames) - 1 else position
-            self._flip(path, rng.randrange(low, frame_end))
+            flip_byte(path, rng.randrange(low, frame_end), 0x10)
             self.damaged |= set(range(base, end))
         self.kinds[kind] += 1
-
-    @staticmethod
-    def _flip(path: Path, position: int) -> None:
-        with open(path, "r+b") as file:
-            file.seek(position)
-            byte = file.read(1)
-            file.seek(position)
-            file.write(bytes([byte[0] ^ 0x10]))
 
 
 def _ends(scan) -> list[int]:

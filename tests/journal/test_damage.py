@@ -19,6 +19,7 @@ import pytest
 from taproom.journal import Journal, JournalReader, check_journal
 from taproom.journal.segments import FRAME, SEGMENT_HEADER, scan_segment, segment_name
 from taproom.records import BatchBuilder, EncodedBatch
+from tests.support import flip_byte
 
 
 def batch(tag: str, n: int = 3, size: int = 40) -> EncodedBatch:
@@ -42,14 +43,6 @@ def frame_at(path: Path, base_offset: int) -> int:
     return dict(scan_segment(str(path)).index)[base_offset]
 
 
-def flip(path: Path, position: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0x40]))
-
-
 def lost(metrics, reason: str) -> float:
     value = metrics.registry.get_sample_value(
         "taproom_journal_lost_events_total", {"reason": reason}
@@ -65,7 +58,7 @@ class TestActiveSegment:
     def test_corrupt_frame_in_the_middle_is_quarantined_and_later_frames_kept(self, tmp_path):
         acked = build(tmp_path, 10)
         seg = tmp_path / segment_name(0)
-        flip(seg, frame_at(seg, 12) + FRAME.size + 30)  # inside the body of offsets 12-14
+        flip_byte(seg, frame_at(seg, 12) + FRAME.size + 30)  # inside the body of offsets 12-14
         j = Journal(tmp_path)
         intact = {o: p for o, p in acked.items() if not 12 <= o < 15}
         assert offsets(j) == intact  # every other event, at the offset it was acked with
@@ -108,7 +101,7 @@ class TestActiveSegment:
         acked = build(tmp_path, 8, n=50, size=10_000, segment_bytes=1024 * 1024)
         last = sorted(tmp_path.glob("*.seg"))[-1]
         assert last.name != segment_name(0)
-        flip(last, 3)
+        flip_byte(last, 3)
         j = Journal(tmp_path, segment_bytes=1024 * 1024)
         assert offsets(j) == acked
         assert j.next_offset == 400
@@ -120,7 +113,7 @@ class TestActiveSegment:
 
     def test_damaged_header_of_the_only_segment_keeps_the_journal(self, tmp_path):
         acked = build(tmp_path, 5)
-        flip(tmp_path / segment_name(0), 12)  # in the base offset
+        flip_byte(tmp_path / segment_name(0), 12)  # in the base offset
         j = Journal(tmp_path)
         assert offsets(j) == acked
         assert j.commit([batch("x")]) == [15]
@@ -137,8 +130,8 @@ class TestSealedSegments:
     def test_every_reader_walks_past_the_same_damage(self, journal_dir):
         path, acked = journal_dir
         first, second = sorted(path.glob("*.seg"))[:2]
-        flip(first, frame_at(first, 50) + FRAME.size + 500)  # a frame in the middle
-        flip(second, 5)  # the header of the next sealed segment
+        flip_byte(first, frame_at(first, 50) + FRAME.size + 500)  # a frame in the middle
+        flip_byte(second, 5)  # the header of the next sealed segment
         want = {o: p for o, p in acked.items() if not 50 <= o < 100}
         j = Journal(path, segment_bytes=1024 * 1024)  # opening checks only the active one
         assert j.damage() == []
@@ -177,8 +170,8 @@ class TestCheck:
     def test_reports_offsets_and_repair_leaves_lost_frames_alone(self, tmp_path):
         build(tmp_path, 10)
         seg = tmp_path / segment_name(0)
-        flip(seg, frame_at(seg, 3) + FRAME.size + 5)
-        flip(seg, 2)  # the segment header too
+        flip_byte(seg, frame_at(seg, 3) + FRAME.size + 5)
+        flip_byte(seg, 2)  # the segment header too
         with open(seg, "ab") as f:
             f.write(b"torn")
         report = check_journal(tmp_path)
@@ -213,7 +206,7 @@ class TestCheckCommand:
         assert taproom(*check).returncode == 1
         repaired = taproom(*check, "--repair")
         assert repaired.returncode == 0 and json.loads(repaired.stdout)["ok"] is True
-        flip(seg, frame_at(seg, 3) + FRAME.size + 5)
+        flip_byte(seg, frame_at(seg, 3) + FRAME.size + 5)
         for args in (check, (*check, "--repair")):
             result = taproom(*args)
             report = json.loads(result.stdout)

@@ -18,14 +18,7 @@ from taproom.journal.segments import FRAME, scan_segment
 from taproom.records import BatchBuilder
 from taproom.spark.arrowdecode import scan_frames, verified_end
 from taproom.spark.datasource import _plan, _read_slice
-
-
-def flip(path: Path, position: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(position)
-        byte = f.read(1)
-        f.seek(position)
-        f.write(bytes([byte[0] ^ 0x20]))
+from tests.support import flip_byte
 
 
 @pytest.fixture
@@ -46,9 +39,9 @@ def damaged(tmp_path: Path) -> tuple[Path, set[int]]:
         index = scan_segment(str(seg)).index
         base, position = index[pick]
         assert pick + 1 < len(index)  # a valid frame follows the damaged one
-        flip(seg, position + FRAME.size + 700)
+        flip_byte(seg, position + FRAME.size + 700)
         lost |= set(range(base, index[pick + 1][0]))
-    flip(segments[1], 4)  # a sealed segment's header: no frame lost
+    flip_byte(segments[1], 4)  # a sealed segment's header: no frame lost
     return path, set(range(3200)) - lost
 
 

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import JournalError
-from .segments import Damage, scan_segment, segment_bases, segment_name, write_segment_header
+from .segments import (
+    Damage,
+    cut_segment,
+    scan_segment,
+    segment_bases,
+    segment_name,
+    write_segment_header,
+)
 
 __all__ = ["check_journal"]
 
@@ -86,12 +93,7 @@ def check_journal(path: str | os.PathLike[str], *, repair: bool = False) -> dict
         elif result.tail is not None:
             entry = _entry("torn_tail", result.tail)
             if repair:
-                fd = os.open(seg_path, os.O_RDWR)
-                try:
-                    os.ftruncate(fd, result.tail.position)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                cut_segment(seg_path, result.tail.position)
                 entry["repaired"] = True
             problems.append(entry)
     report["lost_events"] = sum(p["lost_events"] for p in problems if p["kind"] != "torn_tail")

@@ -42,6 +42,7 @@ from .segments import (
     FRAME,
     SEGMENT_HEADER,
     Damage,
+    cut_segment,
     encode_frame_header,
     read_segment_header,
     records_in_range,
@@ -247,12 +248,7 @@ class Journal:
             )
             self._m_recoveries.labels(reason="torn_tail").inc()
             self._m_truncated.inc(cut)
-            fd = os.open(path, os.O_RDWR)
-            try:
-                os.ftruncate(fd, result.tail.position)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            cut_segment(path, result.tail.position)
         active = SegmentInfo(
             result.base_offset, path, result.valid_end, result.next_offset, result.index
         )

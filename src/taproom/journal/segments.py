@@ -40,6 +40,7 @@ __all__ = [
     "FrameInfo",
     "ScanResult",
     "crc_of",
+    "cut_segment",
     "encode_frame_header",
     "header_damage",
     "read_segment_header",
@@ -93,6 +94,16 @@ def segment_bases(path: str) -> list[int]:
 
 def segment_header(base_offset: int) -> bytes:
     return SEGMENT_HEADER.pack(SEGMENT_MAGIC, base_offset)
+
+
+def cut_segment(path: str, size: int) -> None:
+    """Truncate a segment file to ``size`` bytes, durably (cutting a torn tail)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_segment_header(path: str, base_offset: int) -> None:
