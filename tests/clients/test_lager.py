@@ -14,12 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from taproom.cli import main as taproom_main
 from taproom.clients.lager import DuplicateTap, KegWriter, Mug, Tap
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.keg import read_keg, sidecar_path
-from tests.protocols.lager.nasa_peer import check_format_xml, read_keg_like_lagr2hdf5
+from tests.protocols.lager.nasa_peer import (
+    NasaBartender,
+    NasaMug,
+    check_format_xml,
+    read_keg_like_lagr2hdf5,
+)
 from tests.support import fuzz_examples, running_app
 
 FORMATS = {
@@ -388,6 +395,77 @@ class TestKegCrash:
             "n|/RobotA/Motion/": list(range(200)),
         }
         assert timestamps == [10_000 + i for i in range(200)]
+
+
+class TestNasaLagerBartender:
+    """taproom's clients against a bartender that behaves as nasa/lager's does (no hello, no
+    marks, no counted output; registrar updates as doubles; HUGZ every 10 ms)."""
+
+    async def test_tap_through_it_to_a_nasa_lager_mug(self) -> None:
+        """Was: the real Mug died on taproom's registration (no key) and on its row frames."""
+        bartender = NasaBartender()
+        ctx = zmq.asyncio.Context()
+        fmt = parse_format_xml(FORMATS["/RobotA/Motion/"])
+        mug = NasaMug(ctx, bartender.forwarder_out)
+        tap = Tap("/RobotA/Motion/", fmt, registrar=bartender.registrar)  # forwarder: P + 10
+        try:
+            await asyncio.to_thread(tap.register)
+            xml = bartender.hash_map[b"/RobotA/Motion/"]
+            check_format_xml(xml)
+            mug.formats[tap.uuid] = [item.size for item in fmt.items]
+            while True:  # until the mug's subscription reached the forwarder (slow joiner)
+                tap.log(ts_ns=0, x=0.0, n=0)
+                if await mug.read(0.1) is not None:
+                    break
+            while await mug.read(0.3) is not None:
+                pass
+            mug.rows.clear()
+            for i in range(1, 501):
+                tap.log(ts_ns=i, x=i / 4, n=i)
+            while len(mug.rows) < 500:
+                assert await mug.read(5) is not None, len(mug.rows)
+        finally:
+            tap.close()
+            mug.close()
+            ctx.destroy(linger=0)
+            bartender.close()
+        assert mug.rows == [
+            tap.uuid + i.to_bytes(8, "big") + fmt.encode_row({"x": i / 4, "n": i})
+            for i in range(1, 501)
+        ]
+
+    def test_keg_record_against_it(self, tmp_path: Path) -> None:
+        """Was: "forwarder did not confirm the subscription in time" (no hello there)."""
+        bartender = NasaBartender()
+        path, ready = tmp_path / "nasa.lgr", tmp_path / "ready"
+        tap = Tap("/RobotA/Motion/", FORMATS["/RobotA/Motion/"], registrar=bartender.registrar)
+        proc = None
+        try:
+            tap.register()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "taproom", "keg", "record", str(path),
+                 "--registrar", bartender.registrar, "--ready-file", str(ready)],
+                stderr=subprocess.PIPE,
+            )  # fmt: skip
+            deadline = time.monotonic() + 30
+            while not ready.exists():
+                assert proc.poll() is None, proc.communicate()[1]
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            for i in range(300):
+                tap.log(ts_ns=i, x=i / 4, n=i)
+            time.sleep(1.0)  # no mark to wait for: give the rows time to be written
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(20) == 0, proc.communicate()[1]
+        finally:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            tap.close()
+            bartender.close()
+        keg = read_keg(path)
+        assert not keg.recovered_unfinished
+        assert keg.table(tap.uuid_str)["n"].tolist() == list(range(300))
 
 
 class TestKegCommand:

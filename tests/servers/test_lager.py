@@ -28,8 +28,8 @@ from taproom.protocols.lager.chp import (
 )
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.messages import parse_data_message
-from taproom.servers.lager import HELLO_PREFIX
-from tests.protocols.lager.nasa_peer import NasaChpClient
+from taproom.servers.lager import HELLO_PREFIX, MARK_PREFIX, LagerConfig
+from tests.protocols.lager.nasa_peer import NasaChpClient, NasaMug, NasaTap
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
 XML = (
@@ -37,6 +37,12 @@ XML = (
     '<item name="b" type="double" size="8" offset="4"/></format>'
 )
 ROW = parse_format_xml(XML).encode_row({"a": 7, "b": 0.5})
+# As nasa/lager's Tap writes a format: key attribute, C++ type names.
+NASA_XML = (
+    '<?xml version="1.0" encoding="UTF-8" standalone="no" ?><format key="/Conf/Nasa/" '
+    'version="BEERR01"><item name="a" offset="0" size="4" type="uint32_t"/>'
+    '<item name="b" offset="4" size="8" type="float64"/></format>'
+)
 
 
 def rejected(app: Any, reason: str) -> float:
@@ -53,7 +59,7 @@ def tcp(address: str, plus: int = 0) -> str:
 
 class Peer:
     """Raw sockets against one bartender: collector PUB, snapshot DEALER, updates SUB,
-    data PUB, data SUB."""
+    data PUB, data SUB on the counted output (hello, marks) and one on the plain output."""
 
     def __init__(self, addresses: dict[str, str]) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -62,7 +68,8 @@ class Peer:
         self.updates = self._sock(zmq.SUB, "lager_registrar_publisher")
         self.updates.setsockopt(zmq.SUBSCRIBE, b"")
         self.data_in = self._sock(zmq.PUB, "lager_forwarder_in")
-        self.data_out = self._sock(zmq.SUB, "lager_forwarder_out")
+        self.data_out = self._sock(zmq.SUB, "lager_forwarder_counted")
+        self.plain_out = self._sock(zmq.SUB, "lager_forwarder_out")
 
     def _sock(self, kind: int, name: str) -> zmq.asyncio.Socket:
         s = self.ctx.socket(kind)
@@ -134,6 +141,26 @@ class TestPorts:
         assert ports == [ports[0], ports[0] + 1, ports[0] + 2]
         fin = int(app.addresses["lager_forwarder_in"].rsplit(":")[1])
         assert app.addresses["lager_forwarder_out"].endswith(f":{fin + 1}")
+        assert app.addresses["lager_forwarder_counted"].endswith(f":{fin + 2}")
+
+    async def test_nasa_lager_layout_by_default(self, tmp_path: Path) -> None:
+        """nasa/lager: a Tap publishes to base + 10, a Mug subscribes at base + 11."""
+        async with running_app(
+            tmp_path, enable=["lager"], lager={"registrar_port": 0, "forwarder_port": -1}
+        ) as app:
+            base = int(app.addresses["lager_registrar_snapshot"].rsplit(":")[1])
+            ports = {name: int(a.rsplit(":")[1]) - base for name, a in app.addresses.items()
+                     if name.startswith("lager_")}  # fmt: skip
+        assert ports == {
+            "lager_registrar_snapshot": 0,
+            "lager_registrar_publisher": 1,
+            "lager_registrar_collector": 2,
+            "lager_forwarder_in": 10,
+            "lager_forwarder_out": 11,
+            "lager_forwarder_counted": 12,
+        }
+        defaults = LagerConfig()
+        assert (defaults.registrar_port, defaults.forwarder_port) == (12345, -1)
 
 
 class TestRegistrar:
@@ -239,6 +266,10 @@ class TestRegistrar:
         await peer.collector.send_multipart(registration_frames("/R/T/", second, XML))
         echo = await peer.next_update()
         assert echo[0] == b"/R/T/" and echo[2] == first  # the holder is shown, not replaced
+        for _ in range(100):  # the echo may be one of register()'s repeats: wait for the count
+            if rejected(app, "duplicate_key") == 1:
+                break
+            await asyncio.sleep(0.02)
         assert rejected(app, "duplicate_key") == 1
         await peer.collector.send_multipart(registration_frames("/R/Other/", first, XML))
         for _ in range(50):
@@ -306,14 +337,116 @@ class TestForwarder:
         await peer.data_in.send_multipart([u, b"\x01\x00", b"\x00\x00", ts, ROW[:-1]])
         await peer.data_in.send_multipart([uuid.uuid4().bytes, b"\x01\x00", b"\x00\x00", ts, ROW])
         await peer.data_in.send_multipart([u, b"\x01\x00", b"\x00\x00", ts])
-        # nasa/lager framing: version string, 1-byte flags, one frame per item.
+        # nasa/lager framing: version string, 1-byte flags, one frame per item (forwarded as is).
         await peer.data_in.send_multipart([u, b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:]])
         frames = await asyncio.wait_for(peer.data_out.recv_multipart(), 5)
-        assert frames == [u, b"\x01\x00", b"\x00\x00", ts, ROW]
+        assert frames == [u, b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:]]
         assert rejected(app, "payload_size") == 1
         assert rejected(app, "unknown_tap") == 1
         assert rejected(app, "frame_count") == 1
         assert [r.payload for r in app.hub.journal.read(0) if r.content_type == "lager"] == [ROW]
+
+    async def test_malformed_data_is_counted_never_published(
+        self, bartender: tuple[Any, Peer]
+    ) -> None:
+        """Issue 18: four malformed messages (1 frame, an unregistered uuid, a short uuid, 2,001
+        frames) and item frames that do not match the format: none reaches either output or
+        the journal, each is counted by reason."""
+        app, peer = bartender
+        u = uuid.uuid4().bytes
+        await register(peer, "/R/Guard/", u)
+        await peer.subscribe_data(b"")  # everything on the counted output
+        peer.plain_out.setsockopt(zmq.SUBSCRIBE, b"")  # and everything on the plain one
+        ts = (1).to_bytes(8, "big")
+        sync = [u, b"BEERR01", b"\x00", (0).to_bytes(8, "big"), ROW[:4], ROW[4:]]
+        while not await peer.plain_out.poll(200):  # until the plain subscription is in place
+            await peer.data_in.send_multipart(sync)
+        while await peer.plain_out.poll(300):
+            await peer.plain_out.recv_multipart()
+        while await peer.data_out.poll(300):
+            await peer.data_out.recv_multipart()
+        bad = {
+            "frame_count": [[u], [u, b"BEERR01", b"\x00", ts] + [b"\x01"] * 1997],
+            "unknown_tap": [[uuid.uuid4().bytes, b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:]]],
+            "bad_uuid": [[u[:15], b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:]]],
+            "item_sizes": [[u, b"BEERR01", b"\x00", ts, ROW[:8], ROW[8:]]],
+            "payload_size": [[u, b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:], b"x"]],
+        }
+        before = {reason: rejected(app, reason) for reason in bad}
+        for messages in bad.values():
+            for frames in messages:
+                await peer.data_in.send_multipart(frames)
+        good = [u, b"BEERR01", b"\x00", (7).to_bytes(8, "big"), ROW[:4], ROW[4:]]
+        await peer.data_in.send_multipart(good)
+        assert await asyncio.wait_for(peer.plain_out.recv_multipart(), 5) == good
+        assert await asyncio.wait_for(peer.data_out.recv_multipart(), 5) == good
+        assert not await peer.plain_out.poll(300)
+        while await peer.data_out.poll(10):  # the counted output: loss marks only
+            assert (await peer.data_out.recv_multipart())[0].startswith(MARK_PREFIX)
+        for reason, messages in bad.items():
+            assert rejected(app, reason) - before[reason] == len(messages), reason
+        journaled = [r.ts_ns for r in app.hub.journal.read(0) if r.content_type == "lager"]
+        assert 1 not in journaled and journaled[-1] == 7
+
+
+class TestWireConformance:
+    """What a SUB subscribed to everything sees on the forwarder's output (F+1) is what
+    nasa/lager's forwarder would carry: data messages only, one frame per item."""
+
+    async def test_only_data_messages_under_load_and_hugz(self, tmp_path: Path) -> None:
+        async with running_app(
+            tmp_path, enable=["lager"], lager={"hugz_interval_s": 0.05, "mark_repeat": 5}
+        ) as app:
+            peer = Peer(app.addresses)
+            registrar = app.addresses["lager_registrar_snapshot"]
+            fwd_in = app.addresses["lager_forwarder_in"]
+            nasa = NasaTap(peer.ctx, registrar, fwd_in, "/Conf/Nasa/", NASA_XML)
+            seed_u = uuid.uuid4().bytes
+            fmt = parse_format_xml(NASA_XML)
+            sizes = [item.size for item in fmt.items]
+            mug = NasaMug(peer.ctx, tcp(app.addresses["lager_forwarder_out"]),
+                          {nasa.uuid: sizes, seed_u: sizes})  # fmt: skip
+            n = 2000
+            try:
+                await peer.settle()
+                await nasa.register()
+                await register(peer, "/Conf/Seed/", seed_u, NASA_XML)
+                while await mug.read(0.2) is None:  # the mug's subscription is in place
+                    await nasa.log(0, [fmt.encode_row({"a": 0, "b": 0.0})[:4], bytes(8)])
+                while await mug.read(0.3) is not None:
+                    pass
+                mug.rows.clear()
+                await peer.subscribe_data(b"")  # a taproom mug on F+2: hellos, marks flow
+
+                def row(i: int) -> bytes:
+                    return fmt.encode_row({"a": i, "b": i / 2})
+
+                async def send() -> None:
+                    for i in range(1, n + 1):
+                        await nasa.log(i, [row(i)[:4], row(i)[4:]])
+                        await peer.data_in.send_multipart(
+                            [seed_u, b"\x01\x00", b"\x00\x00", i.to_bytes(8, "big"), row(i)]
+                        )
+                        if i % 500 == 0:
+                            await peer.subscribe_data(uuid.uuid4().bytes)  # a hello mid-stream
+                            await asyncio.sleep(0.06)  # HUGZ rounds (and mark repeats) too
+
+                async def receive() -> None:
+                    while len(mug.rows) < 2 * n:
+                        assert await mug.read(10) is not None, len(mug.rows)
+
+                await asyncio.gather(send(), receive())
+                await asyncio.sleep(0.3)  # a HUGZ round with marks after the last row
+                assert await mug.read(0.2) is None
+            finally:
+                mug.close()
+                nasa.close()
+                peer.close()
+        by_tap: dict[bytes, list[bytes]] = {nasa.uuid: [], seed_u: []}
+        for keg_row in mug.rows:
+            by_tap[keg_row[:16]].append(keg_row[16:])
+        for rows in by_tap.values():  # both taps, every row, in order, values exact
+            assert rows == [i.to_bytes(8, "big") + row(i) for i in range(1, n + 1)]
 
 
 class TestFuzz:

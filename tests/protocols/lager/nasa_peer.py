@@ -4,6 +4,16 @@ github.com/nasa/lager): no C++ peer is available here, so these keep its observa
 * :class:`NasaChpClient` -- ClusteredHashmapClient's subscriber: the sequence frame is a
   host-order double; an update is applied only if its sequence is larger than the last message's
   (HUGZ included: the client stores every message's sequence).
+* :class:`NasaMug` -- Mug::subscriberThread: a SUB subscribed to everything on the forwarder's
+  output, which takes every message for data and aborts on anything else ("received invalid
+  uuid size", "received unsupported zmq message size": item frames must be 1, 2, 4 or 8 bytes).
+* :class:`NasaTap` -- Tap + its ClusteredHashmapClient: registration with a 0.0 double sequence,
+  re-sent every 100 ms until the registrar publishes the key with the same value; rows as
+  uuid | "BEERR01" | 1-byte flags | timestamp | one frame per item, from a PUB socket.
+* :class:`NasaBartender` -- ClusteredHashmapServer + Forwarder: snapshot ROUTER at P, publisher
+  PUB at P+1 (updates, else HUGZ every 10 ms, sequences as host-order doubles), collector SUB at
+  P+2 (any key; a key held by another uuid keeps its uuid but takes the new value), and a plain
+  SUB -> PUB forwarder at P+10 / P+11. No hello, no marks, nothing at P+12.
 * :func:`check_format_xml`, :func:`check_keg_xml` -- what Xerces enforces with nasa/lager's
   share/data_format.xsd and share/keg_schema.xsd (the rules written out here; the XSD files are
   not copied): exact element names and nesting, required attributes, no undeclared ones, the
@@ -21,6 +31,8 @@ from __future__ import annotations
 import binascii
 import re
 import struct
+import threading
+import time
 import uuid as uuid_module
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable, Mapping
@@ -28,9 +40,14 @@ from pathlib import Path
 
 import zmq
 import zmq.asyncio
+import zmq.devices
 
 __all__ = [
+    "NasaBartender",
     "NasaChpClient",
+    "NasaMug",
+    "NasaMugAbort",
+    "NasaTap",
     "XsdError",
     "check_format_xml",
     "check_keg_xml",
@@ -73,6 +90,187 @@ class NasaChpClient:
 
     def close(self) -> None:
         self.sub.close(linger=0)
+
+
+class NasaMugAbort(RuntimeError):
+    """The std::runtime_error that ends a real Mug's subscriber thread (and its process)."""
+
+
+class NasaMug:
+    """The data side of nasa/lager's Mug. ``formats`` (uuid -> item sizes) makes it stricter
+    than the C++: the item frames must also be the tap's items, in order."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        forwarder_out: str,
+        formats: Mapping[bytes, list[int]] | None = None,
+    ) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.RCVHWM, 0)  # a test must not lose rows to its own HWM
+        self.sub.connect(forwarder_out)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")  # "subscribe to everything (for now)"
+        self.formats = dict(formats or {})
+        self.rows: list[bytes] = []  # what Keg::write gets: uuid | timestamp | items
+
+    async def read(self, timeout: float) -> bytes | None:
+        """One message as the keg row the C++ builds, or None after ``timeout`` seconds."""
+        if not await self.sub.poll(int(timeout * 1000)):
+            return None
+        frames = await self.sub.recv_multipart()
+        if len(frames) < 4:  # the C++ recv()s four frames without looking: it desynchronises
+            raise NasaMugAbort(f"message of {len(frames)} frames read as a data header")
+        uuid, _version, _compression, timestamp = frames[:4]
+        if len(uuid) != 16:
+            raise NasaMugAbort("received invalid uuid size")
+        if len(timestamp) != 8:
+            raise NasaMugAbort(f"timestamp frame of {len(timestamp)} bytes")
+        items = frames[4:]
+        for item in items:
+            if len(item) not in (1, 2, 4, 8):
+                raise NasaMugAbort("received unsupported zmq message size")
+        sizes = self.formats.get(uuid)
+        if sizes is not None and [len(item) for item in items] != sizes:
+            raise NasaMugAbort(f"item frames {[len(i) for i in items]}, the format has {sizes}")
+        row = uuid + timestamp + b"".join(items)
+        self.rows.append(row)
+        return row
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+
+
+class NasaTap:
+    """A real Tap's sockets: collector PUB (registration), data PUB, and the CHP subscriber."""
+
+    def __init__(
+        self, ctx: zmq.asyncio.Context, registrar: str, forwarder_in: str, key: str, xml: str
+    ) -> None:
+        host, port = registrar.rsplit(":", 1)
+        self.key, self.xml = key.encode(), xml.encode()
+        self.uuid = uuid_module.uuid4().bytes  # lager_utils::getUuid(): new at every start
+        self.collector = ctx.socket(zmq.PUB)
+        self.collector.setsockopt(zmq.LINGER, 0)
+        self.collector.connect(f"tcp://{host}:{int(port) + 2}")
+        self.data = ctx.socket(zmq.PUB)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.SNDHWM, 0)
+        self.data.connect(f"tcp://{forwarder_in}")
+        self.chp = NasaChpClient(ctx, f"tcp://{host}:{int(port) + 1}")
+
+    async def register(self, timeout: float = 10.0) -> None:
+        """getUnsyncedHashmap: re-send until the map holds our key with our value (whatever
+        uuid the registrar shows with it: the C++ compares values only)."""
+        deadline = time.monotonic() + timeout
+        while self.chp.hash_map.get(self.key) != self.xml:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.key!r} never came back from the registrar")
+            await self.collector.send_multipart(
+                [self.key, _DOUBLE.pack(0.0), self.uuid, b"", self.xml]
+            )
+            until = time.monotonic() + 0.1
+            while time.monotonic() < until:
+                await self.chp.handle_one(max(until - time.monotonic(), 0.001))
+
+    async def log(self, ts_ns: int, items: list[bytes], flags: int = 0) -> None:
+        await self.data.send_multipart(
+            [self.uuid, b"BEERR01", bytes([flags]), struct.pack(">Q", ts_ns), *items]
+        )
+
+    def close(self) -> None:
+        for sock in (self.collector, self.data):
+            sock.close(linger=0)
+        self.chp.close()
+
+
+class NasaBartender:
+    """nasa/lager's bartender on free ports, in threads: ``registrar`` is ``host:P``."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.Context()
+        self.snapshot = self.ctx.socket(zmq.ROUTER)
+        self.publisher = self.ctx.socket(zmq.PUB)
+        self.collector = self.ctx.socket(zmq.SUB)
+        self.collector.setsockopt(zmq.SUBSCRIBE, b"")
+        frontend = self.ctx.socket(zmq.SUB)
+        frontend.setsockopt(zmq.SUBSCRIBE, b"")
+        backend = self.ctx.socket(zmq.PUB)
+        placed = [(self.snapshot, 0), (self.publisher, 1), (self.collector, 2),
+                  (frontend, 10), (backend, 11)]  # fmt: skip
+        for _ in range(50):
+            base = self.snapshot.bind_to_random_port("tcp://127.0.0.1", 20000, 60000)
+            bound = [f"tcp://127.0.0.1:{base}"]
+            try:
+                for sock, offset in placed[1:]:
+                    sock.bind(f"tcp://127.0.0.1:{base + offset}")
+                    bound.append(f"tcp://127.0.0.1:{base + offset}")
+                break
+            except zmq.ZMQError:
+                for (sock, _offset), address in zip(placed, bound, strict=False):
+                    sock.unbind(address)
+        self.registrar = f"127.0.0.1:{base}"
+        self.forwarder_out = f"tcp://127.0.0.1:{base + 11}"
+        self.hash_map: dict[bytes, bytes] = {}
+        self.uuid_map: dict[bytes, bytes] = {}  # uuid -> key
+        self._updated: list[bytes] = []
+        self._sequence = 0.0
+        self._running = True
+        self._forwarder = threading.Thread(target=self._forward, args=(frontend, backend))
+        self._server = threading.Thread(target=self._serve)
+        self._forwarder.start()
+        self._server.start()
+
+    def _forward(self, frontend: zmq.Socket[bytes], backend: zmq.Socket[bytes]) -> None:
+        try:
+            zmq.proxy(frontend, backend)  # zmq_device(ZMQ_FORWARDER, ...) until the context ends
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            frontend.close(linger=0)
+            backend.close(linger=0)
+
+    def _uuid_of(self, key: bytes) -> bytes:
+        return next((u for u, k in self.uuid_map.items() if k == key), b"")
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.snapshot, zmq.POLLIN)
+        poller.register(self.collector, zmq.POLLIN)
+        while self._running:
+            events = dict(poller.poll(10))
+            if self.collector in events:
+                key, _seq, uuid, _props, value = self.collector.recv_multipart()[:5]
+                if uuid and uuid not in self.uuid_map and key not in self.uuid_map.values():
+                    self.uuid_map[uuid] = key
+                self.hash_map[key] = value
+                self._updated.append(key)
+            if self.snapshot in events:
+                identity, icanhaz, *_subtree = self.snapshot.recv_multipart()
+                if icanhaz == b"ICANHAZ?":
+                    seq = _DOUBLE.pack(self._sequence)
+                    for key, value in self.hash_map.items():
+                        self.snapshot.send_multipart(
+                            [identity, key, seq, self._uuid_of(key), b"", value]
+                        )
+                    self.snapshot.send_multipart([identity, b"KTHXBAI", seq, b"", b"", b""])
+                    self._sequence += 1
+            if self._updated:  # publishUpdatedKeys
+                for key in self._updated:
+                    self.publisher.send_multipart([key, _DOUBLE.pack(self._sequence),
+                        self._uuid_of(key), b"", self.hash_map[key]])  # fmt: skip
+                    self._sequence += 1
+                self._updated.clear()
+            else:  # publishHugz
+                self.publisher.send_multipart([b"HUGZ", _DOUBLE.pack(0.0), b"", b"", b""])
+
+    def close(self) -> None:
+        self._running = False
+        self._server.join()
+        for sock in (self.snapshot, self.publisher, self.collector):
+            sock.close(linger=0)
+        self.ctx.term()
+        self._forwarder.join()
 
 
 class XsdError(ValueError):

@@ -142,7 +142,9 @@ def register_commands(subparsers: Any) -> None:
     p = sub.add_parser("record", help="record taps from a bartender until SIGTERM")
     p.add_argument("file")
     p.add_argument("--registrar", default="127.0.0.1:12345", help="host:P (snapshot port)")
-    p.add_argument("--forwarder", default="127.0.0.1:12348", help="host:P (tap side port)")
+    p.add_argument(
+        "--forwarder", default=None, help="host:F, the taps' side (default: registrar port + 10)"
+    )
     p.add_argument("--subtree", default="")
     p.add_argument("--tap", action="append", default=[], help="tap key (default: all, follow)")
     p.add_argument("--meta", action="append", default=[], help="KEY=VALUE metadata")

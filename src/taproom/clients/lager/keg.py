@@ -27,7 +27,7 @@ class KegWriter:
         path: str | os.PathLike[str],
         *,
         registrar: str,
-        forwarder: str,
+        forwarder: str | None = None,
         subtree: str = "",
         taps: Iterable[str] | None = None,
         follow: bool = True,

@@ -5,10 +5,19 @@ Synchronous and single-threaded: a Mug owns its ZeroMQ sockets and must be used 
 thread. ``Mug.recv`` polls the registrar updates and the data socket together, so HUGZ and
 updates are processed while data flows.
 
-No lost first samples on the bartender -> mug hop: ``Mug.subscribe`` subscribes to the chosen
-taps and then to a unique "hello" topic; the forwarder echoes the hello, and because one ZeroMQ
-pipe applies subscriptions in order, every data subscription is in place when the hello
-arrives. ``subscribe`` returns only then. Start logging after that and no sample is lost.
+Which forwarder output: a taproom bartender has a *counted* output at F+2 (data, loss marks,
+hello replies in one pipe); nasa/lager's has only F+1 (data). The Mug connects to F+2 and, at
+its first ``subscribe``, waits up to ``fallback_s`` for the ZeroMQ handshake there: if it
+comes, the mug is :attr:`Mug.counted`; if not (a real bartender: nothing listens at F+2), it
+moves to F+1 and behaves as nasa/lager's Mug does: no hello, no marks, and ``subscribe`` waits
+``join_wait_s`` for its subscriptions to reach the forwarder (the PUB slow joiner: rows sent
+before that are lost, as with nasa/lager itself).
+
+No lost first samples on the bartender -> mug hop (counted output): ``Mug.subscribe``
+subscribes to the chosen taps and then to a unique "hello" topic; the forwarder echoes the
+hello, and because one ZeroMQ pipe applies subscriptions in order, every data subscription is
+in place when the hello arrives. ``subscribe`` returns only then. Start logging after that and
+no sample is lost.
 
 Counted loss: a mug that falls behind loses rows inside ZeroMQ (its HWM), silently. A taproom
 bartender publishes per-tap marks (cumulative rows forwarded, see ``servers/lager``) in the
@@ -30,17 +39,18 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from ...errors import ProtocolError
 from ...protocols.lager.chp import Command, Registration, parse_update, snapshot_request_frames
 from ...protocols.lager.messages import DataMessage, parse_data_message
 from ...zmqframes import recv_frames
-from .common import HELLO_PREFIX, MARK_PREFIX, LagerClientError, base, tcp
+from .common import HELLO_PREFIX, MARK_PREFIX, LagerClientError, base, forwarder_base, tcp
 
 __all__ = ["Mug", "Sample"]
 
 _MARK_TOPIC_BYTES = len(MARK_PREFIX) + 16
-_MAX_DATA_FRAMES = 1028  # the bartender forwards 5; bounded like its input
+_MAX_DATA_FRAMES = 1028  # 4 + one frame per item; bounded like the bartender's input
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +71,18 @@ class Mug:
     ``on_gap(key, missed)`` when a mark shows rows of a tap that this mug did not receive
     (``key`` is the tap key, or the uuid string for a tap not in :attr:`taps`). ``lost`` and
     ``lost_by_tap`` keep the totals; ``received`` counts data messages read.
+
+    ``forwarder`` is the forwarder's base ``host:F`` (default: the registrar's port + 10, as in
+    nasa/lager); see the module docstring for ``fallback_s`` and ``join_wait_s``.
     """
 
     def __init__(
         self,
         *,
         registrar: str,
-        forwarder: str,
+        forwarder: str | None = None,
+        fallback_s: float = 1.0,
+        join_wait_s: float = 0.5,
         silence_s: float = 3.0,
         recv_hwm: int = 1_000_000,
         on_silence: Callable[[], None] | None = None,
@@ -87,7 +102,11 @@ class Mug:
         self._unmarked: dict[bytes, int] = {}
         self._pending: deque[list[bytes]] = deque()
         self._reg_host, self._reg_port = base(registrar)
-        self._fwd_host, self._fwd_port = base(forwarder)
+        self._fwd_host, self._fwd_port = forwarder_base(registrar, forwarder)
+        self.fallback_s = fallback_s
+        self.join_wait_s = join_wait_s
+        # None until the first subscribe() finds out which bartender this is.
+        self.counted: bool | None = None
         self._ctx = context or zmq.Context.instance()
         self.silence_s = silence_s
         self.on_silence = on_silence
@@ -104,7 +123,10 @@ class Mug:
         self._data = self._ctx.socket(zmq.SUB)
         self._data.setsockopt(zmq.LINGER, 0)
         self._data.setsockopt(zmq.RCVHWM, recv_hwm)
-        self._data.connect(tcp(self._fwd_host, self._fwd_port + 1))
+        self._handshakes: zmq.Socket[bytes] | None = self._data.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+        )
+        self._data.connect(self._counted_address)
         self._poller = zmq.Poller()
         self._poller.register(self._updates, zmq.POLLIN)
         self._poller.register(self._data, zmq.POLLIN)
@@ -181,11 +203,39 @@ class Mug:
 
     # --- data -----------------------------------------------------------------------------
 
+    @property
+    def _counted_address(self) -> str:
+        return tcp(self._fwd_host, self._fwd_port + 2)
+
+    def _choose_output(self, wait_s: float) -> None:
+        """taproom's counted output if a ZeroMQ peer answers there within ``wait_s``, else
+        nasa/lager's data output (see the module docstring)."""
+        monitor = self._handshakes
+        assert monitor is not None
+        counted = False
+        deadline = time.monotonic() + wait_s
+        while not counted:
+            left = deadline - time.monotonic()
+            if not monitor.poll(max(int(left * 1000), 0)):
+                break
+            event = recv_monitor_message(monitor)
+            counted = event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        self._data.disable_monitor()
+        monitor.close(linger=0)
+        self._handshakes = None
+        self.counted = counted
+        if not counted:
+            self._data.disconnect(self._counted_address)
+            self._data.connect(tcp(self._fwd_host, self._fwd_port + 1))
+
     def subscribe(self, *taps: str | bytes | Registration, everything: bool = False,
                   timeout: float = 10.0, confirm: bool = True) -> None:  # fmt: skip
         """Subscribe to taps (keys, uuids or registrations; ``everything`` for all) and
         return once the bartender has the subscriptions (see the module docstring).
-        ``confirm=False`` skips that handshake (a bartender other than taproom)."""
+        ``confirm=False`` returns at once (no hello, no join wait; at the first call the
+        counted output is used only if its handshake is already done)."""
+        if self.counted is None:
+            self._choose_output(self.fallback_s if confirm else 0.0)
         topics: list[bytes] = []
         if everything:
             topics.append(b"")
@@ -202,10 +252,13 @@ class Mug:
         for topic in topics:
             if topic not in self._subscribed:
                 self._data.setsockopt(zmq.SUBSCRIBE, topic)
-                if topic:  # "" already receives every mark
+                if topic and self.counted:  # "" already receives every mark
                     self._data.setsockopt(zmq.SUBSCRIBE, MARK_PREFIX + topic)
                 self._subscribed.add(topic)
         if not confirm:
+            return
+        if not self.counted:
+            time.sleep(self.join_wait_s)  # nasa/lager's forwarder has no handshake to offer
             return
         token = HELLO_PREFIX + secrets.token_hex(8).encode()
         self._data.setsockopt(zmq.SUBSCRIBE, token)
@@ -360,6 +413,9 @@ class Mug:
         return out
 
     def close(self) -> None:
+        if self._handshakes is not None:
+            self._data.disable_monitor()
+            self._handshakes.close(linger=0)
         self._updates.close()
         self._data.close()
 

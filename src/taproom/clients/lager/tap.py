@@ -26,12 +26,13 @@ from ...protocols.lager.chp import (
     registration_frames,
     snapshot_request_frames,
 )
-from ...protocols.lager.formats import DataFormat, parse_format_xml
-from .common import DuplicateTap, LagerClientError, base, tcp
+from ...protocols.lager.formats import DataFormat, FormatError, parse_format_xml
+from .common import DuplicateTap, LagerClientError, base, forwarder_base, tcp
 
 __all__ = ["Tap"]
 
 _TS_BYTES = 8
+_FLAGS = b"\x00"  # nasa/lager's Tap: a uint8_t, no flag defined
 # Plain ints and the backend send: pyzmq's wrappers cost more than the send itself.
 _SNDMORE = int(zmq.SNDMORE)
 _MORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
@@ -57,7 +58,10 @@ class Tap:
     Execution phase: :meth:`log` (typed values) or :meth:`log_row` (an encoded row).
 
     ``registrar`` is the registrar's base address ``host:P`` (snapshot P, publisher P+1,
-    collector P+2); ``forwarder`` the forwarder's base ``host:P`` (taps publish to P).
+    collector P+2); ``forwarder`` the forwarder's base ``host:F`` (taps publish to F), by
+    default P+10 as in nasa/lager. Rows go out as nasa/lager's Tap sends them: uuid, the format
+    version (``BEERR01``), a 1-byte flags frame, the timestamp, then one frame per item, so a
+    real Mug behind any forwarder can read them.
     With ``watch`` (default) the tap subscribes to the registrar's publisher: registration
     is confirmed by the echo, a duplicate key raises :class:`DuplicateTap` (and later calls
     ``on_duplicate``), and ``log`` returns whether the bartender was heard from within
@@ -73,7 +77,7 @@ class Tap:
         format: DataFormat | str,
         *,
         registrar: str,
-        forwarder: str,
+        forwarder: str | None = None,
         uuid: bytes | None = None,
         watch: bool = True,
         silence_s: float = 3.0,
@@ -95,7 +99,10 @@ class Tap:
         self.registered = False
         self.duplicate_of: Registration | None = None
         self._reg_host, self._reg_port = base(registrar)
-        self._fwd_host, self._fwd_port = base(forwarder)
+        self._fwd_host, self._fwd_port = forwarder_base(registrar, forwarder)
+        self._version = self.format.version.encode()
+        # Where each item's frame starts and ends in a row (items tile the row in order).
+        self._cuts = [(item.offset, item.offset + item.size) for item in self.format.items]
         self._ctx = context or zmq.Context.instance()
         self._send_hwm = send_hwm
         self._last_heard = 0.0
@@ -221,18 +228,27 @@ class Tap:
         return self.log_row(self.format.encode_row(values), ts_ns)
 
     def log_row(self, row: bytes, ts_ns: int | None = None) -> bool:
+        """Send one encoded row (network byte order, the format's row size)."""
         sock = self._data
         if sock is None:
             raise LagerClientError("register() first")
+        if len(row) != self.format.row_size:
+            raise FormatError(
+                f"row is {len(row)} bytes, the format needs {self.format.row_size}",
+                reason="payload_size",
+            )
         ts = time.time_ns() if ts_ns is None else ts_ns
         send = _raw_send
+        cuts = self._cuts
         try:
             # NOBLOCK on the first frame only: ZeroMQ queues a message whole or not at all.
             send(sock, self.uuid, _MORE_NOBLOCK)
-            send(sock, b"\x01\x00", _SNDMORE)
-            send(sock, b"\x00\x00", _SNDMORE)
+            send(sock, self._version, _SNDMORE)
+            send(sock, _FLAGS, _SNDMORE)
             send(sock, ts.to_bytes(_TS_BYTES, "big"), _SNDMORE)
-            send(sock, row, 0)
+            for start, end in cuts[:-1]:
+                send(sock, row[start:end], _SNDMORE)
+            send(sock, row[cuts[-1][0] :], 0)
         except zmq.Again:
             self.dropped += 1
             return False

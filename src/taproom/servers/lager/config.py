@@ -6,7 +6,11 @@ from dataclasses import dataclass
 
 from ...config import config_section, setting
 
-__all__ = ["LagerConfig"]
+__all__ = ["FORWARDER_FOLLOWS_REGISTRAR", "FORWARDER_OFFSET", "LagerConfig"]
+
+# nasa/lager's lager_defines.h: FORWARDER_FRONTEND_OFFSET = 10, FORWARDER_BACKEND_OFFSET = 11.
+FORWARDER_OFFSET = 10
+FORWARDER_FOLLOWS_REGISTRAR = -1
 
 
 @config_section("lager")
@@ -15,10 +19,17 @@ class LagerConfig:
     enabled: bool = setting(True, "robot telemetry taps and mugs")
     host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
     registrar_port: int = setting(
-        12345, "CHP registrar: SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2", min=0, max=65533
+        12345,
+        "nasa/lager's base port: CHP SNAPSHOT at P, PUBLISHER at P+1, COLLECTOR at P+2",
+        min=0,
+        max=65523,
     )
     forwarder_port: int = setting(
-        12348, "forwarder: taps publish to P, mugs subscribe at P+1", min=0, max=65534
+        FORWARDER_FOLLOWS_REGISTRAR,
+        "-1: registrar port + 10, as nasa/lager (taps publish to F, mugs subscribe at F+1); "
+        "taproom's counted output for its own mugs (data, loss marks, hello) is at F+2",
+        min=-1,
+        max=65533,
     )
     hugz_interval_s: float = setting(
         1.0, "seed: 'a HUGZ message at an interval of 1Hz' when no update was sent", min=0.01

@@ -1,23 +1,35 @@
 """The Bartender's forwarder: tap data in, validated, committed, then out to mugs.
 
-Taps publish data messages to a SUB socket at F (subscribed to everything, so nasa/lager PUB
-taps and taproom's XPUB taps both work); mugs subscribe by tap uuid at an XPUB at F+1. Each
-message is checked against its tap's registered format, committed (content type ``lager``,
-stream = tap key, producer = tap uuid, ts_ns = the message timestamp, payload = the row) and
-only then forwarded (DESIGN.md decision 4). The forwarder also answers "hello" subscriptions
-(``HELLO_PREFIX``) with one frame, so a mug knows its subscriptions reached the bartender
-before it asks a tap to start (no lost first samples).
+Three sockets, at nasa/lager's forwarder ports and one more:
 
-Counted loss (``MARK_PREFIX``): ZeroMQ drops silently for a mug that falls behind its HWM.
-After each forwarded batch (of at most 256 distinct taps; else at the next HUGZ round) the
+* ``lager_forwarder_in`` (F): SUB subscribed to everything, so nasa/lager PUB taps and
+  taproom's XPUB taps both work.
+* ``lager_forwarder_out`` (F+1): XPUB carrying **only data messages, frames as received** --
+  what nasa/lager's SUB->PUB forwarder carries. A real Mug subscribes to everything here and
+  aborts on any message that is not a data message with one frame per item.
+* ``lager_forwarder_counted`` (F+2, taproom only): XPUB carrying the same data messages plus
+  taproom's control messages, in order in one pipe per mug: the hello replies (no lost first
+  samples) and the loss marks (counted loss). taproom's Mug reads here; no real Mug ever does.
+
+Each message is checked against its tap's registered format (uuid known, header frames, one
+frame per item with the format's sizes, or the seed's single payload frame of the row size),
+committed (content type ``lager``, stream = tap key, producer = tap uuid, ts_ns = the message
+timestamp, payload = the row) and only then forwarded (DESIGN.md decision 4). Refused messages
+are counted by reason and never published. An output nobody subscribes to is not sent to.
+
+Hello: a mug subscribes (on F+2) to ``HELLO_PREFIX`` + a random token after its data
+subscriptions; the forwarder publishes that topic back once. ZeroMQ applies one pipe's
+subscriptions in order, so when the hello arrives every earlier subscription is in place.
+
+Counted loss (``MARK_PREFIX``, F+2 only): ZeroMQ drops silently for a mug that falls behind its
+HWM. After each forwarded batch (of at most 256 distinct taps; else at the next HUGZ round) the
 forwarder publishes, per tap in it, a mark ``[MARK_PREFIX + uuid, u64 rows of that tap
-forwarded so far, u64 epoch of this process]`` on the same XPUB, so marks travel the mug's pipe
-in order with the rows. A mug subscribed to a tap's marks counts the rows it got between two
-marks and knows exactly how many it lost (marks themselves may be dropped: the counts are
-cumulative). Before each hello reply the forwarder sends the marks of every tap with rows so
-far (the mug's baseline; a tap without a mark then had none) and the reply carries the epoch.
-Marks are repeated once a ``hugz_interval_s`` for taps active in the last ``mark_repeat``
-rounds.
+forwarded so far, u64 epoch of this process]``, so marks travel the mug's pipe in order with the
+rows. A mug subscribed to a tap's marks counts the rows it got between two marks and knows
+exactly how many it lost (marks themselves may be dropped: the counts are cumulative). Before
+each hello reply the forwarder sends the marks of every tap with rows so far (the mug's
+baseline; a tap without a mark then had none) and the reply carries the epoch. Marks are
+repeated once a ``hugz_interval_s`` for taps active in the last ``mark_repeat`` rounds.
 
 Hot path (issue 7): data frames are read as ZeroMQ frames (their ``more`` flag is far cheaper
 than ``getsockopt(RCVMORE)`` in pyzmq), journal records are written directly with
@@ -30,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import struct
 import time
@@ -46,11 +59,11 @@ import zmq.asyncio
 from ...errors import HubStopped, ProtocolError
 from ...hub import Hub
 from ...protocols.lager.chp import Registrar
-from ...protocols.lager.messages import MESSAGE_VERSION, parse_data_message
+from ...protocols.lager.messages import parse_data_message
 from ...records import MAX_PAYLOAD_BYTES, RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
 from ...zmqframes import recv_frames
 from .config import LagerConfig
-from .sockets import MORE_NOBLOCK, NOBLOCK, bind_range, raw_send, readable
+from .sockets import MORE_NOBLOCK, NOBLOCK, raw_send, readable, recv_bounded
 
 __all__ = ["DATA_CONTENT_TYPE", "HELLO_PREFIX", "MARK_PREFIX", "DataRecords", "Forwarder"]
 
@@ -83,9 +96,11 @@ class DataRecords:
     result is byte-identical to ``BatchBuilder.add`` (tests/servers/test_lager_fastpath.py).
     """
 
-    __slots__ = ("length", "prefix", "received_ns", "row_size", "tail")
+    __slots__ = ("cuts", "item_sizes", "length", "prefix", "received_ns", "row_size", "tail")
 
-    def __init__(self, key: str, uuid_text: str, attrs: bytes, row_size: int) -> None:
+    def __init__(
+        self, key: str, uuid_text: str, attrs: bytes, row_size: int, item_sizes: list[int]
+    ) -> None:
         content = DATA_CONTENT_TYPE.encode()
         stream = key.encode("utf-8", "surrogateescape")
         producer = uuid_text.encode()
@@ -93,6 +108,10 @@ class DataRecords:
             raise ValueError("tap key or row size over the record's limits")
         fixed = _PROTOCOL + content + stream + producer + attrs  # topic, event_id: empty
         self.row_size = row_size
+        self.item_sizes = item_sizes  # one frame per item (nasa/lager framing), in row order
+        # Where a whole row (the seed's framing) splits into item frames; None for one item.
+        ends = list(itertools.accumulate(item_sizes))
+        self.cuts = list(zip([0, *ends[:-1]], ends, strict=True)) if len(item_sizes) > 1 else None
         self.length = RECORD_HEAD_AFTER_LEN + len(fixed) + row_size
         self.tail = (
             _TAIL.pack(0, len(_PROTOCOL), len(content), len(stream), 0, len(producer), 0,
@@ -138,6 +157,9 @@ class Forwarder:
         # Counts restart at zero with the process: the epoch tells a mug to take a new baseline.
         self._epoch = time.time_ns().to_bytes(8, "big")
         self._uuid_text: dict[bytes, str] = {}
+        # Topics some mug subscribes to on each output; an output with none is not sent to.
+        self._plain_topics: set[bytes] = set()
+        self._counted_topics: set[bytes] = set()
         self._m_forwarded = hub.metrics.counter(
             "lager", "forwarded", "rows", "Data rows sent to mugs"
         )
@@ -150,31 +172,37 @@ class Forwarder:
         cfg = self.config
         self.fwd_in = ctx.socket(zmq.SUB)
         self.fwd_out = ctx.socket(zmq.XPUB)
+        self.fwd_counted = ctx.socket(zmq.XPUB)
         for sock in self.sockets:
             sock.setsockopt(zmq.LINGER, 0)
         self.fwd_in.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes)
         self.fwd_in.setsockopt(zmq.RCVHWM, cfg.input_hwm)
         self.fwd_in.setsockopt(zmq.SUBSCRIBE, b"")
-        self.fwd_out.setsockopt(zmq.SNDHWM, cfg.forward_hwm)
-        self.fwd_out.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
+        for out in (self.fwd_out, self.fwd_counted):
+            out.setsockopt(zmq.SNDHWM, cfg.forward_hwm)
+            # What a mug sends upstream is subscriptions: a topic is a uuid, a mark or a hello.
+            out.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
 
     @property
     def sockets(self) -> tuple[zmq.asyncio.Socket, ...]:
-        return (self.fwd_in, self.fwd_out)
+        """At offsets 0, 1, 2 from the forwarder's base port."""
+        return (self.fwd_in, self.fwd_out, self.fwd_counted)
 
-    def bind(self) -> dict[str, str]:
-        cfg = self.config
-        base = bind_range(list(self.sockets), cfg.host, cfg.forwarder_port, cfg.port_retries)
+    def bound(self, base: int) -> dict[str, str]:
+        """The sockets are bound at ``base`` + 0, 1, 2: take shadows, name the listeners."""
+        host = self.config.host
         self._fwd_in_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_in.underlying)
         self._fwd_out_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_out.underlying)
+        self._counted_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_counted.underlying)
         return {
-            "lager_forwarder_in": f"{cfg.host}:{base}",
-            "lager_forwarder_out": f"{cfg.host}:{base + 1}",
+            "lager_forwarder_in": f"{host}:{base}",
+            "lager_forwarder_out": f"{host}:{base + 1}",
+            "lager_forwarder_counted": f"{host}:{base + 2}",
         }
 
     @property
     def loops(self) -> tuple[Callable[[], Awaitable[None]], ...]:
-        return (self._data_loop, self._hello_loop)
+        return (self._data_loop, self._plain_subscriptions, self._counted_subscriptions)
 
     def formats_changed(self) -> None:
         """A registration changed the hashmap: a tap's format may be different now."""
@@ -192,6 +220,8 @@ class Forwarder:
 
     def repeat_marks(self) -> None:
         """At a HUGZ round: marks again for the taps active in the last ``mark_repeat``."""
+        if not self._counted_topics:
+            return
         rounds = self._mark_rounds
         for raw_uuid, left in list(rounds.items()):
             self._send_mark(raw_uuid)
@@ -215,6 +245,7 @@ class Forwarder:
             received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
             parts: list[bytes] = []
             forwards: list[list[bytes]] = []
+            reframe: list[tuple[int, list[tuple[int, int]]]] = []  # seed rows of several items
             for _ in range(max_batch):
                 try:
                     frames = recv(raw, max_frames)
@@ -223,43 +254,44 @@ class Forwarder:
                 if frames is None:
                     self._reject("frame_count", f"data message over {max_frames} frames")
                     continue
+                n = len(frames)
                 if (
-                    len(frames) == 5
+                    n >= 5
                     and len(frames[0]) == 16
-                    and len(frames[1]) == 2
-                    and len(frames[2]) == 2
+                    and 1 <= len(frames[1]) <= 8
+                    and 1 <= len(frames[2]) <= 2
                     and len(frames[3]) == 8
                     and frames[3][0] < 0x80
                 ):
-                    # The seed's framing: checked inline, forwarded as received.
-                    raw_uuid, version, flags, ts, payload = frames
-                    forward = frames
+                    # The header of both framings, checked inline (the common case).
+                    raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
                 else:
                     try:
-                        msg = parse_data_message(frames, max_frames=max_frames)
+                        parse_data_message(frames, max_frames=max_frames)
                     except ProtocolError as exc:
                         self._reject(exc.reason, str(exc))
                         continue
-                    raw_uuid, payload, version = msg.uuid, msg.payload, msg.version
-                    flags = msg.flags.to_bytes(2, "big")
-                    ts = msg.ts_ns.to_bytes(8, "big")  # parse_data_message refused >= 2^63
-                    # nasa/lager framing (version string, 1-byte flags, a frame per item):
-                    # forwarded in the seed's 5-frame form.
-                    forward = [raw_uuid, MESSAGE_VERSION, flags, frames[3], payload]
+                    raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
                 tap = records.get(raw_uuid + flags + version)
                 if tap is None:
                     tap = self._tap_records(raw_uuid, version, flags)
                     if tap is None:
                         continue
-                if len(payload) != tap.row_size:
-                    reg = self.registrar.by_uuid[raw_uuid]
-                    self._reject(
-                        "payload_size",
-                        f"{reg.key}: row of {len(payload)} bytes, format has {tap.row_size}",
-                    )
-                    continue
+                if n == 5:  # the seed's one payload frame, or nasa/lager's single item
+                    payload = frames[4]
+                    if len(payload) != tap.row_size:
+                        self._refuse_row(raw_uuid, [len(payload)], tap)
+                        continue
+                    if tap.cuts is not None:
+                        reframe.append((len(forwards), tap.cuts))
+                else:  # nasa/lager: one frame per item, each of the item's size
+                    items = frames[4:]
+                    if list(map(len, items)) != tap.item_sizes:
+                        self._refuse_row(raw_uuid, list(map(len, items)), tap)
+                        continue
+                    payload = b"".join(items)
                 parts += tap.parts(received_ns, ts, payload)
-                forwards.append(forward)
+                forwards.append(frames)  # forwarded as received, as nasa/lager's forwarder does
             if forwards:
                 hub.metrics.accepted("lager", len(forwards))
                 try:
@@ -267,7 +299,7 @@ class Forwarder:
                 except HubStopped:
                     return
                 self.inflight.add(future)
-                future.add_done_callback(functools.partial(self._forward, forwards))
+                future.add_done_callback(functools.partial(self._forward, forwards, reframe))
             # Yield after every burst, even one that was all rejected: a flood of bad messages
             # must not starve the registrar, the commit callbacks or the forwards.
             await asyncio.sleep(0)
@@ -280,7 +312,11 @@ class Forwarder:
             return None
         try:
             tap = DataRecords(
-                reg.key, self._uuid_str(raw_uuid), _data_attrs(version, flags), reg.format.row_size
+                reg.key,
+                self._uuid_str(raw_uuid),
+                _data_attrs(version, flags),
+                reg.format.row_size,
+                [item.size for item in reg.format.items],
             )
         except ValueError as exc:
             self._reject("bad_record", f"{reg.key}: {exc}")
@@ -290,22 +326,39 @@ class Forwarder:
         self._records[raw_uuid + flags + version] = tap
         return tap
 
-    def _forward(self, forwards: list[list[bytes]], future: asyncio.Future[Any]) -> None:
+    def _refuse_row(self, raw_uuid: bytes, sizes: list[int], tap: DataRecords) -> None:
+        key = self.registrar.by_uuid[raw_uuid].key
+        if sum(sizes) != tap.row_size:
+            self._reject("payload_size", f"{key}: row of {sum(sizes)} bytes, format has "
+                         f"{tap.row_size}")  # fmt: skip
+        else:
+            self._reject("item_sizes", f"{key}: item frames of {sizes[:16]} bytes, format has "
+                         f"{tap.item_sizes[:16]}")  # fmt: skip
+
+    def _forward(
+        self,
+        forwards: list[list[bytes]],
+        reframe: list[tuple[int, list[tuple[int, int]]]],
+        future: asyncio.Future[Any],
+    ) -> None:
         """Runs once the batch is durable: fan out to mugs (committed data only), then one
-        loss-accounting mark per tap in the batch."""
+        loss-accounting mark per tap in the batch on the counted output. The plain output gets
+        nasa/lager data messages only: a seed-framed row of several items goes there split into
+        one frame per item (a real Mug reads nothing else)."""
         self.inflight.discard(future)
         if future.cancelled() or future.exception() is not None or self.closing:
             return
-        raw = self._fwd_out_raw
-        send = raw_send
-        more = MORE_NOBLOCK
         try:
-            for f0, f1, f2, f3, f4 in forwards:
-                send(raw, f0, more)
-                send(raw, f1, more)
-                send(raw, f2, more)
-                send(raw, f3, more)
-                send(raw, f4, NOBLOCK)
+            if self._plain_topics:
+                plain = forwards
+                if reframe:
+                    plain = list(forwards)
+                    for index, cuts in reframe:
+                        head, row = forwards[index][:4], forwards[index][4]
+                        plain[index] = head + [row[start:end] for start, end in cuts]
+                _send_messages(self._fwd_out_raw, plain)
+            if self._counted_topics:
+                _send_messages(self._counted_raw, forwards)
         except zmq.ZMQError as exc:
             log.warning("lager: forwarding stopped: %s", exc)
             return
@@ -316,7 +369,7 @@ class Forwarder:
         per_tap = Counter(map(itemgetter(0), forwards))
         # A batch from a few busy taps gets its marks at once; one spread over many taps
         # (a fleet at low rates: a mark per row or so) leaves them to the next HUGZ round.
-        now = len(per_tap) <= _BATCH_MARKS
+        now = len(per_tap) <= _BATCH_MARKS and bool(self._counted_topics)
         for raw_uuid, n in per_tap.items():
             counts[raw_uuid] = counts.get(raw_uuid, 0) + n
             rounds[raw_uuid] = repeat
@@ -332,31 +385,76 @@ class Forwarder:
         """Publish a tap's forwarded-row count (dropped like data for a mug that is behind)."""
         count = self._forwarded_by_tap.get(raw_uuid, 0)
         try:
-            raw_send(self._fwd_out_raw, MARK_PREFIX + raw_uuid, MORE_NOBLOCK)
-            raw_send(self._fwd_out_raw, count.to_bytes(8, "big"), MORE_NOBLOCK)
-            raw_send(self._fwd_out_raw, self._epoch, NOBLOCK)
+            raw_send(self._counted_raw, MARK_PREFIX + raw_uuid, MORE_NOBLOCK)
+            raw_send(self._counted_raw, count.to_bytes(8, "big"), MORE_NOBLOCK)
+            raw_send(self._counted_raw, self._epoch, NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("lager: mark not sent: %s", exc)
 
-    async def _hello_loop(self) -> None:
-        """Read mug subscriptions on the XPUB; answer hello topics."""
-        raw = self._fwd_out_raw
+    async def _plain_subscriptions(self) -> None:
+        """Track what real mugs subscribe to on F+1 (only data is ever sent there)."""
+        await self._watch_subscriptions(self.fwd_out, self._fwd_out_raw, self._plain_topics)
+
+    async def _counted_subscriptions(self) -> None:
+        """Track taproom mugs' subscriptions on F+2 and answer their hellos."""
+        await self._watch_subscriptions(
+            self.fwd_counted, self._counted_raw, self._counted_topics, self._hello
+        )
+
+    async def _watch_subscriptions(
+        self,
+        sock: zmq.asyncio.Socket,
+        raw: zmq.Socket[bytes],
+        topics: set[bytes],
+        on_hello: Callable[[bytes], None] | None = None,
+    ) -> None:
+        """An XPUB passes up the first subscription to a topic and the last unsubscription
+        (also when a mug goes away), so ``topics`` is exactly what some mug subscribes to."""
         while True:
             # A send on the same socket can swallow the read signal; poll with a short timeout.
             if not readable(raw):
-                await self.fwd_out.poll(timeout=100)
+                await sock.poll(timeout=100)
             for _ in range(1024):
                 try:
-                    frame = raw.recv(zmq.NOBLOCK)
+                    frames = recv_bounded(raw, 1)
                 except zmq.Again:
                     break
-                while raw.getsockopt(zmq.RCVMORE):
-                    raw.recv()
-                if frame[:1] == b"\x01" and frame[1:].startswith(HELLO_PREFIX):
-                    # Marks first: the mug's baseline for every tap, in its pipe before the
-                    # hello (its subscriptions, marks included, are already in place).
-                    for raw_uuid in self._forwarded_by_tap:
-                        self._send_mark(raw_uuid)
-                    with contextlib.suppress(zmq.Again):  # [hello topic, epoch of the marks]
-                        raw.send_multipart([frame[1:], self._epoch], zmq.NOBLOCK)
+                if not frames or not frames[0]:
+                    continue  # not a subscription message
+                frame = frames[0]
+                topic = frame[1:]
+                if frame[0] == 1:
+                    if on_hello is not None and topic.startswith(HELLO_PREFIX):
+                        on_hello(topic)
+                    topics.add(topic)
+                elif frame[0] == 0:
+                    topics.discard(topic)
             await asyncio.sleep(0)
+
+    def _hello(self, topic: bytes) -> None:
+        """Marks first: the mug's baseline for every tap, in its pipe before the hello (its
+        subscriptions, marks included, are already in place). Then [hello topic, epoch]."""
+        for raw_uuid in self._forwarded_by_tap:
+            self._send_mark(raw_uuid)
+        with contextlib.suppress(zmq.Again):
+            raw_send(self._counted_raw, topic, MORE_NOBLOCK)
+            raw_send(self._counted_raw, self._epoch, NOBLOCK)
+
+
+def _send_messages(raw: zmq.Socket[bytes], messages: list[list[bytes]]) -> None:
+    """NOBLOCK sends of whole messages (an XPUB drops for a mug at its HWM, never blocks)."""
+    send = raw_send
+    more = MORE_NOBLOCK
+    for frames in messages:
+        if len(frames) == 5:  # the seed's framing, unrolled
+            f0, f1, f2, f3, f4 = frames
+            send(raw, f0, more)
+            send(raw, f1, more)
+            send(raw, f2, more)
+            send(raw, f3, more)
+            send(raw, f4, NOBLOCK)
+        else:
+            last = frames[-1]
+            for frame in frames[:-1]:
+                send(raw, frame, more)
+            send(raw, last, NOBLOCK)

@@ -38,7 +38,7 @@ from ...protocols.lager.chp import (
 from ...protocols.lager.formats import parse_format_xml
 from ...records import BatchBuilder, iter_batch
 from .config import LagerConfig
-from .sockets import bind_range, readable, recv_bounded, send
+from .sockets import readable, recv_bounded, send
 
 __all__ = ["REGISTRATION_CONTENT_TYPE", "RegistrarServer"]
 
@@ -107,9 +107,9 @@ class RegistrarServer:
     def sockets(self) -> tuple[zmq.asyncio.Socket, ...]:
         return (self.snapshot, self.publisher, self.collector)
 
-    def bind(self) -> dict[str, str]:
+    def bound(self, base: int) -> dict[str, str]:
+        """The sockets are bound at ``base`` + 0, 1, 2: take shadows, name the listeners."""
         cfg = self.config
-        base = bind_range(list(self.sockets), cfg.host, cfg.registrar_port, cfg.port_retries)
         # Synchronous shadows of the same sockets for NOBLOCK bursts (DESIGN.md decision 3).
         self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.snapshot.underlying)
         self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.publisher.underlying)

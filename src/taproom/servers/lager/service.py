@@ -15,9 +15,10 @@ import zmq.asyncio
 
 from ...errors import HubStopped
 from ...hub import Hub
-from .config import LagerConfig
+from .config import FORWARDER_FOLLOWS_REGISTRAR, FORWARDER_OFFSET, LagerConfig
 from .forwarder import Forwarder
 from .registrar import RegistrarServer
+from .sockets import bind_offsets
 
 __all__ = ["LagerService", "create_service"]
 
@@ -48,8 +49,7 @@ class LagerService:
         self.registrar.open(ctx)
         self.forwarder.open(ctx)
         try:
-            addresses = self.registrar.bind()
-            addresses.update(self.forwarder.bind())
+            addresses = self._bind()
         except (zmq.ZMQError, OSError):
             ctx.destroy(linger=0)  # the app never calls stop() for a service that failed
             self._ctx = None
@@ -57,6 +57,21 @@ class LagerService:
         for loop in (*self.registrar.loops, *self.forwarder.loops):
             self._tasks.append(asyncio.create_task(self._guard(loop)))
         return addresses
+
+    def _bind(self) -> dict[str, str]:
+        """nasa/lager's layout by default: registrar at P..P+2, forwarder at P+10..P+12 (with
+        port 0, one free base for all six); or the forwarder at its own configured base."""
+        cfg = self.config
+        registrar = [(sock, i) for i, sock in enumerate(self.registrar.sockets)]
+        forwarder = [(sock, i) for i, sock in enumerate(self.forwarder.sockets)]
+        if cfg.forwarder_port == FORWARDER_FOLLOWS_REGISTRAR:
+            shifted = [(sock, FORWARDER_OFFSET + i) for sock, i in forwarder]
+            base = bind_offsets(registrar + shifted, cfg.host, cfg.registrar_port, cfg.port_retries)
+            fwd_base = base + FORWARDER_OFFSET
+        else:
+            base = bind_offsets(registrar, cfg.host, cfg.registrar_port, cfg.port_retries)
+            fwd_base = bind_offsets(forwarder, cfg.host, cfg.forwarder_port, cfg.port_retries)
+        return {**self.registrar.bound(base), **self.forwarder.bound(fwd_base)}
 
     async def stop(self) -> None:
         for task in self._tasks:

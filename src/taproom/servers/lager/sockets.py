@@ -1,5 +1,5 @@
-"""pyzmq helpers shared by the registrar and the forwarder: binding port ranges, and cheap
-NOBLOCK sends and receives for the hot paths."""
+"""pyzmq helpers shared by the registrar and the forwarder: binding ports at offsets from a
+base (nasa/lager's layout), and cheap NOBLOCK sends and receives for the hot paths."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import zmq.backend
 __all__ = [
     "MORE_NOBLOCK",
     "NOBLOCK",
-    "bind_range",
+    "bind_offsets",
     "endpoint",
     "raw_send",
     "readable",
@@ -29,25 +29,31 @@ def endpoint(host: str, port: int | str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def bind_range(sockets: list[zmq.asyncio.Socket], host: str, port: int, retries: int) -> int:
-    """Bind ``sockets`` to consecutive ports from ``port`` (0: any free base). Returns the base."""
+def bind_offsets(
+    placed: list[tuple[zmq.asyncio.Socket, int]], host: str, port: int, retries: int
+) -> int:
+    """Bind each socket to ``port + offset`` (the first one's offset is 0). With ``port`` 0 the
+    first binds to any free port and the rest follow it, retried from a new base when one of
+    them is taken. Returns the base port."""
     if port:
-        for i, sock in enumerate(sockets):
-            sock.bind(endpoint(host, port + i))
+        for sock, offset in placed:
+            sock.bind(endpoint(host, port + offset))
         return port
     last: Exception | None = None
+    first_sock = placed[0][0]
+    highest = max(offset for _, offset in placed)
     for _ in range(retries):
         bound: list[tuple[zmq.asyncio.Socket, str]] = []
         try:
-            sockets[0].bind(endpoint(host, "*"))
-            first = sockets[0].getsockopt(zmq.LAST_ENDPOINT)
+            first_sock.bind(endpoint(host, "*"))
+            first = first_sock.getsockopt(zmq.LAST_ENDPOINT)
             assert isinstance(first, bytes)
-            bound.append((sockets[0], first.decode()))
+            bound.append((first_sock, first.decode()))
             base = int(first.decode().rsplit(":", 1)[1])
-            if base + len(sockets) - 1 > 65535:
+            if base + highest > 65535:
                 raise zmq.ZMQError(errno.EADDRINUSE)
-            for i, sock in enumerate(sockets[1:], 1):
-                address = endpoint(host, base + i)
+            for sock, offset in placed[1:]:
+                address = endpoint(host, base + offset)
                 sock.bind(address)
                 bound.append((sock, address))
             return base
@@ -58,7 +64,7 @@ def bind_range(sockets: list[zmq.asyncio.Socket], host: str, port: int, retries:
             for sock, address in bound:
                 with contextlib.suppress(zmq.ZMQError):
                     sock.unbind(address)
-    raise OSError(errno.EADDRINUSE, f"no {len(sockets)} consecutive free ports: {last}")
+    raise OSError(errno.EADDRINUSE, f"no free ports at offsets up to {highest}: {last}")
 
 
 # Hot paths call the backend socket methods with plain ints: pyzmq's Python-level wrappers and
