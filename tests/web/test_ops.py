@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
+import threading
+import time
+import urllib.request
 
 import orjson
 import pytest
 
 from taproom.records import BatchBuilder
-from tests.support import fill, needs_mount, running_app, small_tmpfs
+from tests.support import HubProcess, fill, needs_mount, running_app, small_tmpfs, write_config
 
 
 async def http(address: str, request: bytes) -> tuple[int, bytes]:
@@ -91,30 +96,100 @@ async def test_large_heads_get_431(tmp_path, request_bytes):
         assert (await http(app.addresses["web"], request_bytes))[0] == 431
 
 
-async def test_connection_limit_and_head_timeout(tmp_path):
-    async with running_app(tmp_path, web={"max_connections": 2, "head_timeout_s": 0.5}) as app:
+async def test_head_timeout_closes_slow_heads(tmp_path):
+    async with running_app(tmp_path, web={"head_timeout_s": 0.5}) as app:
         host, port = app.addresses["web"].rsplit(":", 1)
         held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
         for _, writer in held:
             writer.write(b"GET /heal")  # an unfinished head: the slow-loris shape
             await writer.drain()
-        extra_reader, extra_writer = await asyncio.open_connection(host, int(port))
-        assert await asyncio.wait_for(extra_reader.read(), 10) == b""  # closed at once
-        extra_writer.close()
-        for reader, writer in held:  # the head timeout frees both slots
+        for reader, writer in held:
             with contextlib.suppress(ConnectionError):
                 assert await asyncio.wait_for(reader.read(), 10) == b""
             writer.close()
-        for _ in range(100):
-            status, _ = await get(app.addresses["web"], "/health")
-            if status == 200:
-                break
-            await asyncio.sleep(0.05)
-        assert status == 200
-        registry = app.hub.metrics.registry
         sample = "taproom_web_requests_calls_total"
-        assert registry.get_sample_value(sample, {"reason": "too_many_connections"}) >= 1
-        assert registry.get_sample_value(sample, {"reason": "timeout"}) == 2
+        assert app.hub.metrics.registry.get_sample_value(sample, {"reason": "timeout"}) == 2
+
+
+async def test_connections_without_a_request_make_room_for_a_client(tmp_path):
+    """At max_connections, idle connections (a connect flood) must not lock out a client:
+    the client is served and the oldest connection without a request is evicted."""
+    async with running_app(
+        tmp_path, web={"max_connections": 2, "listen_backlog": 10, "head_timeout_s": 60}
+    ) as app:
+        host, port = app.addresses["web"].rsplit(":", 1)
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        for _, writer in held:
+            writer.write(b"GET /heal")
+            await writer.drain()
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /api/overview HTTP/1.1\r\nHost: x\r\n\r\n")  # then kept alive
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")  # served, over the limit for a moment
+        held.append((reader, writer))
+        first_reader, _ = held[0]
+        with contextlib.suppress(ConnectionError):
+            assert await asyncio.wait_for(first_reader.read(), 10) == b""  # the oldest went
+        sample = "taproom_web_requests_calls_total"
+        assert app.hub.metrics.registry.get_sample_value(sample, {"reason": "evicted"}) == 1
+        for _, writer in held:
+            writer.close()
+
+
+async def test_hard_connection_limit(tmp_path):
+    """max_connections + listen_backlog connections that all sent requests: one more is
+    closed at once."""
+    async with running_app(tmp_path, web={"max_connections": 1, "listen_backlog": 1}) as app:
+        host, port = app.addresses["web"].rsplit(":", 1)
+        kept = []
+        for _ in range(2):  # keep-alive connections that were answered stay open
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /api/overview HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(
+                b"HTTP/1.1 200"
+            )
+            kept.append(writer)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        with contextlib.suppress(ConnectionError):
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        sample = "taproom_web_requests_calls_total"
+        registry = app.hub.metrics.registry
+        assert registry.get_sample_value(sample, {"reason": "too_many_connections"}) == 1
+        assert registry.get_sample_value(sample, {"reason": "evicted"}) is None
+        for writer in kept:
+            writer.close()
+
+
+def test_health_answers_through_a_connect_reset_flood(tmp_path):
+    """3,000 connect/RST cycles against a hub process: every /health asked meanwhile, and
+    one after, is answered (issue 13 with edge's probe: a flood must not lock clients out)."""
+    with HubProcess(write_config(tmp_path)) as hub:
+        host, port = hub.address("web")
+        done = threading.Event()
+
+        def flood() -> None:
+            for _ in range(3000):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                with contextlib.suppress(OSError):
+                    sock.connect((host, port))
+                sock.close()
+            done.set()
+
+        thread = threading.Thread(target=flood)
+        thread.start()
+        answers = []
+        while not done.is_set():
+            with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=10) as r:
+                answers.append(r.status)
+            time.sleep(0.02)
+        thread.join()
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=10) as r:
+            answers.append(r.status)
+        assert answers and set(answers) == {200}
 
 
 @needs_mount

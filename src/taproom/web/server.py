@@ -3,8 +3,11 @@
 aiohttp parses HTTP; this module bounds what a peer can make it hold and counts what it refuses,
 by reason, in ``taproom_web_requests_calls_total``:
 
-* connections: at most ``[web] max_connections`` open; one more is closed at once
-  (``too_many_connections``), so a connect flood costs a socket and nothing else;
+* connections: ``[web] max_connections`` open. Past it, a moment later (so that reset
+  connections of a burst are gone and requests already sent are read), the oldest connections
+  that have not sent a whole request head are closed (``evicted``): a flood of idle or reset
+  connections cannot lock clients out. ``max_connections + listen_backlog`` is the hard
+  limit: past it a new connection is closed at once (``too_many_connections``);
 * request heads: a line or header field longer than ``[web] max_header_bytes``, or more than
   ``max_headers`` fields, gets 431 (``head_too_large``); other unparsable heads get 400
   (``bad_request``);
@@ -52,6 +55,9 @@ SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",
     "Cross-Origin-Opener-Policy": "same-origin",
 }
+# Time between passing max_connections and evicting: enough for reset connections of a burst
+# to be noticed and for a client's request, already sent, to be read.
+ENFORCE_AFTER_S = 0.05
 # The login form carries one token; nothing else has a body.
 MAX_BODY_BYTES = 4096
 
@@ -71,12 +77,15 @@ class _Connection(web.RequestHandler):
     def __init__(self, owner: WebServer, manager: web.Server, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.owner = owner
-        self.answered = False  # set by the middleware when a request head was complete
+        self.answered = False  # a request head was complete (see mark_answered)
+        self._counted = False  # in owner.open_connections
         self._head_timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.owner.open_connections += 1
+        self._counted = True
+        self.owner.waiting[self] = None
         self._transport = transport  # type: ignore[assignment]
         self._head_timer = asyncio.get_running_loop().call_later(
             self.owner.config.head_timeout_s, self._head_timeout
@@ -84,10 +93,27 @@ class _Connection(web.RequestHandler):
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self.owner.open_connections -= 1
+        self._uncount()
         if self._head_timer is not None:
             self._head_timer.cancel()
         super().connection_lost(exc)
+
+    def _uncount(self) -> None:
+        self.owner.waiting.pop(self, None)
+        if self._counted:
+            self._counted = False
+            self.owner.open_connections -= 1
+
+    def mark_answered(self) -> None:
+        if not self.answered:
+            self.answered = True
+            self.owner.waiting.pop(self, None)
+
+    def evict(self) -> None:
+        """Make room for a new connection: this one has not sent a whole request yet."""
+        self._uncount()
+        if self._transport is not None:
+            self._transport.abort()
 
     def _head_timeout(self) -> None:
         if not self.answered and self._transport is not None:
@@ -142,6 +168,9 @@ class WebServer:
         self.addresses: Mapping[str, str] = addresses if addresses is not None else {}
         self.static_dir = STATIC_DIR
         self.open_connections = 0
+        # Open connections without a complete request head yet, oldest first.
+        self.waiting: dict[_Connection, None] = {}
+        self._enforce: asyncio.TimerHandle | None = None
         self._m_requests = hub.metrics.counter(
             "web", "requests", "calls", "HTTP requests by outcome", ("reason",)
         )
@@ -183,13 +212,20 @@ class WebServer:
         }
 
         def connection() -> asyncio.Protocol:
-            if self.open_connections >= self.config.max_connections:
+            limit = self.config.max_connections
+            if self.open_connections >= limit + self.config.listen_backlog:
                 self.count("too_many_connections")
                 return _Refused()
+            if self.open_connections >= limit and self._enforce is None:
+                self._enforce = loop.call_later(ENFORCE_AFTER_S, self._enforce_limit)
             return _Connection(self, manager, **limits)
 
         self._server = await loop.create_server(
-            connection, self.config.host, self.config.port, reuse_address=True
+            connection,
+            self.config.host,
+            self.config.port,
+            reuse_address=True,
+            backlog=self.config.listen_backlog,
         )
         sock = self._server.sockets[0]
         host, port = sock.getsockname()[:2]
@@ -197,7 +233,21 @@ class WebServer:
             host = f"[{host}]"
         return {"web": f"{host}:{port}"}
 
+    def _enforce_limit(self) -> None:
+        """Back to ``max_connections``: the oldest connections without a request go.
+
+        Run a moment after the limit was passed, not while accepting: asyncio accepts a
+        whole burst at once, and connections that were reset (a connect flood) are still
+        counted then; by now they are gone, and a client that sent its request is served.
+        """
+        self._enforce = None
+        while self.open_connections > self.config.max_connections and self.waiting:
+            self.count("evicted")
+            next(iter(self.waiting)).evict()
+
     async def stop(self) -> None:
+        if self._enforce is not None:
+            self._enforce.cancel()
         if self._server is not None:
             self._server.close()
         for fn in self._on_stop:
@@ -213,7 +263,7 @@ class WebServer:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         protocol = request.protocol
         if isinstance(protocol, _Connection):
-            protocol.answered = True
+            protocol.mark_answered()
         try:
             response = auth.check(self, request) or await handler(request)
         except web.HTTPException as exc:
