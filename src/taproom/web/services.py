@@ -82,10 +82,14 @@ def bus_entries(
     if hashmap is None:
         return None
     prefix = subtree.encode()
-    matching = sorted(k for k in list(hashmap) if k.startswith(prefix))
+    # An entry is (sequence, the six BROADCAST frames, ...); empty data marks a deletion.
+    matching = sorted(
+        (key, entry[0], entry[1])
+        for key, entry in list(hashmap.items())
+        if key.startswith(prefix) and entry[1][5]
+    )
     rows = []
-    for key in matching[:limit]:
-        seq, frames = hashmap[key]
+    for _, seq, frames in matching[:limit]:
         topic, _, producer, timestamp, event_uuid, data = frames
         rows.append(
             {
