@@ -295,6 +295,74 @@ class TestRegistrar:
             assert rejected(app, reason) == 1, reason
         assert [f[0] for f in await peer.snapshot()] == [b"/R/ok/", b"KTHXBAI"]
 
+    async def test_refused_registrations_are_never_published(
+        self, bartender: tuple[Any, Peer]
+    ) -> None:
+        """Issue 18: seven malformed registrations (frame count, bad key, entity bomb, 20k-deep
+        XML, bad UTF-8, 70 KiB of XML, NUL in the key) are counted and none is published.
+        Issue 19: the 70 KiB one used to drop the tap's connection uncounted, and the valid
+        registration right behind it on that connection with it."""
+        app, peer = bartender
+        await register(peer, "/Pub/Warmup/", uuid.uuid4().bytes)  # both connections are up
+        body = XML[XML.index("<item") : XML.index("</format>")]
+        bomb = ('<?xml version="1.0"?><!DOCTYPE f [<!ENTITY a "aaaaaaaa"><!ENTITY b "&a;&a;&a;">]>'
+                f'<format version="BEERR01">{body}&b;</format>')  # fmt: skip
+        bad: dict[str, list[list[bytes]]] = {
+            "frame_count": [[b"/Pub/A/", bytes(8), uuid.uuid4().bytes, b""]],
+            "bad_key": [
+                registration_frames("HUGZ", uuid.uuid4().bytes, XML),
+                registration_frames("/Pub/\x00/", uuid.uuid4().bytes, XML),
+            ],
+            "xml_forbidden": [registration_frames("/Pub/B/", uuid.uuid4().bytes, bomb)],
+            "xml_too_large": [
+                registration_frames("/Pub/C/", uuid.uuid4().bytes, "<a>" * 20_000 + "</a>" * 20_000),
+                registration_frames(
+                    "/Pub/D/", uuid.uuid4().bytes, XML.replace("</format>", f"<!--{'x' * 72_000}--></format>")
+                ),
+            ],
+            "xml_malformed": [[b"/Pub/E/", bytes(8), uuid.uuid4().bytes, b"", b"\xff<format/>"]],
+        }  # fmt: skip
+        refused = {frames[2] for messages in bad.values() for frames in messages}
+        before = {reason: rejected(app, reason) for reason in bad}
+        while await peer.updates.poll(0):
+            await peer.updates.recv_multipart()
+        for messages in bad.values():
+            for frames in messages:
+                await peer.collector.send_multipart(frames)
+        good = uuid.uuid4().bytes
+        await peer.collector.send_multipart(registration_frames("/Pub/Good/", good, XML))
+        published = []
+        while True:
+            frames = await peer.next_update(timeout=5)
+            published.append(frames)
+            if frames[0] == b"/Pub/Good/":
+                break
+        await asyncio.sleep(0.3)
+        while await peer.updates.poll(0):
+            published.append(await peer.updates.recv_multipart())
+        assert published[-1][2] == good or any(f[2] == good for f in published)
+        for frames in published:
+            assert frames[0] in (b"HUGZ", b"/Pub/Warmup/", b"/Pub/Good/"), frames[0][:40]
+            assert frames[2] not in refused
+        for reason, messages in bad.items():
+            assert rejected(app, reason) - before[reason] == len(messages), reason
+
+    async def test_an_oversized_registration_costs_only_itself(
+        self, bartender: tuple[Any, Peer]
+    ) -> None:
+        """Issue 19: a 72 KB registration was dropped uncounted (ZeroMQ cut the connection) and
+        the valid registration sent right after it on the same connection was lost with it."""
+        app, peer = bartender
+        await register(peer, "/Big/Warmup/", uuid.uuid4().bytes)
+        big = XML.replace("</format>", f"<!--{'x' * 72_000}--></format>")
+        await peer.collector.send_multipart(registration_frames("/Big/T/", uuid.uuid4().bytes, big))
+        await peer.collector.send_multipart(
+            registration_frames("/Big/Next/", uuid.uuid4().bytes, XML)
+        )  # sent once: no retry
+        while (await peer.next_update(timeout=5))[0] != b"/Big/Next/":
+            pass
+        assert rejected(app, "xml_too_large") == 1
+
     async def test_keys_the_real_registrar_takes(self, bartender: tuple[Any, Peer]) -> None:
         """nasa/lager's registrar takes any key; its own example is "/sample_format"."""
         app, peer = bartender

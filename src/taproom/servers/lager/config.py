@@ -42,6 +42,20 @@ class LagerConfig:
         64 * 1024, "a BEERR01 format of ~1000 items fits; bounds XML parsing work", min=256
     )
     max_format_items: int = setting(1024, "items per row; rows are telemetry, not blobs", min=1)
+    max_registration_frame_bytes: int = setting(
+        256 * 1024,
+        "ZMQ_MAXMSGSIZE on the collector: a frame up to this reaches the registrar, which refuses "
+        "and counts an oversized format (xml_too_large) and keeps the tap's connection; ZeroMQ "
+        "drops the connection of a peer sending a bigger frame, unseen (taken as at least "
+        "max_format_bytes + max_key_bytes)",
+        min=1024,
+    )
+    collector_hwm: int = setting(
+        64,
+        "registrations queued per tap connection (a tap re-sends until echoed); with "
+        "max_registration_frame_bytes this bounds what one tap can make the registrar hold",
+        min=1,
+    )
     max_payload_bytes: int = setting(
         1024 * 1024, "one row; also ZMQ_MAXMSGSIZE on the forwarder input", min=64
     )

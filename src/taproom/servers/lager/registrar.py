@@ -94,8 +94,12 @@ class RegistrarServer:
         self.collector = ctx.socket(zmq.SUB)
         for sock in self.sockets:
             sock.setsockopt(zmq.LINGER, 0)
-        registrar_max = cfg.max_format_bytes + cfg.max_key_bytes
-        self.collector.setsockopt(zmq.MAXMSGSIZE, registrar_max)
+        # Bigger than any valid frame: an oversized registration must reach the parser to be
+        # refused and counted; over ZeroMQ's limit the tap's whole connection would be dropped,
+        # and with it the registrations queued behind the big one.
+        frame_max = max(cfg.max_registration_frame_bytes, cfg.max_format_bytes + cfg.max_key_bytes)
+        self.collector.setsockopt(zmq.MAXMSGSIZE, frame_max)
+        self.collector.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
         self.collector.setsockopt(zmq.SUBSCRIBE, b"")
         self.snapshot.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 16)
         self.snapshot.setsockopt(zmq.ROUTER_MANDATORY, 1)
