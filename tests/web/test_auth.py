@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from aiohttp import ClientSession, CookieJar
 
@@ -72,3 +75,16 @@ def test_non_loopback_host_needs_a_token(host):
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "127.0.0.5"])
 def test_loopback_host_needs_no_token(host):
     load_config(text=f'[web]\nhost = "{host}"\n', env={})
+
+
+def test_validate_refuses_an_exposed_console_without_a_token(tmp_path):
+    config = tmp_path / "taproom.toml"
+    config.write_text('[web]\nhost = "0.0.0.0"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "taproom", "validate", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 78
+    assert "token" in done.stderr + done.stdout
