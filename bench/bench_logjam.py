@@ -181,13 +181,12 @@ def _dealer_agent(endpoint: str, n: int, started: Any, finished: Any) -> None:
         if i % 512 == 0:  # read replies as they come: the 202s are the measurement
             while True:
                 try:
-                    recv(zmq.NOBLOCK)
+                    recv(zmq.NOBLOCK)  # the app-env, as logjam-device replies
                 except zmq.Again:
                     break
-                recv(), recv()
+                recv()  # the status
                 replies += 1
     while replies < n:
-        recv()
         recv()
         recv()
         replies += 1
@@ -284,7 +283,8 @@ def _raw_pull(endpoint_q: Any, n: int, result: Any, cpu: Any) -> None:
 
 
 def _raw_router(endpoint_q: Any, n: int, result: Any, cpu: Any) -> None:
-    """The DEALER ceiling: six frames in, the four-frame 202 out, per message, no work."""
+    """The DEALER ceiling: six frames in, logjam-device's 202 out (routing id, app-env,
+    status), per message, no work."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.RCVHWM, 1_000_000)
@@ -307,7 +307,6 @@ def _raw_router(endpoint_q: Any, n: int, result: Any, cpu: Any) -> None:
             app_env = recv()
             recv(), recv(), recv()
             send(routing_id, more)
-            send(b"", more)
             send(app_env, more)
             send(b"202 Accepted")
             got += 1

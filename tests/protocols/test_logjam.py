@@ -178,10 +178,22 @@ class TestCompression:
 
 
 class TestGrammar:
-    """app-env = application "-" environment; topic = logs*/javascript*/events*/frontend.*"""
+    """The "device" grammar (default): what logjam-device forwards (messages.py cites the
+    device's code); the "seed" grammar: logjam-consumer.txt's ABNF."""
 
     @pytest.mark.parametrize(
-        "value", [b"app-prod", b"my_app-pre_view", b"perf-ua-production", b"a-b", b"app--prod"]
+        "value",
+        [
+            b"app-prod",
+            b"my_app-production",  # the Ruby agent's app-env for an app called my_app
+            b"web2-production",  # digits in the app name
+            b"perf-ua-production",  # split at the last "-"
+            b"a-b",
+            b"app--prod",
+            b"1app-prod",
+            b"app-prod-2",
+            b"_x-y",
+        ],
     )
     def test_valid_app_env(self, value):
         assert lj.is_valid_app_env(value)
@@ -191,64 +203,71 @@ class TestGrammar:
         [
             b"",
             b"app",
+            b"ping",
             b"-prod",
             b"app-",
             b"app-prod-",
-            b"1app-prod",
-            b"app-pro-d1",
             b"app-prod\n",
-            b"web2-prod",
             b"app-pr\xc3\xa9",
             b"app prod",
-            b"app-prod-2",
+            b"app.x-prod",
+            b"app-prod/x",
         ],
     )
     def test_invalid_app_env(self, value):
         assert not lj.is_valid_app_env(value)
-
-    def test_relaxed_app_env_allows_digits(self):
-        assert lj.is_valid_app_env(b"web2-prod1", relaxed=True)
-        assert not lj.is_valid_app_env(b"web2", relaxed=True)
 
     @pytest.mark.parametrize(
         "value",
         [
             b"logs",
             b"logs.app.prod",
-            b"logsx",
-            b"javascript",
-            b"javascript.errors",
-            b"events",
-            b"events.deploy",
+            b"logs.my_app.production",  # the Ruby agent's routing key for my_app
+            b"logs.web2.production",
+            b"logs.perf-ua.production",  # hyphenated
+            b"mobile",  # a root outside the seed's list
             b"frontend.page",
-            b"frontend.ajax",
             b"logs..",
+            b"Logs",
         ],
     )
     def test_valid_topic(self, value):
         assert lj.is_valid_topic(value)
 
     @pytest.mark.parametrize(
-        "value",
-        [
-            b"",
-            b"log",
-            b"Logs",
-            b"frontend",
-            b"frontend.pages",
-            b"logs.app-prod",
-            b"logs.web2",
-            b"metrics.x",
-            b"logs.a b",
-            b" logs",
-        ],
+        "value", [b"", b".logs", b"-logs", b"logs.a b", b" logs", b"logs/x", b"logs.\xc3\xa9"]
     )
     def test_invalid_topic(self, value):
         assert not lj.is_valid_topic(value)
 
-    def test_relaxed_topic(self):
-        assert lj.is_valid_topic(b"logs.perf-ua.web2", relaxed=True)
-        assert not lj.is_valid_topic(b"metrics.x", relaxed=True)
+    @pytest.mark.parametrize(
+        "value,valid",
+        [
+            (b"app-prod", True),
+            (b"my_app-pre_view", True),
+            (b"web2-prod", False),
+            (b"1app-prod", False),
+            (b"app-prod-2", False),
+        ],
+    )
+    def test_seed_app_env(self, value, valid):
+        assert lj.is_valid_app_env(value, grammar="seed") is valid
+
+    @pytest.mark.parametrize(
+        "value,valid",
+        [
+            (b"logs.app.prod", True),
+            (b"logsx", True),
+            (b"frontend.ajax", True),
+            (b"frontend.pages", False),
+            (b"logs.my_app.prod", False),
+            (b"logs.app-prod", False),
+            (b"mobile", False),
+            (b"Logs", False),
+        ],
+    )
+    def test_seed_topic(self, value, valid):
+        assert lj.is_valid_topic(value, grammar="seed") is valid
 
 
 class TestDataMessage:
@@ -297,9 +316,7 @@ class TestDataMessage:
         "frames,reason",
         [
             ([b"app", b"logs", b"{}", meta()], "bad_app_env"),
-            ([b"app-prod", b"metrics", b"{}", meta()], "bad_topic"),
-            ([b"app-prod", b"logs", b"{not json", meta()], "bad_json"),
-            ([b"app-prod", b"logs", b"", meta()], "bad_json"),
+            ([b"app-prod", b"logs x", b"{}", meta()], "bad_topic"),
             ([b"app-prod", b"logs", b"{}", meta()[:23]], "bad_meta_size"),
             ([b"app-prod", b"logs", b"{}", b"\0" * 24], "bad_meta_tag"),
             ([b"app-prod", b"logs", b"xx", meta(compression=1)], "bad_body"),
@@ -333,18 +350,36 @@ class TestDataMessage:
         with pytest.raises(LogjamError):
             parse([lj.PING, b"app-prod", b"{}", b"short"])
 
-    def test_router_envelope(self):
-        sync = lj.parse_router_frames([b"id", b"", b"app-prod", b"logs", b"{}", meta()])
-        assert sync.wants_reply and sync.routing_id == b"id" and len(sync.frames) == 4
-        fire = lj.parse_router_frames([b"id", b"app-prod", b"logs", b"{}", meta()])
-        assert not fire.wants_reply and fire.frames[0] == b"app-prod"
-        with pytest.raises(LogjamError):
-            lj.parse_router_frames([b"id"])
-        assert lj.reply_frames(b"id", b"app-prod", lj.ACCEPTED) == [
+    @pytest.mark.parametrize("body", [b"{not json", b"", b"plain text \xff", b"[1, 2"])
+    def test_a_body_that_is_not_json_is_kept_raw(self, body):
+        for method in Compression:
+            msg = parse([b"app-prod", b"logs", lj.compress(method, body), meta(compression=method)])
+            assert isinstance(msg, lj.DataMessage)
+            assert (msg.body, msg.content_type) == (body, "raw")
+            builder = BatchBuilder()
+            msg.add_to(builder)
+            (record,) = decode_batch(builder.build().body, 0)
+            assert (record.payload, record.content_type) == (body, "raw")
+
+    def test_reply_frames_are_logjam_devices(self):
+        """read_router_message_and_forward: routing id, the first frame after the empty one
+        (app-env or "ping"), the status, then the host for a ping; "unknown-unknown" when the
+        request had nothing after the empty frame. No empty delimiter."""
+        assert lj.reply_frames(b"id", [b"app-prod", b"logs"], lj.ACCEPTED) == [
             b"id",
-            b"",
             b"app-prod",
             b"202 Accepted",
+        ]
+        assert lj.reply_frames(b"id", [lj.PING], lj.PING_OK, b"host") == [
+            b"id",
+            b"ping",
+            b"200 OK",
+            b"host",
+        ]
+        assert lj.reply_frames(b"id", [], lj.BAD_REQUEST) == [
+            b"id",
+            b"unknown-unknown",
+            b"400 Bad Request",
         ]
 
 
@@ -435,7 +470,7 @@ class TestReplayRequest:
 # frame list: either arbitrary frames, or a near-valid message (grammar picks, a compressed and
 # possibly cut body, a meta frame with a valid or swapped tag) so the deep paths get exercised.
 _APP_ENVS = [b"app-prod", b"a-b", b"bad", b"", b"ping", b"x-y_z", b"\xff-x", b"web2-prod"]
-_TOPICS = [b"logs", b"logs.a.b", b"events.x", b"frontend.page", b"nope", b"", b"logs.a-b"]
+_TOPICS = [b"logs", b"logs.a.b", b"events.x", b"frontend.page", b"no pe", b"", b"logs.a-b"]
 _RAW = [b'{"a":1}', BODY, b"[]", b"nul", b"{", b'"\xff"']
 
 
@@ -497,7 +532,12 @@ def test_fuzz_frame_decoder_never_crashes(data):
     ping = _PARSER.add(builder, frames)
     assert _PARSER.push(*frames) == ping
     if isinstance(msg, lj.DataMessage):
-        orjson.loads(msg.body)
+        if msg.content_type == "json":
+            orjson.loads(msg.body)
+        else:
+            assert msg.content_type == "raw"
+            with pytest.raises(orjson.JSONDecodeError):
+                orjson.loads(msg.body)
         assert lj.is_valid_app_env(msg.app_env.encode())
         assert lj.is_valid_topic(msg.topic.encode())
         assert len(msg.body) <= 4096

@@ -76,8 +76,10 @@ def test_rcvmore_reader_falls_back_when_libzmq_is_not_reachable(pair, monkeypatc
 
 @pytest.mark.parametrize("fast_more", [True, False], ids=["cffi", "getsockopt"])
 async def test_every_frame_count_on_both_loops(tmp_path, monkeypatch, fast_more):
-    """Messages of 1..7 frames, good ones between them: only the four-frame ones are stored,
-    the others are counted as bad_frame_count and never shift the framing of the next."""
+    """Messages of 1..7 frames, good ones between them: the four-frame ones are stored, and on
+    the PULL the three-frame one too (an old agent's message without meta, as logjam-device
+    takes it); the others are counted as bad_frame_count and never shift the framing of the
+    next."""
     if not fast_more:
         monkeypatch.setattr(zmqio, "_LIBZMQ", None)
         monkeypatch.setattr(zmqio, "_LIBZMQ_LOADED", True)
@@ -99,7 +101,7 @@ async def test_every_frame_count_on_both_loops(tmp_path, monkeypatch, fast_more)
                 dealer.send_multipart([b"", *frames])
                 assert dealer.poll(5000)
                 replies.append(dealer.recv_multipart()[-1])
-                stored += 1 + (n == 4) * 2
+                stored += 1 + (n == 4) * 2 + (n == 3)
             # ROUTER shapes off the unrolled path: no delimiter (no reply), a lone delimiter
             meta = lj.encode_meta(0, 0, 1, 99)
             dealer.send_multipart([b"app-prod", b"logs", b"[99]", meta])  # stored, no reply
@@ -117,9 +119,11 @@ async def test_every_frame_count_on_both_loops(tmp_path, monkeypatch, fast_more)
         stored, replies = await asyncio.to_thread(work)
         assert replies == [b"400 Bad Request"] * 3 + [b"202 Accepted"] + [b"400 Bad Request"] * 4
         records = list(app.hub.journal.read(0))
-        assert len(records) == stored == 10
-        assert sorted(r.payload for r in records) == [b"[4]", b"[4]", b"[99]"] + [b"{}"] * 7
-        assert rejected(app, "bad_frame_count") == 14
+        assert len(records) == stored == 11
+        assert sorted(r.payload for r in records) == [b"[3]", b"[4]", b"[4]", b"[99]"] + [b"{}"] * 7
+        (legacy,) = [r for r in records if r.payload == b"[3]"]
+        assert (legacy.producer, legacy.seq, legacy.ts_ns) == ("0", 0, 0)  # META_INFO_EMPTY
+        assert rejected(app, "bad_frame_count") == 13
 
 
 def running(tmp_path, **extra):

@@ -126,12 +126,13 @@ class LogjamAgent:
         return self.send_frames(self.frames(payload, **kwargs))
 
     def recv_reply(self, timeout: float | None = None) -> list[bytes]:
-        """The next reply's frames after the empty delimiter; raises :class:`ReplyError`."""
+        """The next reply's frames (without an empty first frame, which earlier devices sent);
+        raises :class:`ReplyError`."""
         wait = self.timeout if timeout is None else timeout
         if not self.socket.poll(int(wait * 1000), zmq.POLLIN):
             raise ReplyError(f"no reply within {wait}s")
         frames = self.socket.recv_multipart()
-        # taproom replies "" app-env status; logjam-device replies "" status.
+        # logjam-device (and taproom) reply app-env status; earlier devices replied "" status.
         return frames[1:] if frames and frames[0] == b"" else frames
 
     def ping(self) -> list[bytes]:

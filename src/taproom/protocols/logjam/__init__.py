@@ -19,6 +19,7 @@ from __future__ import annotations
 from .codec import (
     ACCEPTED,
     BAD_REQUEST,
+    EMPTY_META,
     HEARTBEAT_APP_ENV,
     META_TAG,
     META_TAG_SWAPPED,
@@ -35,21 +36,22 @@ from .codec import (
     encode_meta,
     parse_meta,
 )
-from .ingest import IngestedBody, IngestParser
+from .ingest import BURST_FULL, BurstFull, IngestedBody, IngestParser, Pushed
 from .messages import (
+    GRAMMARS,
+    UNKNOWN_APP_ENV,
     DataMessage,
     PingMessage,
-    RouterMessage,
     created_ns,
     encode_message,
     is_valid_app_env,
     is_valid_topic,
     parse_message,
-    parse_router_frames,
     reply_frames,
 )
 from .output import OutputMapper
 from .replay import (
+    MAX_PREFIX_BYTES,
     ReplayMode,
     ReplayRequest,
     matches_prefixes,
@@ -60,12 +62,18 @@ from .replay import (
 __all__ = [
     "ACCEPTED",
     "BAD_REQUEST",
+    "BURST_FULL",
+    "EMPTY_META",
+    "GRAMMARS",
     "HEARTBEAT_APP_ENV",
+    "MAX_PREFIX_BYTES",
     "META_TAG",
     "META_TAG_SWAPPED",
     "META_VERSION",
     "PING",
     "PING_OK",
+    "UNKNOWN_APP_ENV",
+    "BurstFull",
     "Compression",
     "DataMessage",
     "IngestParser",
@@ -75,9 +83,9 @@ __all__ = [
     "Meta",
     "OutputMapper",
     "PingMessage",
+    "Pushed",
     "ReplayMode",
     "ReplayRequest",
-    "RouterMessage",
     "compress",
     "compression_by_name",
     "created_ns",
@@ -90,7 +98,6 @@ __all__ = [
     "parse_message",
     "parse_meta",
     "parse_replay_request",
-    "parse_router_frames",
     "replay_error",
     "reply_frames",
 ]

@@ -16,6 +16,7 @@ from ...errors import LimitExceeded, ProtocolError
 __all__ = [
     "ACCEPTED",
     "BAD_REQUEST",
+    "EMPTY_META",
     "HEARTBEAT_APP_ENV",
     "META_TAG",
     "META_TAG_SWAPPED",
@@ -234,3 +235,8 @@ def decompress(method: Compression | int, body: bytes, max_size: int) -> bytes:
             raise LogjamError("lz4 length mismatch", reason="bad_body")
         return out
     raise LogjamError(f"unknown compression method {method}", reason="bad_compression")
+
+
+# What logjam-device assumes when an old agent sends three frames, no meta (META_INFO_EMPTY in
+# logjam-tools src/logjam-util.h): no compression, device 0, created-ms 0 (unknown), sequence 0.
+EMPTY_META = encode_meta(Compression.NONE, 0, 0, 0)

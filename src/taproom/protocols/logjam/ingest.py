@@ -22,10 +22,11 @@ from .codec import (
 )
 from .messages import _MAX_CREATED_MS, PingMessage, is_valid_app_env, is_valid_topic
 
-__all__ = ["IngestParser", "IngestedBody"]
+__all__ = ["BURST_FULL", "BurstFull", "IngestParser", "IngestedBody", "Pushed"]
 
 _PROTOCOL = b"logjam"
-_CONTENT_TYPE = b"json"
+_JSON = b"json"
+_RAW = b"raw"  # a body that is not JSON, kept as it came (logjam-device forwards any body)
 _FIELD_MAX = 65535  # records.py stores stream/topic/producer lengths as u16
 _pack_head = RECORD_HEAD.pack
 
@@ -38,6 +39,20 @@ class IngestedBody(bytes):
     """
 
     __slots__ = ()
+
+
+class BurstFull:
+    """What :meth:`IngestParser.push` returns once the records of the current batch reach the
+    byte budget given to :meth:`IngestParser.start_batch` (the message itself is stored)."""
+
+    __slots__ = ()
+
+
+BURST_FULL = BurstFull()
+
+# What push answers: None (stored), a ping (answered, not stored) or BURST_FULL (stored, and
+# the batch has reached its byte budget).
+Pushed = PingMessage | BurstFull | None
 
 
 class IngestParser:
@@ -53,44 +68,54 @@ class IngestParser:
       ``records.RECORD_HEAD`` directly: everything of a record but its head, times and body
       (protocol, content type, stream, topic, producer) is one cached byte string per
       (app-env, topic, device), so a message costs one ``struct.pack`` and three list items.
-      :meth:`start_batch` / :meth:`take_batch` frame a burst.
+      :meth:`start_batch` / :meth:`take_batch` frame a burst, and the byte budget given to
+      :meth:`start_batch` bounds what one burst inflates to.
+
+    ``not_json`` counts the bodies stored as "raw" because they are not JSON.
     """
 
     __slots__ = (
         "_app_envs",
         "_fixed",
+        "_fixed_raw",
         "_parts",
         "_producers",
         "_push",
+        "_set_budget",
         "_topics",
+        "grammar",
         "max_body",
         "max_decompressed",
+        "not_json",
         "received_ns",
-        "relaxed",
     )
 
     _CACHE = 4096  # distinct app-envs/topics remembered; beyond it they are checked each time
 
-    def __init__(self, *, max_body: int, max_decompressed: int, relaxed: bool = False) -> None:
+    def __init__(self, *, max_body: int, max_decompressed: int, grammar: str = "device") -> None:
         self.max_body = max_body
         self.max_decompressed = max_decompressed
-        self.relaxed = relaxed
+        self.grammar = grammar
+        self.not_json = 0
         self._app_envs: dict[bytes, str] = {}
         self._topics: dict[bytes, str] = {}
         self._producers: dict[int, str] = {}
         # (app-env, topic, device) -> (the record's fixed bytes, head length field minus the
         # payload, len(stream), len(topic), len(producer))
         self._fixed: dict[tuple[bytes, bytes, int], tuple[bytes, int, int, int, int]] = {}
+        self._fixed_raw: dict[tuple[bytes, bytes, int], tuple[bytes, int, int, int, int]] = {}
         self._parts: list[bytes] = []  # three per record: head, fixed part, payload
         self.received_ns = 0
-        self._push = self._make_push()
+        self._push, self._set_budget = self._make_push()
 
     # --- the fast path: the parser's own batch ----------------------------------------------
 
-    def start_batch(self, received_ns: int) -> None:
-        """Start a batch whose records all carry ``received_ns`` (as one BatchBuilder does)."""
+    def start_batch(self, received_ns: int, max_bytes: int = 1 << 62) -> None:
+        """Start a batch whose records all carry ``received_ns`` (as one BatchBuilder does);
+        :meth:`push` answers :data:`BURST_FULL` once its payloads reach ``max_bytes``."""
         self._parts.clear()
         self.received_ns = received_ns
+        self._set_budget(max_bytes)
 
     def pending(self) -> int:
         """Records pushed since :meth:`start_batch` (three parts each)."""
@@ -103,24 +128,29 @@ class IngestParser:
         parts.clear()
         return batch
 
-    def push(
-        self, app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes
-    ) -> PingMessage | None:
+    def push(self, app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes) -> Pushed:
         """Validate one four-frame message and append its record to the current batch; a ping
-        is returned, not stored. Raises :class:`LogjamError` like :func:`parse_message`."""
+        is returned, not stored; :data:`BURST_FULL` says the batch has reached its byte budget.
+        Raises :class:`LogjamError` like :func:`parse_message`."""
         return self._push(app_env, topic, body, meta_frame)
 
-    def pusher(self) -> Callable[[bytes, bytes, bytes, bytes], PingMessage | None]:
+    def pusher(self) -> Callable[[bytes, bytes, bytes, bytes], Pushed]:
         """:meth:`push` itself, for loops that call it per message."""
         return self._push
 
-    def _make_push(self) -> Callable[[bytes, bytes, bytes, bytes], PingMessage | None]:
+    def _make_push(
+        self,
+    ) -> tuple[Callable[[bytes, bytes, bytes, bytes], Pushed], Callable[[int], None]]:
         # A closure rather than a method: what it needs per message is in its cells, not
         # behind attribute and global lookups (~0.5 us a message, measured). The bounds are
-        # read once: a parser's settings do not change after construction.
+        # read once: a parser's settings do not change after construction. The byte budget
+        # left in this batch is a cell too, set by the second closure.
         extend = self._parts.extend
         fixed_get = self._fixed.get
         fixed_part = self._fixed_part
+        fixed_raw_get = self._fixed_raw.get
+        parser = self
+        budget = 0
         unpack24, unpack22 = _META24.unpack, _META22.unpack
         loads, json_error = orjson.loads, orjson.JSONDecodeError
         pack_head = _pack_head
@@ -128,9 +158,8 @@ class IngestParser:
         max_created = _MAX_CREATED_MS
         tag_ok, version_ok, ping, field_max = META_TAG, META_VERSION, PING, _FIELD_MAX
 
-        def push(
-            app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes
-        ) -> PingMessage | None:
+        def push(app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes) -> Pushed:
+            nonlocal budget
             size = len(meta_frame)
             if size == 24:
                 tag, method, version, device, created, seq = unpack24(meta_frame)
@@ -153,11 +182,11 @@ class IngestParser:
                 if len(app_env) > field_max or len(topic) > field_max:
                     # Over records.py's u16 field bound: the builder's checks and errors, in
                     # its order (after the body's), rather than a second copy of them here.
-                    builder = BatchBuilder(self.received_ns)
+                    builder = BatchBuilder(parser.received_ns)
                     self._add(builder, app_env, topic, body, method, device, created, seq)
                     extend((builder.build().body, b"", b""))  # one record, three parts
                     return None
-                fixed = fixed_part(app_env, topic, device)
+                fixed = fixed_part(app_env, topic, device, _JSON)
             if len(body) > max_body:
                 raise LogjamLimit(
                     f"body is {len(body)} bytes, at most {max_body}", reason="body_too_large"
@@ -171,17 +200,22 @@ class IngestParser:
             try:
                 loads(data)
             except json_error:
-                raise LogjamError("body is not JSON", reason="bad_json") from None
-            raw, after_len, ls, lt, lr = fixed
+                parser.not_json += 1
+                key = (app_env, topic, device)
+                fixed = fixed_raw_get(key) or fixed_part(app_env, topic, device, _RAW)
+                content_type_size = 3
+            else:
+                content_type_size = 4
+            fixed_bytes, after_len, ls, lt, lr = fixed
             extend(
                 (
                     pack_head(
                         after_len + n,
-                        self.received_ns,
+                        parser.received_ns,
                         created * 1_000_000 if created <= max_created else 0,
                         seq,
                         6,
-                        4,
+                        content_type_size,
                         ls,
                         lt,
                         lr,
@@ -189,25 +223,37 @@ class IngestParser:
                         0,
                         n,
                     ),
-                    raw,
+                    fixed_bytes,
                     data,
                 )
             )
-            return None
+            budget -= n
+            return BURST_FULL if budget <= 0 else None
 
-        return push
+        def set_budget(max_bytes: int) -> None:
+            nonlocal budget
+            budget = max_bytes
+
+        return push, set_budget
 
     def _fixed_part(
-        self, app_env: bytes, topic: bytes, device: int
+        self, app_env: bytes, topic: bytes, device: int, content_type: bytes
     ) -> tuple[bytes, int, int, int, int]:
         """Validate app-env and topic (cached like :meth:`add`) and make the cache entry."""
         self._stream(app_env)
         self._topic(topic)
         producer = str(device).encode()
-        raw = _PROTOCOL + _CONTENT_TYPE + app_env + topic + producer
-        fixed = (raw, RECORD_HEAD_AFTER_LEN + len(raw), len(app_env), len(topic), len(producer))
-        if len(self._fixed) < self._CACHE:
-            self._fixed[(app_env, topic, device)] = fixed
+        fixed_bytes = _PROTOCOL + content_type + app_env + topic + producer
+        fixed = (
+            fixed_bytes,
+            RECORD_HEAD_AFTER_LEN + len(fixed_bytes),
+            len(app_env),
+            len(topic),
+            len(producer),
+        )
+        cache = self._fixed if content_type == _JSON else self._fixed_raw
+        if len(cache) < self._CACHE:
+            cache[(app_env, topic, device)] = fixed
         return fixed
 
     # --- the BatchBuilder path ----------------------------------------------------------------
@@ -240,7 +286,7 @@ class IngestParser:
     def _stream(self, app_env: bytes) -> str:
         stream = self._app_envs.get(app_env)
         if stream is None:
-            if not is_valid_app_env(app_env, relaxed=self.relaxed):
+            if not is_valid_app_env(app_env, grammar=self.grammar):
                 raise LogjamError("app-env does not match the grammar", reason="bad_app_env")
             stream = app_env.decode("ascii")
             if len(self._app_envs) < self._CACHE:
@@ -250,7 +296,7 @@ class IngestParser:
     def _topic(self, topic: bytes) -> str:
         topic_str = self._topics.get(topic)
         if topic_str is None:
-            if not is_valid_topic(topic, relaxed=self.relaxed):
+            if not is_valid_topic(topic, grammar=self.grammar):
                 raise LogjamError("topic does not match the grammar", reason="bad_topic")
             topic_str = topic.decode("ascii")
             if len(self._topics) < self._CACHE:
@@ -280,7 +326,10 @@ class IngestParser:
         try:
             orjson.loads(data)
         except orjson.JSONDecodeError:
-            raise LogjamError("body is not JSON", reason="bad_json") from None
+            self.not_json += 1
+            content_type = "raw"
+        else:
+            content_type = "json"
         producer = self._producers.get(device)
         if producer is None:
             producer = str(device)
@@ -294,5 +343,5 @@ class IngestParser:
             producer=producer,
             seq=seq,
             ts_ns=created * 1_000_000 if created <= _MAX_CREATED_MS else 0,
-            content_type="json",
+            content_type=content_type,
         )

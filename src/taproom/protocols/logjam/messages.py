@@ -24,52 +24,68 @@ from .codec import (
 )
 
 __all__ = [
+    "GRAMMARS",
+    "UNKNOWN_APP_ENV",
     "DataMessage",
     "PingMessage",
-    "RouterMessage",
     "created_ns",
     "encode_message",
     "is_valid_app_env",
     "is_valid_topic",
     "parse_message",
-    "parse_router_frames",
     "reply_frames",
 ]
 
 # --- grammar --------------------------------------------------------------------------------
 
-# app-env = application "-" environment; application = ALPHA *(ALPHA / "_" / "-");
-# environment = ALPHA *(ALPHA / "_"). The split is at the last "-" (environment has none).
-_APP_ENV_SEED = re.compile(rb"[A-Za-z][A-Za-z_\-]*-[A-Za-z][A-Za-z_]*")
-# topic = logs *(ALPHA / ".") / javascript *(...) / events *(...) / frontend.page / frontend.ajax
-_TOPIC_SEED = re.compile(rb"(?:logs|javascript|events)[A-Za-z.]*|frontend\.page|frontend\.ajax")
-# "relaxed" grammar: real agents name apps with digits (web2) and put "-" in topics
-# (logs.perf-ua.production); an operator may opt in to accepting those.
-_APP_ENV_RELAXED = re.compile(rb"[A-Za-z0-9][A-Za-z0-9_\-]*-[A-Za-z0-9][A-Za-z0-9_]*")
-_TOPIC_RELAXED = re.compile(
-    rb"(?:logs|javascript|events)[A-Za-z0-9._\-]*|frontend\.page|frontend\.ajax"
-)
+# "device" (the default) accepts what logjam-device forwards; "seed" is logjam-consumer.txt's
+# ABNF, for operators who want only that. logjam-device (logjam-tools src/logjam-device.c,
+# read_zmq_message_and_forward and read_router_message_and_forward) checks the app-env with
+# well_formed_stream_name and the routing key with well_formed_topic; it is seen to forward app
+# names with "_" and digits (my_app-production, web2-production) and routing keys of any root
+# (mobile, logs.perf-ua.production), and extract_app_env (src/logjam-util.c) splits an app-env
+# at its last "-" with both sides non-empty. So, "device":
+#   app-env = application "-" environment, split at the last "-"
+#   application = (ALNUM / "_") *(ALNUM / "_" / "-"); environment = 1*(ALNUM / "_")
+#   topic = (ALNUM / "_") *(ALNUM / "_" / "-" / ".")
+# ASCII only: app and environment name databases and files downstream (the importer).
+GRAMMARS = ("device", "seed")
+_APP_ENV = {
+    "device": re.compile(rb"[A-Za-z0-9_][A-Za-z0-9_\-]*-[A-Za-z0-9_]+"),
+    # application = ALPHA *(ALPHA / "_" / "-"); environment = ALPHA *(ALPHA / "_")
+    "seed": re.compile(rb"[A-Za-z][A-Za-z_\-]*-[A-Za-z][A-Za-z_]*"),
+}
+_TOPIC = {
+    "device": re.compile(rb"[A-Za-z0-9_][A-Za-z0-9_.\-]*"),
+    # logs / javascript / events *(ALPHA / "."), frontend.page, frontend.ajax
+    "seed": re.compile(rb"(?:logs|javascript|events)[A-Za-z.]*|frontend\.page|frontend\.ajax"),
+}
 
 
-def is_valid_app_env(value: bytes, *, relaxed: bool = False) -> bool:
-    return (_APP_ENV_RELAXED if relaxed else _APP_ENV_SEED).fullmatch(value) is not None
+def is_valid_app_env(value: bytes, *, grammar: str = "device") -> bool:
+    return _APP_ENV[grammar].fullmatch(value) is not None
 
 
-def is_valid_topic(value: bytes, *, relaxed: bool = False) -> bool:
-    return (_TOPIC_RELAXED if relaxed else _TOPIC_SEED).fullmatch(value) is not None
+def is_valid_topic(value: bytes, *, grammar: str = "device") -> bool:
+    return _TOPIC[grammar].fullmatch(value) is not None
 
 
 # --- messages -------------------------------------------------------------------------------
 
+# The first frame of logjam-device's reply when the request had no frame after the empty one.
+UNKNOWN_APP_ENV = b"unknown-unknown"
+
 
 @dataclass(frozen=True, slots=True)
 class DataMessage:
-    """A validated data message; ``body`` is the decompressed JSON."""
+    """A validated data message; ``body`` is decompressed, JSON (``content_type`` "json") or,
+    as logjam-device forwards any body, whatever else the agent sent ("raw")."""
 
     app_env: str
     topic: str
     body: bytes
     meta: Meta
+    content_type: str = "json"
 
     def add_to(self, builder: BatchBuilder) -> None:
         """Append this message as a record (see the mapping in docs/protocols/logjam.md)."""
@@ -81,7 +97,7 @@ class DataMessage:
             producer=str(self.meta.device),
             seq=self.meta.sequence,
             ts_ns=created_ns(self.meta.created_ms),
-            content_type="json",
+            content_type=self.content_type,
         )
 
 
@@ -102,24 +118,17 @@ class PingMessage:
     meta: Meta
 
 
-@dataclass(frozen=True, slots=True)
-class RouterMessage:
-    """What arrived on the ROUTER: the sender's routing id, whether it asked for a reply."""
-
-    routing_id: bytes
-    wants_reply: bool
-    frames: Sequence[bytes]
-
-
 def parse_message(
     frames: Sequence[bytes],
     *,
     max_body: int,
     max_decompressed: int,
-    relaxed: bool = False,
-    check_json: bool = True,
+    grammar: str = "device",
 ) -> DataMessage | PingMessage:
-    """Validate four frames ``app-env topic body meta``; raises :class:`LogjamError`."""
+    """Validate four frames ``app-env topic body meta``; raises :class:`LogjamError`.
+
+    A body that is not JSON is kept as it came (``content_type`` "raw"): logjam-device
+    forwards bodies without looking at them, and refusing one would lose an agent's data."""
     if len(frames) != 4:
         raise LogjamError(f"{len(frames)} frames, expected 4", reason="bad_frame_count")
     app_env, topic, body, meta_frame = frames
@@ -127,37 +136,31 @@ def parse_message(
     if app_env == PING:
         # The ping's second frame is the agent's app-env (or empty); nothing is stored.
         return PingMessage(topic.decode("ascii", "replace")[:255], meta)
-    if not is_valid_app_env(app_env, relaxed=relaxed):
+    if not is_valid_app_env(app_env, grammar=grammar):
         raise LogjamError("app-env does not match the grammar", reason="bad_app_env")
-    if not is_valid_topic(topic, relaxed=relaxed):
+    if not is_valid_topic(topic, grammar=grammar):
         raise LogjamError("topic does not match the grammar", reason="bad_topic")
     if len(body) > max_body:
         raise LogjamLimit(f"body is {len(body)} bytes, at most {max_body}", reason="body_too_large")
     data = decompress(meta.compression, body, max_decompressed)
-    if check_json:
-        try:
-            orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise LogjamError("body is not JSON", reason="bad_json") from None
+    try:
+        orjson.loads(data)
+    except orjson.JSONDecodeError:
+        content_type = "raw"
+    else:
+        content_type = "json"
     # The grammar guarantees ASCII, so decoding cannot fail.
-    return DataMessage(app_env.decode("ascii"), topic.decode("ascii"), data, meta)
+    return DataMessage(app_env.decode("ascii"), topic.decode("ascii"), data, meta, content_type)
 
 
-def parse_router_frames(frames: Sequence[bytes]) -> RouterMessage:
-    """Split a ROUTER message: ``routing-id [""] app-env topic body meta``.
-
-    An empty frame after the routing id asks for a reply (logjam-device's synchronous mode).
-    """
-    if len(frames) < 2:
-        raise LogjamError("ROUTER message without content", reason="bad_frame_count")
-    if frames[1] == b"":
-        return RouterMessage(frames[0], True, frames[2:])
-    return RouterMessage(frames[0], False, frames[1:])
-
-
-def reply_frames(routing_id: bytes, *status: bytes) -> list[bytes]:
-    """ROUTER reply: the empty delimiter keeps it REQ-compatible; DEALERs see it first."""
-    return [routing_id, b"", *status]
+def reply_frames(
+    routing_id: bytes, content: Sequence[bytes], status: bytes, *more: bytes
+) -> list[bytes]:
+    """The ROUTER's reply to a message that asked for one (an empty frame after the routing
+    id), as logjam-device builds it in read_router_message_and_forward: the routing id, the
+    message's first frame after the empty one (its app-env, or "ping"; ``unknown-unknown``
+    when there is none), the status, then for a ping the device's host name."""
+    return [routing_id, content[0] if content else UNKNOWN_APP_ENV, status, *more]
 
 
 def encode_message(

@@ -10,6 +10,7 @@ from enum import IntEnum
 from .codec import LogjamError
 
 __all__ = [
+    "MAX_PREFIX_BYTES",
     "ReplayMode",
     "ReplayRequest",
     "matches_prefixes",
@@ -18,6 +19,9 @@ __all__ = [
 ]
 
 _U64 = (1 << 64) - 1
+
+# A replay prefix, like a consumer's subscription, is an app-env prefix: 255 bytes is plenty.
+MAX_PREFIX_BYTES = 255
 
 
 class ReplayMode(IntEnum):
@@ -59,8 +63,10 @@ def parse_replay_request(
     start = _decimal(frames[1], "from")
     second = _decimal(frames[2], "count")
     prefixes = tuple(frames[3:])
-    if any(len(p) > 255 for p in prefixes):
-        raise LogjamError("prefix longer than 255 bytes", reason="bad_replay_request")
+    if any(len(p) > MAX_PREFIX_BYTES for p in prefixes):
+        raise LogjamError(
+            f"prefix longer than {MAX_PREFIX_BYTES} bytes", reason="bad_replay_request"
+        )
     if mode_name == b"offset":
         return ReplayRequest(ReplayMode.OFFSET, start, min(second, max_count), prefixes)
     if mode_name == b"seq":

@@ -25,8 +25,9 @@ class LogjamConfig:
         9607, "replay side channel: the port after logjam-device's three", min=0, max=65535
     )
     rcv_hwm: int = setting(
-        100_000,
-        "messages ZeroMQ queues per agent connection before PUSH agents block (logjam-device)",
+        1000,
+        "messages libzmq queues per agent connection while the hub is full and taproom does "
+        "not read (a few MB of KB-sized requests); then the agents' own queues fill",
         min=1,
     )
     snd_hwm: int = setting(
@@ -36,7 +37,14 @@ class LogjamConfig:
     )
     max_message_bytes: int = setting(
         4 * 1024 * 1024,
-        "ZMQ_MAXMSGSIZE per frame: logjam request bodies are KBs; bigger means a broken agent",
+        "a body frame may be at most this (400 body_too_large): logjam request bodies are KBs",
+        min=1024,
+        max=1 << 30,
+    )
+    max_frame_bytes: int = setting(
+        8 * 1024 * 1024,
+        "ZMQ_MAXMSGSIZE of the ROUTER and PULL: frames up to this are read (and answered 400 "
+        "when over max_message_bytes); libzmq drops a peer that sends a bigger one, unseen",
         min=1024,
         max=1 << 30,
     )
@@ -48,6 +56,13 @@ class LogjamConfig:
     )
     burst_messages: int = setting(
         4096, "messages drained per read before one batch goes to the journal", min=1
+    )
+    burst_bytes: int = setting(
+        4 * 1024 * 1024,
+        "decompressed bytes one burst may hold before its batch goes to the journal: small "
+        "compressed bodies cannot inflate a burst past this plus one body",
+        min=1024,
+        max=1 << 30,
     )
     device_number: int = setting(
         1,
@@ -73,9 +88,10 @@ class LogjamConfig:
         24, "24-byte meta is what logjam-tools reads; 22 is the seed's form", choices=(22, 24)
     )
     grammar: str = setting(
-        "seed",
-        "the seed's app-env/topic grammar; 'relaxed' also allows digits, '_' and '-'",
-        choices=("seed", "relaxed"),
+        "device",
+        "accept what logjam-device accepts (digits, '_', any routing key); 'seed' is the "
+        "seed's stricter ABNF",
+        choices=lj.GRAMMARS,
     )
     routes: tuple[str, ...] = setting(
         ("*",), "protocols whose events reach the PUB output; '*' is every protocol"
@@ -96,7 +112,11 @@ class LogjamConfig:
         min=16,
         max=100_000_000,
     )
-    hostname: str = setting("", "heartbeat and ping replies; empty means this host's name")
+    hostname: str = setting(
+        "",
+        "heartbeat and ping replies; empty means the canonical host name (getaddrinfo "
+        "AI_CANONNAME), as logjam-device names itself",
+    )
 
     def validate(self) -> None:
         if self.meta_size == 22 and self.device_number > 0xFFFF:
@@ -105,7 +125,12 @@ class LogjamConfig:
             sample = self.default_app_env.format(protocol="lumberjack")
         except (KeyError, IndexError, ValueError):
             raise ConfigError("only {protocol} may be filled in", key="default_app_env") from None
-        if not lj.is_valid_app_env(sample.encode(), relaxed=self.grammar == "relaxed"):
+        if self.max_frame_bytes < self.max_message_bytes:
+            raise ConfigError(
+                "must be at least max_message_bytes, or no oversized body could be answered",
+                key="max_frame_bytes",
+            )
+        if not lj.is_valid_app_env(sample.encode(), grammar=self.grammar):
             raise ConfigError(
                 f"gives {sample!r}, not an app-env (application-environment)",
                 key="default_app_env",

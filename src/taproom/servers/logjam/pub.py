@@ -248,7 +248,7 @@ class PubOutput:
             return
         body = batch.body
         unpack = _RECORD_HEAD.unpack_from
-        skip = _RECORD_HEAD.size + 10  # protocol "logjam" and content type "json" come first
+        head_size = _RECORD_HEAD.size
         send = functools.partial(raw_send, self._pub)
         pack_meta = self.meta_struct.pack
         wrap = self.config.sequence_wrap
@@ -262,10 +262,10 @@ class PubOutput:
         first_k = k
         try:
             for _ in range(count):
-                (length, _recv, ts_ns, _seq, _lp, _lc, ls, lt, _lr, _le, _la, ll) = unpack(
-                    body, pos
-                )
-                q = pos + skip
+                (length, _recv, ts_ns, _seq, lp, lc, ls, lt, _lr, _le, _la, ll) = unpack(body, pos)
+                # protocol "logjam", then the content type ("json", or "raw" for a body that
+                # is not JSON)
+                q = pos + head_size + lp + lc
                 app_env = body[q : q + ls]
                 q += ls
                 topic = body[q : q + lt]

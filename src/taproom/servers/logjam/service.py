@@ -17,7 +17,30 @@ from .ingest import Ingest, RejectLog
 from .pub import PubOutput
 from .replay import ReplayChannel
 
-__all__ = ["LogjamService", "create_service"]
+__all__ = ["LogjamService", "canonical_host_name", "create_service"]
+
+# ZMQ_MAXMSGSIZE of the sockets that take no logjam messages, from what their protocol sends:
+# a subscription is an app-env prefix in a ZMTP 3.1 SUBSCRIBE command ("\x09SUBSCRIBE" before
+# it; ZMTP 3.0 peers send one byte); replay request frames are at most 255 bytes, and a little
+# more is still read so it can be answered 400. libzmq drops the connection of a peer sending a
+# bigger frame before allocating it.
+_SUBSCRIPTION_MAX_BYTES = len(b"\x09SUBSCRIBE") + lj.MAX_PREFIX_BYTES
+_REPLAY_FRAME_MAX_BYTES = 4096
+
+
+def canonical_host_name() -> str:
+    """This host's name as logjam-device gives it (my_fqdn in logjam-tools src/logjam-util.c):
+    the canonical name getaddrinfo reports for gethostname() with AI_CANONNAME, or the plain
+    host name when the lookup fails."""
+    name = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(
+            name, None, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_CANONNAME
+        )
+    except OSError:
+        return name
+    canonical = [info[3] for info in infos if info[3]]
+    return canonical[-1] if canonical else name
 
 
 class LogjamService:
@@ -26,7 +49,7 @@ class LogjamService:
     def __init__(self, hub: Hub, config: LogjamConfig) -> None:
         self.hub = hub
         self.config = config
-        self.hostname = (config.hostname or socket.getfqdn() or "localhost").encode()
+        self.hostname = (config.hostname or canonical_host_name()).encode()
         mapper = lj.OutputMapper(
             routes=config.routes,
             default_app_env=config.default_app_env,
@@ -42,12 +65,14 @@ class LogjamService:
         self._tasks: list[asyncio.Task[None]] = []
         self.addresses: dict[str, str] = {}
 
-    def _bind(self, kind: int, port: int, name: str) -> tuple[zmq.asyncio.Socket, zmq.Socket]:
+    def _bind(
+        self, kind: int, port: int, name: str, max_frame: int
+    ) -> tuple[zmq.asyncio.Socket, zmq.Socket]:
         assert self._ctx is not None
         cfg = self.config
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
         sock.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
         sock.setsockopt(zmq.SNDHWM, cfg.snd_hwm)
         if kind == zmq.XPUB:
@@ -62,10 +87,16 @@ class LogjamService:
         cfg = self.config
         self._ctx = zmq.asyncio.Context()
         try:
-            router, router_sync = self._bind(zmq.ROUTER, cfg.router_port, "logjam_router")
-            pull, pull_sync = self._bind(zmq.PULL, cfg.pull_port, "logjam_pull")
-            _, pub_sync = self._bind(zmq.XPUB, cfg.pub_port, "logjam_pub")
-            replay, replay_sync = self._bind(zmq.ROUTER, cfg.replay_port, "logjam_replay")
+            router, router_sync = self._bind(
+                zmq.ROUTER, cfg.router_port, "logjam_router", cfg.max_frame_bytes
+            )
+            pull, pull_sync = self._bind(
+                zmq.PULL, cfg.pull_port, "logjam_pull", cfg.max_frame_bytes
+            )
+            _, pub_sync = self._bind(zmq.XPUB, cfg.pub_port, "logjam_pub", _SUBSCRIPTION_MAX_BYTES)
+            replay, replay_sync = self._bind(
+                zmq.ROUTER, cfg.replay_port, "logjam_replay", _REPLAY_FRAME_MAX_BYTES
+            )
         except zmq.ZMQError:
             self._close_sockets()
             raise
