@@ -1,6 +1,7 @@
 """The console: five static pages and the JSON API under ``/api/`` they (and scripts) use.
 
-Pages are plain HTML files with their own scripts (no inline script: the CSP forbids it); every
+Pages are plain HTML (``static/pages/<name>.html`` inside ``static/shell.html``, put together
+once at start) with their own scripts (no inline script: the CSP forbids it); every
 value a page shows is inserted as text, never as markup. The API is read-only, every parameter
 bounded (:mod:`.params`); anything that touches files (journal scans, kegs, Parquet) runs in a
 worker thread so the event loop keeps serving ingest. The routes are listed in docs/console.md.
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
+from string import Template
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -27,12 +29,13 @@ if TYPE_CHECKING:
 
 __all__ = ["add_routes"]
 
+# path -> (page name: static/pages/<name>.html and static/<name>.js, title)
 PAGES = {
-    "/": "overview.html",
-    "/tail": "tail.html",
-    "/requests": "requests.html",
-    "/telemetry": "telemetry.html",
-    "/bus": "bus.html",
+    "/": ("overview", "Overview"),
+    "/tail": ("tail", "Live tail"),
+    "/requests": ("requests", "Requests"),
+    "/telemetry": ("telemetry", "Telemetry"),
+    "/bus": ("bus", "Event BUS"),
 }
 PROTOCOLS = ("", "lumberjack", "logtk", "logjam", "eventbus", "lager")
 SCAN_LIMIT = 50_000  # records one journal scan of an API call may decode
@@ -283,15 +286,22 @@ def add_routes(app: web.Application, server: WebServer) -> None:
     app.on_startup.append(console.start)
     server.on_stop(console.stop)
     static = server.static_dir
+    shell = Template((static / "shell.html").read_text(encoding="utf-8"))
 
-    def page(name: str) -> Any:
-        async def handler(request: web.Request) -> web.FileResponse:
-            return web.FileResponse(static / name)
+    def page(name: str, title: str) -> Any:
+        # Built once from the package's own files (no request data): the shared head, nav
+        # and scripts around the page's main content.
+        html = shell.substitute(
+            name=name, title=title, main=(static / "pages" / f"{name}.html").read_text("utf-8")
+        ).encode()
+
+        async def handler(request: web.Request) -> web.Response:
+            return web.Response(body=html, content_type="text/html", charset="utf-8")
 
         return handler
 
-    for path, name in PAGES.items():
-        app.router.add_get(path, page(name))
+    for path, (name, title) in PAGES.items():
+        app.router.add_get(path, page(name, title))
     app.router.add_static("/static/", static, follow_symlinks=False, show_index=False)
     routes = {
         "/api/overview": console.overview,
