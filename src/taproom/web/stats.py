@@ -86,7 +86,9 @@ class StatsRing:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            next_at += 1.0
+            # After a stall, start again from now rather than sample a burst to catch up
+            # (samples a few milliseconds apart would turn counters into noisy rates).
+            next_at = max(next_at + 1.0, loop.time())
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             self.sample()
 
