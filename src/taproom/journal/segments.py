@@ -65,7 +65,7 @@ _CRC_PART = struct.Struct("<QI")
 # Every record of a body takes at least its fixed head: bounds how many offsets damaged bytes
 # can have held, which keeps resynchronisation from accepting a far-fetched "frame".
 _MIN_RECORD_BYTES = RECORD_HEAD.size
-# Resynchronisation reads this much at a time (numpy views of it cost ~8x while filtering).
+# Resynchronisation reads this much at a time (its filter makes a few arrays of this length).
 _RESYNC_CHUNK = 1 << 20
 _U64_AT_EACH_BYTE = np.dtype("<u8")
 
@@ -219,6 +219,7 @@ def _resync(
                 count == 0
                 or base - expected > (at - bad_position) // _MIN_RECORD_BYTES
                 or length < count * _MIN_RECORD_BYTES
+                or length > MAX_BATCH_BODY
                 or at + FRAME.size + length > file_size
                 or (end_bound is not None and base + count > end_bound)
             ):
