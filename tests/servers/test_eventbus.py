@@ -222,6 +222,34 @@ class TestCollector:
             assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1
             assert [r.topic for r in app.hub.journal.read(0)] == ["/f/ok"]
 
+    async def test_peers_refused_at_the_handshake_are_counted(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
+        """Issue 16 defect 6: a PUSH or PUB Clone client on the ROUTER COLLECTOR is refused by
+        ZeroMQ without a message; the socket monitor's events count it."""
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            for kind in (zmq.PUSH, zmq.PUB):
+                wrong = ctx.socket(kind)
+                wrong.connect("tcp://" + app.addresses["eventbus_collector"])
+            labels = {"protocol": "eventbus", "reason": "handshake_refused"}
+            await _until(
+                lambda: _metric(app, "taproom_ingest_rejected_items_total", labels) >= 2,
+                10,
+                "the refusals",
+            )
+            # a DEALER (the seed's own) is not refused
+            before = _metric(app, "taproom_ingest_rejected_items_total", labels)
+            right = ctx.socket(zmq.DEALER)
+            right.connect("tcp://" + app.addresses["eventbus_collector"])
+            await right.send_multipart(_pub("/ok", 1))
+            await _until_snapshot_has(_url(app.addresses), "/ok")
+            right.close(0)
+            await asyncio.sleep(0.3)
+            after = _metric(app, "taproom_ingest_rejected_items_total", labels)
+            # the wrong ones keep reconnecting (every 100 ms) and are counted each time, so
+            # only count the good one's absence: its close is no refusal
+            assert after - before < 20
+
     async def test_retried_uuid_is_broadcast_once(
         self, tmp_path: Path, ctx: zmq.asyncio.Context
     ) -> None:

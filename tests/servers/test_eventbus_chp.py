@@ -164,6 +164,16 @@ class TestCloneFlows:
                 labels = {"protocol": "eventbus", "reason": reason}
                 assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1, reason
             assert [r.topic for r in app.hub.journal.read(0)] == ["/m/ok"]
+            # a Clone model 6 client (PUB) on this model 5 (PULL) collector: refused by ZeroMQ
+            # at the handshake, counted from the socket monitor
+            wrong = ctx.socket(zmq.PUB)
+            wrong.connect(f"tcp://{host}:{port + 2}")
+            refused = {"protocol": "eventbus", "reason": "handshake_refused"}
+            await _until(
+                lambda: _metric(app, "taproom_ingest_rejected_items_total", refused) >= 1,
+                10,
+                "the refused handshake",
+            )
 
     async def test_chp_state_survives_sigkill(self, tmp_path: Path) -> None:
         config = write_config(tmp_path, enable=["eventbus"], eventbus=_chp("pull"))

@@ -7,11 +7,13 @@ import contextlib
 import errno
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
 
 from ...hub import Hub
+from ...zmqmonitor import watch_handshakes
 from .checkpoint import BusState, checkpoint_path, rebuild_state, write_checkpoint
 from .config import EventBusConfig
 from .snapshot import SnapshotServer
@@ -24,6 +26,7 @@ class EventBusService(SnapshotServer):
     """The sockets, the broadcaster, the heartbeat and the Binary Star peer link."""
 
     _broadcaster: asyncio.Task[None] | None = None
+    _watched: list[tuple[str, zmq.asyncio.Socket]]
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -60,9 +63,17 @@ class EventBusService(SnapshotServer):
         if self.config.role != "standalone":
             self._connect_peer()
             loops += [self._peer_hugz_loop(), self._peer_ack_loop()]
+        for name, sock in self._watched:
+            loops.append(watch_handshakes(sock, self._refused_handshake(name)))
         self._broadcaster = asyncio.create_task(self._broadcast_loop())
         self._tasks = [asyncio.create_task(c) for c in loops]
         return addresses
+
+    def _refused_handshake(self, listener: str) -> Callable[[], None]:
+        def count() -> None:
+            self._reject("handshake_refused", f"{listener}: a peer refused at the handshake")
+
+        return count
 
     def _bind(self) -> dict[str, str]:
         """The seed's group (and the CHP dialect's, when on); see :meth:`_bind_group`."""
@@ -84,6 +95,13 @@ class EventBusService(SnapshotServer):
             (zmq.ROUTER, {"RCVHWM": cfg.collector_hwm, "MAXMSGSIZE": self._max_frame}),
         )
         self._snapshot, self._publisher, self._collector = snapshot, publisher, collector
+        # Peers of the wrong kind (a PUSH or PUB on the ROUTER COLLECTOR...) are refused by
+        # ZeroMQ without a word to the application: their monitors count them.
+        self._watched = [
+            ("eventbus_snapshot", snapshot),
+            ("eventbus_publisher", publisher),
+            ("eventbus_collector", collector),
+        ]
         # Synchronous shadows of the same sockets: NOBLOCK sends and receives in hot loops
         # without a future per call.
         self._snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
@@ -113,6 +131,11 @@ class EventBusService(SnapshotServer):
         if collector_kind == zmq.SUB:
             collector.setsockopt(zmq.SUBSCRIBE, b"")
         self._chp_snapshot, self._chp_collector = snapshot, collector
+        self._watched += [
+            ("eventbus_chp_snapshot", snapshot),
+            ("eventbus_chp_publisher", publisher),
+            ("eventbus_chp_collector", collector),
+        ]
         self._chp_snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
         self._chp_publisher_raw = zmq.Socket.shadow(publisher.underlying)
         self._chp_collector_raw = zmq.Socket.shadow(collector.underlying)
