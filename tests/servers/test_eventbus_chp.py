@@ -21,6 +21,7 @@ import zmq.asyncio
 from taproom.clients.eventbus import EventBusClient
 from taproom.journal import JournalReader
 from tests.servers.clone_peer import CloneClient
+from tests.servers.test_eventbus import start_pair
 from tests.support import HubProcess, running_app, write_config
 
 SEQ = struct.Struct(">q")
@@ -196,36 +197,8 @@ class TestCloneFailover:
     servers; the primary is SIGKILLed; no update is lost (issue 16, defect 1)."""
 
     async def test_model6_failover_loses_no_update(self, tmp_path: Path) -> None:
-        from tests.servers.test_eventbus import _free_triple, _wait_synced_passive
-
-        timing = {"heartbeat_ms": 100, "peer_timeout_ms": 1000, "replicate_timeout_ms": 2000}
-        primary_port = _free_triple()
-        (tmp_path / "b").mkdir()
-        (tmp_path / "p").mkdir()
-        chp = {"chp": True, "chp_collector": "sub"}
-        backup = HubProcess(
-            write_config(
-                tmp_path / "b",
-                enable=["eventbus"],
-                eventbus={"role": "backup", "peer": f"127.0.0.1:{primary_port}", **timing, **chp},
-            )
-        ).start()
-        primary = HubProcess(
-            write_config(
-                tmp_path / "p",
-                enable=["eventbus"],
-                eventbus={
-                    "role": "primary",
-                    "port": primary_port,
-                    "peer": backup.addresses["eventbus_snapshot"],
-                    **timing,
-                    **chp,
-                },
-            )
-        )
+        primary, backup = await start_pair(tmp_path, chp=True, chp_collector="sub")
         try:
-            primary.start()
-            await _wait_synced_passive(backup.addresses["eventbus_publisher"])
             servers = [_group(primary.addresses), _group(backup.addresses)]
             client = await CloneClient(servers, model=6, server_ttl=1.5).start()
             await asyncio.sleep(0.3)  # both SUB collectors have joined the client's PUB
