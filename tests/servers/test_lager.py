@@ -52,6 +52,13 @@ def rejected(app: Any, reason: str) -> float:
     return value or 0.0
 
 
+async def until_rejected(app: Any, reason: str, count: float, timeout: float = 10) -> None:
+    """Rows of an unregistered uuid are held for ``unknown_tap_hold_s`` before being refused."""
+    deadline = time.monotonic() + timeout
+    while rejected(app, reason) < count and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
 def tcp(address: str, plus: int = 0) -> str:
     host, port = address.rsplit(":", 1)
     return f"tcp://{host}:{int(port) + plus}"
@@ -123,7 +130,9 @@ async def register(peer: Peer, key: str, u: bytes, xml: str = XML) -> list[bytes
 @pytest.fixture
 async def bartender(tmp_path: Path) -> AsyncIterator[tuple[Any, Peer]]:
     async with running_app(
-        tmp_path, enable=["lager"], lager={"hugz_interval_s": 0.2, "checkpoint_interval_s": 0.1}
+        tmp_path,
+        enable=["lager"],
+        lager={"hugz_interval_s": 0.2, "checkpoint_interval_s": 0.1, "unknown_tap_hold_s": 0.3},
     ) as app:
         peer = Peer(app.addresses)
         await peer.settle()
@@ -410,6 +419,7 @@ class TestForwarder:
         frames = await asyncio.wait_for(peer.data_out.recv_multipart(), 5)
         assert frames == [u, b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:]]
         assert rejected(app, "payload_size") == 1
+        await until_rejected(app, "unknown_tap", 1)
         assert rejected(app, "unknown_tap") == 1
         assert rejected(app, "frame_count") == 1
         assert [r.payload for r in app.hub.journal.read(0) if r.content_type == "lager"] == [ROW]
@@ -451,6 +461,7 @@ class TestForwarder:
         assert not await peer.plain_out.poll(300)
         while await peer.data_out.poll(10):  # the counted output: loss marks only
             assert (await peer.data_out.recv_multipart())[0].startswith(MARK_PREFIX)
+        await until_rejected(app, "unknown_tap", before["unknown_tap"] + 1)
         for reason, messages in bad.items():
             assert rejected(app, reason) - before[reason] == len(messages), reason
         journaled = [r.ts_ns for r in app.hub.journal.read(0) if r.content_type == "lager"]
@@ -603,6 +614,8 @@ class TestFuzz:
         await peer.data_in.send_multipart(sentinel)
         while await asyncio.wait_for(peer.data_out.recv_multipart(), 10) != sentinel:
             pass
+        await asyncio.sleep(1.0)  # rows of random uuids are held 0.3 s, then refused
+
         total = sum(
             s.value
             for metric in app.hub.metrics.registry.collect()
@@ -613,6 +626,104 @@ class TestFuzz:
         # also refuses some that decode, e.g. duplicate keys from flipped uuid bits).
         assert expected > n / 2
         assert total >= expected
+
+
+class TestRestartedTap:
+    """A restarted nasa/lager Tap comes back under a new uuid with the same key, and its client
+    takes the registrar's entry (same key, same format) as its own: taproom refused all its rows
+    as unknown_tap. Now the key moves to the new uuid once the old one is gone."""
+
+    LAGER = {"takeover_after_s": 0.5, "unknown_tap_hold_s": 8.0, "hugz_interval_s": 0.2}
+    FMT = parse_format_xml(NASA_XML)
+
+    def row(self, i: int) -> list[bytes]:
+        row = self.FMT.encode_row({"a": i, "b": i / 2})
+        return [row[:4], row[4:]]
+
+    async def journaled(self, app: Any, producer: bytes, want: int) -> list[int]:
+        deadline = time.monotonic() + 15
+        text = str(uuid.UUID(bytes=producer))
+        while True:
+            got = [r.ts_ns for r in app.hub.journal.read(0)
+                   if r.content_type == "lager" and r.producer == text]  # fmt: skip
+            if len(got) >= want or time.monotonic() > deadline:
+                return got
+            await asyncio.sleep(0.1)
+
+    async def test_restarted_taps_keep_every_row(self, tmp_path: Path) -> None:
+        async with running_app(tmp_path, enable=["lager"], lager=self.LAGER) as app:
+            peer = Peer(app.addresses)
+            where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
+            first = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+            try:
+                await peer.settle()
+                await first.register()
+                for i in range(20):
+                    await first.log(i, self.row(i))
+                assert len(await self.journaled(app, first.uuid, 20)) == 20
+                first.close()
+                # Restart 1: its registration reaches the registrar (refused while the old
+                # uuid is fresh, then it takes the key); it logs at once.
+                second = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+                await second.register()  # satisfied by the holder's echo, as the C++ is
+                for i in range(100, 150):
+                    await second.log(i, self.row(i))
+                assert await self.journaled(app, second.uuid, 50) == list(range(100, 150))
+                second.close()
+                # Restart 2: no registration gets through at all, only rows.
+                third = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+                await peer.settle()
+                for i in range(200, 250):
+                    await third.log(i, self.row(i))
+                assert await self.journaled(app, third.uuid, 50) == list(range(200, 250))
+                snap = await peer.snapshot()
+                third.close()
+            finally:
+                peer.close()
+            moves = [(r.producer, r.attrs.get("replaces")) for r in app.hub.journal.read(0)
+                     if r.content_type == "lager-registration"]  # fmt: skip
+        text = {t.uuid: str(uuid.UUID(bytes=t.uuid)) for t in (first, second, third)}
+        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", third.uuid)]
+        assert moves == [
+            (text[first.uuid], None),
+            (text[second.uuid], text[first.uuid]),
+            (text[third.uuid], text[second.uuid]),
+        ]
+        assert rejected(app, "unknown_tap") == 0
+        async with running_app(tmp_path, enable=["lager"], lager=self.LAGER) as app:
+            peer = Peer(app.addresses)  # the journal replays the moves
+            snap = await peer.snapshot()
+            peer.close()
+        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", third.uuid)]
+
+    async def test_a_live_tap_keeps_its_key(self, tmp_path: Path) -> None:
+        """A second tap with the same key while the first is alive is still a duplicate."""
+        async with running_app(
+            tmp_path, enable=["lager"], lager={**self.LAGER, "unknown_tap_hold_s": 1.5}
+        ) as app:
+            peer = Peer(app.addresses)
+            where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
+            holder = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+            impostor = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+            try:
+                await peer.settle()
+                await holder.register()
+                await impostor.register()
+                for i in range(80):  # 4 s: the holder is never silent for takeover_after_s
+                    await holder.log(i, self.row(i))
+                    if i < 30:  # the impostor's rows wait 1.5 s for a key, then are refused
+                        await impostor.log(i, self.row(i))
+                    await asyncio.sleep(0.05)
+                await until_rejected(app, "unknown_tap", 30)
+                assert len(await self.journaled(app, holder.uuid, 80)) == 80
+                snap = await peer.snapshot()
+            finally:
+                holder.close()
+                impostor.close()
+                peer.close()
+            assert rejected(app, "unknown_tap") == 30 and rejected(app, "duplicate_key") >= 1
+            assert not await self.journaled(app, impostor.uuid, 0)
+        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", holder.uuid)]
 
 
 class TestPersistence:

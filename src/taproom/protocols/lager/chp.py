@@ -248,26 +248,31 @@ class Registrar:
     def __len__(self) -> int:
         return len(self.by_key)
 
-    def check(self, reg: Registration) -> bool:
+    def check(self, reg: Registration, *, replacing: bytes | None = None) -> bool:
         """True when ``reg`` changes the map, False when it repeats what is there.
 
         Raises :class:`Refused` for "avoid duplicate Tap registration": a key held by another
-        uuid, a uuid already registered under another key, or a full map.
+        uuid (unless that uuid is ``replacing``: the key moves to ``reg``'s uuid), a uuid already
+        registered under another key, or a full map.
         """
         held = self.by_key.get(reg.key)
-        if held is not None and held.uuid != reg.uuid:
+        if held is not None and held.uuid != reg.uuid and held.uuid != replacing:
             raise Refused(f"key {reg.key!r} is registered by another tap", reason="duplicate_key")
         other = self.by_uuid.get(reg.uuid)
         if other is not None and other.key != reg.key:
             raise Refused(f"uuid already registered as {other.key!r}", reason="duplicate_uuid")
         if held is None and len(self.by_key) >= self.max_taps:
             raise Refused(f"registrar holds {self.max_taps} taps already", reason="too_many_taps")
-        return held is None or held.value != reg.value
+        return held is None or held.value != reg.value or held.uuid != reg.uuid
 
     def apply(self, reg: Registration) -> Registration:
-        """Store ``reg`` with the next sequence number and return the stored entry."""
+        """Store ``reg`` with the next sequence number and return the stored entry (a key that
+        moves to a new uuid leaves its old uuid unregistered)."""
         self.sequence += 1
         stored = reg.with_sequence(self.sequence)
+        old = self.by_key.get(reg.key)
+        if old is not None and old.uuid != reg.uuid:
+            del self.by_uuid[old.uuid]
         self.by_key[reg.key] = stored
         self.by_uuid[reg.uuid] = stored
         return stored

@@ -82,6 +82,23 @@ class LagerConfig:
         "behind (its marks dropped with the rows) still learns the final count",
         min=1,
     )
+    takeover_after_s: float = setting(
+        5.0,
+        "a tap is gone when nothing (rows, registrations) came from its uuid this long; then a "
+        "new uuid may take its key (nasa/lager's Tap makes a new uuid at every start)",
+        min=0.01,
+    )
+    unknown_tap_hold_s: float = setting(
+        15.0,
+        "rows from an unregistered uuid wait this long for its registration or a takeover "
+        "before they are refused as unknown_tap (a restarted tap sends rows at once)",
+        min=0.0,
+    )
+    max_held_bytes: int = setting(
+        16 * 1024 * 1024,
+        "rows held for unregistered uuids, all together: ~15 s of a 1 kHz tap of 1 KiB rows",
+        min=0,
+    )
     checkpoint_interval_s: float = setting(
         1.0, "registrar checkpoint at most this often; the journal covers the rest", min=0.01
     )

@@ -11,6 +11,12 @@ Three sockets, at nasa/lager's forwarder ports and one more:
   taproom's control messages, in order in one pipe per mug: the hello replies (no lost first
   samples) and the loss marks (counted loss). taproom's Mug reads here; no real Mug ever does.
 
+Rows from a uuid the registrar does not know are *held* (bounded by ``max_held_bytes``) for
+up to ``unknown_tap_hold_s``: a restarted nasa/lager Tap sends rows under its new uuid at once,
+often without registering again; the registrar lets it take over its gone predecessor's key
+(``RegistrarServer.adopt``), and the held rows then go through in order. Rows still unclaimed
+when the hold ends are refused as ``unknown_tap``.
+
 Each message is checked against its tap's registered format (uuid known, header frames, one
 frame per item with the format's sizes, or the seed's single payload frame of the row size),
 committed (content type ``lager``, stream = tap key, producer = tap uuid, ts_ns = the message
@@ -47,8 +53,9 @@ import logging
 import struct
 import time
 import uuid as uuid_module
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
@@ -58,7 +65,8 @@ import zmq.asyncio
 
 from ...errors import HubStopped, ProtocolError
 from ...hub import Hub
-from ...protocols.lager.chp import Registrar
+from ...protocols.lager.chp import Registrar, Registration
+from ...protocols.lager.formats import DataFormat
 from ...protocols.lager.messages import parse_data_message
 from ...records import MAX_PAYLOAD_BYTES, RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
 from ...zmqframes import recv_frames
@@ -77,6 +85,7 @@ HELLO_PREFIX = b"\x00taproom-lager-hello/"
 # Loss accounting marks: topic MARK_PREFIX + tap uuid, then a u64 count (see the docstring).
 MARK_PREFIX = b"\x00taproom-lager-mark/"
 _BATCH_MARKS = 256  # taps per batch marked right after it; more wait for the HUGZ round
+_HELD_TICK_S = 0.1  # how often held rows' uuids are offered a key
 DATA_CONTENT_TYPE = "lager"
 
 
@@ -134,8 +143,19 @@ def _data_attrs(version: bytes, flags: bytes) -> bytes:
     return orjson.dumps({"version": version.hex(), "flags": str(int.from_bytes(flags, "big"))})
 
 
+@dataclass(slots=True)
+class _Held:
+    """Rows of one unregistered uuid, waiting for it to get a key."""
+
+    since: float
+    messages: list[list[bytes]] = field(default_factory=list)
+    nbytes: int = 0
+
+
 class Forwarder:
-    """The forwarder's sockets and loops. ``registrar`` is the live hashmap (read only here)."""
+    """The forwarder's sockets and loops. ``registrar`` is the live hashmap (read only here);
+    ``touch`` tells the registrar which uuids sent rows, ``adopt`` asks it to give an
+    unregistered uuid a key (see the module docstring)."""
 
     def __init__(
         self,
@@ -143,11 +163,19 @@ class Forwarder:
         config: LagerConfig,
         registrar: Callable[[], Registrar],
         reject: Callable[[str, str], None],
+        *,
+        touch: Callable[[Iterable[bytes], float], None],
+        adopt: Callable[[bytes, Callable[[DataFormat], bool]], Awaitable[bool]],
     ) -> None:
         self.hub = hub
         self.config = config
         self._registrar = registrar
         self._reject = reject
+        self._touch = touch
+        self._adopt = adopt
+        self._held: dict[bytes, _Held] = {}
+        self._held_bytes = 0
+        self._replay: deque[list[bytes]] = deque()  # held rows of a uuid that now has a key
         self.closing = False
         self.inflight: set[asyncio.Future[Any]] = set()
         # uuid + flags + version -> DataRecords; cleared whenever the hashmap changes.
@@ -162,6 +190,13 @@ class Forwarder:
         self._counted_topics: set[bytes] = set()
         self._m_forwarded = hub.metrics.counter(
             "lager", "forwarded", "rows", "Data rows sent to mugs"
+        )
+        hub.metrics.gauge_fn(
+            "lager",
+            "held",
+            "bytes",
+            "Rows of unregistered uuids waiting for a key (max_held_bytes)",
+            lambda: self._held_bytes,
         )
 
     @property
@@ -202,7 +237,12 @@ class Forwarder:
 
     @property
     def loops(self) -> tuple[Callable[[], Awaitable[None]], ...]:
-        return (self._data_loop, self._plain_subscriptions, self._counted_subscriptions)
+        return (
+            self._data_loop,
+            self._plain_subscriptions,
+            self._counted_subscriptions,
+            self._held_loop,
+        )
 
     def formats_changed(self) -> None:
         """A registration changed the hashmap: a tap's format may be different now."""
@@ -238,19 +278,24 @@ class Forwarder:
         max_batch = cfg.max_batch_messages
         records = self._records
         recv = recv_frames
+        replay = self._replay
         while True:
             await hub.wait_capacity()
-            if not readable(raw):
+            if not replay and not readable(raw):
                 await self.fwd_in.poll(timeout=1000)
             received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
             parts: list[bytes] = []
             forwards: list[list[bytes]] = []
             reframe: list[tuple[int, list[tuple[int, int]]]] = []  # seed rows of several items
             for _ in range(max_batch):
-                try:
-                    frames = recv(raw, max_frames)
-                except zmq.Again:
-                    break
+                frames: list[bytes] | None
+                if replay:
+                    frames = replay.popleft()
+                else:
+                    try:
+                        frames = recv(raw, max_frames)
+                    except zmq.Again:
+                        break
                 if frames is None:
                     self._reject("frame_count", f"data message over {max_frames} frames")
                     continue
@@ -274,7 +319,11 @@ class Forwarder:
                     raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
                 tap = records.get(raw_uuid + flags + version)
                 if tap is None:
-                    tap = self._tap_records(raw_uuid, version, flags)
+                    reg = self.registrar.by_uuid.get(raw_uuid)
+                    if reg is None:
+                        self._hold(raw_uuid, frames)
+                        continue
+                    tap = self._tap_records(reg, raw_uuid, version, flags)
                     if tap is None:
                         continue
                 if n == 5:  # the seed's one payload frame, or nasa/lager's single item
@@ -304,12 +353,10 @@ class Forwarder:
             # must not starve the registrar, the commit callbacks or the forwards.
             await asyncio.sleep(0)
 
-    def _tap_records(self, raw_uuid: bytes, version: bytes, flags: bytes) -> DataRecords | None:
-        """The record parts for a tap's (version, flags); None (rejected) for an unknown tap."""
-        reg = self.registrar.by_uuid.get(raw_uuid)
-        if reg is None:
-            self._reject("unknown_tap", f"data from unregistered uuid {raw_uuid.hex()}")
-            return None
+    def _tap_records(
+        self, reg: Registration, raw_uuid: bytes, version: bytes, flags: bytes
+    ) -> DataRecords | None:
+        """The record parts for a tap's (version, flags); None (rejected) if they cannot be."""
         try:
             tap = DataRecords(
                 reg.key,
@@ -367,6 +414,7 @@ class Forwarder:
         rounds = self._mark_rounds
         repeat = self.config.mark_repeat
         per_tap = Counter(map(itemgetter(0), forwards))
+        self._touch(per_tap, time.monotonic())
         # A batch from a few busy taps gets its marks at once; one spread over many taps
         # (a fleet at low rates: a mark per row or so) leaves them to the next HUGZ round.
         now = len(per_tap) <= _BATCH_MARKS and bool(self._counted_topics)
@@ -390,6 +438,49 @@ class Forwarder:
             raw_send(self._counted_raw, self._epoch, NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("lager: mark not sent: %s", exc)
+
+    # --- rows of unregistered uuids -----------------------------------------------------------
+
+    def _hold(self, raw_uuid: bytes, frames: list[bytes]) -> None:
+        size = sum(map(len, frames))
+        if self._held_bytes + size > self.config.max_held_bytes:
+            self._reject("unknown_tap", f"data from unregistered uuid {raw_uuid.hex()}")
+            return
+        held = self._held.get(raw_uuid)
+        if held is None:
+            held = self._held[raw_uuid] = _Held(time.monotonic())
+        held.messages.append(frames)
+        held.nbytes += size
+        self._held_bytes += size
+
+    def registered(self, reg: Registration) -> None:
+        """``reg.uuid`` has a key now: its held rows go through next, before newer ones."""
+        held = self._held.pop(reg.uuid, None)
+        if held is not None:
+            self._held_bytes -= held.nbytes
+            self._replay.extend(held.messages)
+
+    async def _held_loop(self) -> None:
+        """Ask the registrar to give held uuids a key; refuse what waited too long."""
+        hold_s = self.config.unknown_tap_hold_s
+        while True:
+            await asyncio.sleep(_HELD_TICK_S)
+            for raw_uuid in list(self._held):
+                held = self._held.get(raw_uuid)
+                if held is None:  # released while we awaited the registrar
+                    continue
+                if time.monotonic() - held.since >= hold_s:
+                    del self._held[raw_uuid]
+                    self._held_bytes -= held.nbytes
+                    # Every held row is refused: all but one counted here, one (and the log
+                    # line, rate-limited) by _reject.
+                    self.hub.metrics.rejected("lager", "unknown_tap", len(held.messages) - 1)
+                    self._reject(
+                        "unknown_tap",
+                        f"{len(held.messages)} rows from unregistered uuid {raw_uuid.hex()}",
+                    )
+                    continue
+                await self._adopt(raw_uuid, _fits(held.messages[0]))  # registered() on success
 
     async def _plain_subscriptions(self) -> None:
         """Track what real mugs subscribe to on F+1 (only data is ever sent there)."""
@@ -439,6 +530,16 @@ class Forwarder:
         with contextlib.suppress(zmq.Again):
             raw_send(self._counted_raw, topic, MORE_NOBLOCK)
             raw_send(self._counted_raw, self._epoch, NOBLOCK)
+
+
+def _fits(frames: list[bytes]) -> Callable[[DataFormat], bool]:
+    """Whether a format could be the one of this (held) message."""
+    if len(frames) == 5:
+        row_size = len(frames[4])
+        return lambda fmt: fmt.row_size == row_size
+    sizes = [len(frame) for frame in frames[4:]]
+    total = sum(sizes)
+    return lambda fmt: fmt.row_size == total and [item.size for item in fmt.items] == sizes
 
 
 def _send_messages(raw: zmq.Socket[bytes], messages: list[list[bytes]]) -> None:

@@ -9,6 +9,14 @@ hashmap plus the journal offset it covers (written atomically at most every
 ``checkpoint_interval_s`` and at stop); on start the checkpoint is loaded and the journal
 replayed from that offset (from the start if there is no checkpoint), so registrations survive
 a restart and even a SIGKILL.
+
+A key moves to a new uuid when its tap is *gone*: nothing (rows, registrations) came from the
+old uuid for ``takeover_after_s``. nasa/lager's Tap makes a new uuid at every start, and a
+restarted one often never re-sends its registration (its snapshot already shows its key with
+its format). So a registration for a held key takes it over once the holder is gone, and rows
+from an unregistered uuid (held by the forwarder meanwhile) take over the one gone key whose
+format matches them (:meth:`RegistrarServer.adopt`). A takeover is journaled as a registration
+with ``attrs.replaces`` = the old uuid and published as an update.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import logging
 import os
 import time
 import uuid as uuid_module
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import orjson
 import zmq
@@ -35,7 +43,7 @@ from ...protocols.lager.chp import (
     parse_registration,
     parse_snapshot_request,
 )
-from ...protocols.lager.formats import parse_format_xml
+from ...protocols.lager.formats import DataFormat, parse_format_xml
 from ...records import BatchBuilder, iter_batch
 from .config import LagerConfig
 from .sockets import readable, recv_bounded, send
@@ -46,13 +54,15 @@ log = logging.getLogger("taproom.lager")
 
 REGISTRATION_CONTENT_TYPE = "lager-registration"
 _STATE_VERSION = 1
+_MAX_CLAIMS = 1024
 
 
 class RegistrarServer:
     """The registrar's sockets, loops and persistence around a :class:`Registrar` hashmap.
 
     ``on_change`` runs before a committed registration changes the map (the forwarder drops
-    what it cached about formats); ``on_hugz`` runs at every HUGZ round.
+    what it cached about formats), ``on_applied`` after it did (the forwarder releases rows it
+    held for that uuid); ``on_hugz`` runs at every HUGZ round.
     """
 
     def __init__(
@@ -62,13 +72,25 @@ class RegistrarServer:
         reject: Callable[[str, str], None],
         *,
         on_change: Callable[[], None],
+        on_applied: Callable[[Registration], None],
         on_hugz: Callable[[], None],
     ) -> None:
         self.hub = hub
         self.config = config
         self._reject = reject
         self._on_change = on_change
+        self._on_applied = on_applied
         self._on_hugz = on_hugz
+        # Only one change of the map at a time (collector bursts and takeovers both commit
+        # first, then apply: the checks must still hold when they apply).
+        self._map_lock = asyncio.Lock()
+        # uuid -> when rows or a registration last came from it (monotonic); a uuid not in it
+        # has been silent since this process started.
+        self._active: dict[bytes, float] = {}
+        self._started = time.monotonic()
+        # uuid -> its registration refused as duplicate_key: it takes the key when the holder
+        # is gone (bounded: the oldest claims go first).
+        self._claims: dict[bytes, Registration] = {}
         self.registrar = Registrar(max_taps=config.max_taps)
         self.state_path = config.state_file or os.path.join(
             hub.config.journal.dir, "lager-registrar.json"
@@ -82,6 +104,9 @@ class RegistrarServer:
             "lager", "registrations", "messages", "Registrations that changed the hashmap"
         )
         self._m_snapshots = m.counter("lager", "snapshots", "requests", "ICANHAZ? answered")
+        self._m_takeovers = m.counter(
+            "lager", "takeovers", "keys", "Keys moved to a new uuid after their tap was gone"
+        )
         m.gauge_fn("lager", "taps", "count", "Taps in the registrar's hashmap", self._tap_count)
 
     def _tap_count(self) -> float:
@@ -178,7 +203,9 @@ class RegistrarServer:
                         max_xml_bytes=1 << 30,
                         max_items=1 << 20,
                     )  # fmt: skip
-                    if self.registrar.check(reg):
+                    replaces = record.attrs.get("replaces")
+                    replacing = uuid_module.UUID(replaces).bytes if replaces else None
+                    if self.registrar.check(reg, replacing=replacing):
                         self.registrar.apply(reg)
                         replayed += 1
                 except (ProtocolError, ValueError) as exc:
@@ -241,73 +268,157 @@ class RegistrarServer:
             await self.hub.wait_capacity()
             if not readable(raw):
                 await self.collector.poll(timeout=1000)
-            accepted: list[Registration] = []
-            pending_keys: dict[str, Registration] = {}
-            pending_uuids: dict[bytes, Registration] = {}
-            echoes: list[list[bytes]] = []
-            for _ in range(cfg.max_batch_messages):
-                try:
-                    frames = recv_bounded(raw, 5)
-                except zmq.Again:
-                    break
-                if frames is None:
-                    self._reject("frame_count", "registration with more than 5 frames")
-                    continue
-                try:
-                    reg = parse_registration(
-                        frames,
-                        max_key_bytes=cfg.max_key_bytes,
-                        max_xml_bytes=cfg.max_format_bytes,
-                        max_items=cfg.max_format_items,
-                    )
-                    held = pending_keys.get(reg.key)
-                    other = pending_uuids.get(reg.uuid)
-                    if held is not None and held.uuid != reg.uuid:
-                        raise ChpError("key registered by another tap", reason="duplicate_key")
-                    if other is not None and other.key != reg.key:
-                        raise ChpError("uuid registered under another key", reason="duplicate_uuid")
-                    changes = self.registrar.check(reg)
-                except ProtocolError as exc:
-                    self._reject(exc.reason, str(exc))
-                    if exc.reason == "duplicate_key":
-                        # Show the holder to the refused tap (it watches the publisher).
-                        holder = pending_keys.get(reg.key) or self.registrar.by_key.get(reg.key)
-                        if holder is not None:
-                            echoes.append(holder.frames())
-                    continue
-                if changes and reg.key not in pending_keys:
-                    pending_keys[reg.key] = reg
-                    pending_uuids[reg.uuid] = reg
-                    accepted.append(reg)
-                elif reg.key in self.registrar.by_key:
-                    echoes.append(self.registrar.by_key[reg.key].frames())  # a repeat: confirm it
-            if accepted:
-                builder = BatchBuilder()
-                for reg in accepted:
-                    builder.add(
-                        "lager",
-                        reg.value.encode("utf-8"),
-                        stream=reg.key,
-                        topic="registration",
-                        producer=reg.uuid_str,
-                        event_id=reg.uuid_str,
-                        content_type=REGISTRATION_CONTENT_TYPE,
-                        attrs={"version": reg.format.version},
-                    )
-                try:
-                    commit = await self.hub.ingest(builder.build())
-                except HubStopped:
+            async with self._map_lock:
+                if not await self._collect_burst(raw, cfg):
                     return
-                self._on_change()  # a tap's format may have changed
-                for reg in accepted:  # only this loop changes the map: the checks still hold
-                    stored = self.registrar.apply(reg)
-                    self._m_registered.inc()
-                    self._publish(stored.frames())
-                self._registered_offset = max(self._registered_offset, commit.end_offset)
-                self._dirty = True
-            for frames in echoes:
-                self._publish(frames)
             await asyncio.sleep(0)  # a flood of refused registrations must not starve the loop
+
+    async def _collect_burst(self, raw: zmq.Socket[bytes], cfg: LagerConfig) -> bool:
+        """Read, check, commit and apply what the collector holds. False: the hub stopped."""
+        accepted: list[tuple[Registration, bytes | None]] = []
+        pending_keys: dict[str, Registration] = {}
+        pending_uuids: dict[bytes, Registration] = {}
+        echoes: list[list[bytes]] = []
+        now = time.monotonic()
+        for _ in range(cfg.max_batch_messages):
+            try:
+                frames = recv_bounded(raw, 5)
+            except zmq.Again:
+                break
+            if frames is None:
+                self._reject("frame_count", "registration with more than 5 frames")
+                continue
+            try:
+                reg = parse_registration(
+                    frames,
+                    max_key_bytes=cfg.max_key_bytes,
+                    max_xml_bytes=cfg.max_format_bytes,
+                    max_items=cfg.max_format_items,
+                )
+                self._active[reg.uuid] = now
+                held = pending_keys.get(reg.key)
+                other = pending_uuids.get(reg.uuid)
+                if held is not None and held.uuid != reg.uuid:
+                    raise ChpError("key registered by another tap", reason="duplicate_key")
+                if other is not None and other.key != reg.key:
+                    raise ChpError("uuid registered under another key", reason="duplicate_uuid")
+                replacing = None
+                holder = self.registrar.by_key.get(reg.key)
+                if holder is not None and holder.uuid != reg.uuid and self._gone(holder, now):
+                    replacing = holder.uuid  # the old tap is gone: the key moves
+                changes = self.registrar.check(reg, replacing=replacing)
+            except ProtocolError as exc:
+                self._reject(exc.reason, str(exc))
+                if exc.reason == "duplicate_key":
+                    self._claim(reg)
+                    # Show the holder to the refused tap (it watches the publisher).
+                    holder = pending_keys.get(reg.key) or self.registrar.by_key.get(reg.key)
+                    if holder is not None:
+                        echoes.append(holder.frames())
+                continue
+            if changes and reg.key not in pending_keys:
+                pending_keys[reg.key] = reg
+                pending_uuids[reg.uuid] = reg
+                accepted.append((reg, replacing))
+            elif reg.key in self.registrar.by_key:
+                echoes.append(self.registrar.by_key[reg.key].frames())  # a repeat: confirm it
+        if accepted and not await self._commit(accepted):
+            return False
+        for frames in echoes:
+            self._publish(frames)
+        return True
+
+    async def _commit(self, accepted: list[tuple[Registration, bytes | None]]) -> bool:
+        """Journal, then change the map and publish (caller holds the map lock)."""
+        builder = BatchBuilder()
+        for reg, replacing in accepted:
+            attrs = {"version": reg.format.version}
+            if replacing is not None:
+                attrs["replaces"] = str(uuid_module.UUID(bytes=replacing))
+            builder.add(
+                "lager",
+                reg.value.encode("utf-8"),
+                stream=reg.key,
+                topic="registration",
+                producer=reg.uuid_str,
+                event_id=reg.uuid_str,
+                content_type=REGISTRATION_CONTENT_TYPE,
+                attrs=attrs,
+            )
+        try:
+            commit = await self.hub.ingest(builder.build())
+        except HubStopped:
+            return False
+        self._on_change()  # a tap's format may have changed
+        for reg, replacing in accepted:  # under the map lock: the checks still hold
+            stored = self.registrar.apply(reg)
+            self._claims.pop(reg.uuid, None)
+            self._m_registered.inc()
+            if replacing is not None:
+                self._m_takeovers.inc()
+                log.warning(
+                    "lager: %s moved from tap %s (silent) to tap %s",
+                    reg.key, uuid_module.UUID(bytes=replacing), reg.uuid_str,
+                )  # fmt: skip
+            self._publish(stored.frames())
+            self._on_applied(stored)
+        self._registered_offset = max(self._registered_offset, commit.end_offset)
+        self._dirty = True
+        return True
+
+    # --- takeovers ------------------------------------------------------------------------
+
+    def touch(self, uuids: Iterable[bytes], now: float) -> None:
+        """Rows came from these uuids (the forwarder calls this per batch)."""
+        active = self._active
+        for raw_uuid in uuids:
+            active[raw_uuid] = now
+        if len(active) > 4 * self.config.max_taps:  # uuids long gone and never registered
+            known = self.registrar.by_uuid
+            for raw_uuid in [u for u in active if u not in known]:
+                del active[raw_uuid]
+
+    def _gone(self, reg: Registration, now: float) -> bool:
+        last = self._active.get(reg.uuid, self._started)
+        return now - last >= self.config.takeover_after_s
+
+    def _claim(self, reg: Registration) -> None:
+        claims = self._claims
+        claims.pop(reg.uuid, None)
+        claims[reg.uuid] = reg
+        while len(claims) > _MAX_CLAIMS:
+            del claims[next(iter(claims))]
+
+    async def adopt(self, raw_uuid: bytes, fits: Callable[[DataFormat], bool]) -> bool:
+        """Rows came from ``raw_uuid``, which is not registered: let it take over the key it
+        claimed by a refused registration, or else the one key whose tap is gone and whose
+        format ``fits`` its rows. True when it now holds a key."""
+        async with self._map_lock:
+            if raw_uuid in self.registrar.by_uuid:
+                return True
+            now = time.monotonic()
+            claim = self._claims.get(raw_uuid)
+            if claim is not None:
+                holder = self.registrar.by_key.get(claim.key)
+                if holder is not None and not self._gone(holder, now):
+                    return False
+                reg, replacing = claim, (holder.uuid if holder is not None else None)
+            else:
+                gone = [
+                    r
+                    for r in self.registrar.by_uuid.values()
+                    if self._gone(r, now) and fits(r.format)
+                ]
+                if len(gone) != 1:  # none yet, or several taps this row could be from
+                    return False
+                replacing = gone[0].uuid
+                reg = Registration(gone[0].key, raw_uuid, gone[0].value, gone[0].format)
+            try:
+                self.registrar.check(reg, replacing=replacing)
+            except ProtocolError as exc:
+                self._reject(exc.reason, str(exc))
+                return False
+            return await self._commit([(reg, replacing)])
 
     async def _snapshot_loop(self) -> None:
         cfg = self.config

@@ -34,12 +34,20 @@ class LagerService:
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._last_log: dict[str, float] = {}
-        self.forwarder = Forwarder(hub, config, lambda: self.registrar.registrar, self._reject)
+        self.forwarder = Forwarder(
+            hub,
+            config,
+            lambda: self.registrar.registrar,
+            self._reject,
+            touch=lambda uuids, now: self.registrar.touch(uuids, now),
+            adopt=lambda raw_uuid, fits: self.registrar.adopt(raw_uuid, fits),
+        )
         self.registrar = RegistrarServer(
             hub,
             config,
             self._reject,
             on_change=self.forwarder.formats_changed,
+            on_applied=self.forwarder.registered,
             on_hugz=self.forwarder.repeat_marks,
         )
 
