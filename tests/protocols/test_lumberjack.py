@@ -368,6 +368,17 @@ class TestInflateBounds:
         assert [[w.ack_seq for w in ws] for ws in later] == [[1]] * 4
         assert conn.buffered_bytes == 0
 
+    def test_large_content_inflates_in_steps_within_the_bound(self) -> None:
+        # Past 4 MiB the output grows in one bytearray a step at a time (a single bounded
+        # zlib call peaks at twice its bound); frames parse the same from it.
+        limits = Limits(max_frame_bytes=2 << 20, max_decompressed_bytes=7 << 20)
+        frames = b"".join(J(i, {"i": i, "pad": "r" * (1 << 20)}) for i in range(1, 7))
+        (window,) = receive_all(ServerConnection("p", limits=limits), W(6) + C(frames))
+        assert window.ack_seq == 6 and window.batch.count == 6
+        with pytest.raises(LumberjackLimit) as info:
+            receive_all(ServerConnection("p", limits=limits), W(8) + C(frames + frames[:-10]))
+        assert info.value.reason == "decompressed_too_large"
+
     def test_incomplete_frame_bytes_from_the_header(self) -> None:
         conn = ServerConnection("p", limits=self.LIMITS)
         assert conn.incomplete_frame_bytes == 0

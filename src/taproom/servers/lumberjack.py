@@ -22,7 +22,7 @@ import logging
 import os
 import ssl
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +100,13 @@ class LumberjackConfig:
     )
     max_connections: int = setting(
         4096, "one or a few connections per shipper; an idle one costs ~5 KiB (bench)", min=1
+    )
+    accept_backlog: int = setting(
+        128,
+        "asyncio accepts this many in one go: 1024 let a connect/RST flood hold the loop long "
+        "enough that /health took over 1 s; the kernel's SYN retries pace the flood instead",
+        min=16,
+        max=65535,
     )
     max_connections_per_peer: int = setting(
         256,
@@ -249,8 +256,7 @@ class _Connection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         refusal = server.admit(self, peer[0] if peer else None)
         if refusal:
-            server.hub.metrics.rejected(PROTOCOL, refusal)
-            log.warning("%s: connection refused: %s", peer[0] if peer else "?", refusal)
+            server.refuse(refusal)
             transport.abort()
             return
         producer = f"{peer[0]}:{peer[1]}" if peer else ""
@@ -344,10 +350,15 @@ class _Connection(asyncio.Protocol):
                 self._hold(_HOLD_CAPACITY)
                 server.loop.create_task(self._wait_capacity())
         elif parser.more_buffered and not self.holds & _HOLD_PARSE:
+            # The next C frame of this read is inflated once this connection's windows so far
+            # are committed: one read never has more than one window's output in the hub.
             self._hold(_HOLD_PARSE)
-            server.loop.call_soon(self._parse_buffered)
+            if not self._pending:
+                server.loop.call_soon(self._parse_buffered)
 
     def _parse_buffered(self) -> None:
+        if not self.holds & _HOLD_PARSE:
+            return
         self._unhold(_HOLD_PARSE)
         if not self._closing and self.parser is not None and self.parser.more_buffered:
             self._receive(b"")
@@ -417,6 +428,8 @@ class _Connection(asyncio.Protocol):
             if self._keepalive_timer is not None:  # the sender just heard from us
                 self._keepalive_timer.cancel()
                 self._keepalive_timer = None
+        if not pending and self.holds & _HOLD_PARSE:
+            self.server.loop.call_soon(self._parse_buffered)
         if pending and self._keepalive_timer is None:
             self._keepalive_timer = self.server.loop.call_later(
                 self.server.config.keepalive_s, self._keepalive
@@ -491,6 +504,7 @@ class LumberjackServer:
         self.limits = config.limits
         self.connections: set[_Connection] = set()
         self.per_peer: dict[str, int] = {}
+        self._refused: Counter[str] = Counter()  # since the last sweep, by reason
         self.loop = asyncio.get_event_loop()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -548,6 +562,12 @@ class LumberjackServer:
         self.connections.add(conn)
         self.m_connections.inc()
         return ""
+
+    def refuse(self, reason: str) -> None:
+        """Count a refused connection; the sweep logs them once a second, not once each (a
+        connect flood would otherwise cost a log line per connection)."""
+        self.hub.metrics.rejected(PROTOCOL, reason)
+        self._refused[reason] += 1
 
     def forget(self, conn: _Connection) -> None:
         """The connection is gone: its slot, its peer count and its reservation are free."""
@@ -619,7 +639,7 @@ class LumberjackServer:
             ssl=ssl_ctx,
             ssl_handshake_timeout=cfg.handshake_timeout_s if ssl_ctx else None,
             ssl_shutdown_timeout=cfg.tls_shutdown_timeout_s if ssl_ctx else None,
-            backlog=1024,
+            backlog=cfg.accept_backlog,
         )
         self._sweeper = self.loop.create_task(self._sweep())
         host, port = self._server.sockets[0].getsockname()[:2]
@@ -633,6 +653,9 @@ class LumberjackServer:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
+            if self._refused:
+                log.warning("connections refused: %s", dict(self._refused))
+                self._refused.clear()
             if self.handshaking:
                 self._count_failed_handshakes(now)
             for conn in [c for c in self.connections if c.idle(now, cfg.idle_timeout_s)]:

@@ -151,7 +151,7 @@ class ServerConnection:
         # boundaries even after an idle flush acknowledged part of one.
         self._in_window = 0
         self._high = 0
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | bytearray] = []
         self._nbytes = 0
         self._received_ns = 0
         self._events: list[Window] = []
@@ -217,6 +217,8 @@ class ServerConnection:
             exc.windows = events
             self._buf = bytearray()
             raise
+        finally:
+            self._events = []  # the caller owns the windows now: hold no batch past the call
         if not self._buf:
             self._need = 0
         return events
@@ -229,11 +231,13 @@ class ServerConnection:
         """
         if not self._count:
             return None
-        return self._close_window(final=True)
+        window = self._close_window(final=True)
+        self._events = []
+        return window
 
     # -- parsing ------------------------------------------------------------------------------
 
-    def _parse(self, view: bytes, pos: int, end: int, depth: int) -> int:
+    def _parse(self, view: bytes | bytearray, pos: int, end: int, depth: int) -> int:
         """Handle complete frames in ``view[pos:end]``; return where an incomplete one starts."""
         unpack2 = _U32X2.unpack_from
         unpack1 = _U32.unpack_from
@@ -418,7 +422,7 @@ class ServerConnection:
         self._need = 2
         return pos
 
-    def _data_frames(self, view: bytes, pos: int, end: int, version: int) -> int:
+    def _data_frames(self, view: bytes | bytearray, pos: int, end: int, version: int) -> int:
         """A run of ``D`` frames of one version; returns where the run stops (the next other
         frame), or ``-(pos + 1)`` when the frame at ``pos`` is incomplete."""
         limits = self._limits
@@ -570,14 +574,36 @@ class ServerConnection:
         return window
 
 
-def _inflate(data: memoryview, limit: int, bound: int) -> bytes:
-    """zlib-decode with an output bound: a bomb stops at ``limit + 1`` bytes, never more.
+# A window of Filebeat's inflates to about 1 MiB: one zlib call returns it as bytes (the fast
+# type to parse). A larger output goes on growing in one bytearray, STEP at a time: a single
+# bounded call builds its result in blocks and then copies them into one bytes object, twice
+# the bound at its peak (a 64 MiB bomb cost 128 MiB).
+_INFLATE_FIRST = 4 * 1024 * 1024
+_INFLATE_STEP = 1024 * 1024
+
+
+def _inflate(data: memoryview, limit: int, bound: int) -> bytes | bytearray:
+    """zlib-decode with an output bound: a bomb stops within one step past ``limit``.
 
     ``limit`` is what the enclosing top-level C frame has left of ``bound``.
     """
     decomp = zlib.decompressobj()
     try:
-        out = decomp.decompress(data, limit + 1)
+        first = decomp.decompress(data, min(limit + 1, _INFLATE_FIRST))
+        out: bytes | bytearray = first
+        if not decomp.eof and len(first) <= limit:
+            grown = bytearray(first)
+            del first, out
+            pending = decomp.unconsumed_tail
+            while True:
+                piece = decomp.decompress(pending, _INFLATE_STEP)
+                grown += piece
+                if len(grown) > limit:
+                    break
+                pending = decomp.unconsumed_tail
+                if decomp.eof or (not pending and len(piece) < _INFLATE_STEP):
+                    break
+            out = grown
     except zlib.error as exc:
         raise LumberjackError(f"C payload is not zlib: {exc}", reason="bad_compressed") from None
     if len(out) > limit:
