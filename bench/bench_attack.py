@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import struct
 import subprocess
@@ -37,7 +36,7 @@ from taproom.config import HubConfig, known_sections
 from taproom.protocols.lumberjack import CompressedFrame, JsonFrame, WindowSizeFrame
 from taproom.servers import SERVICE_MODULES
 
-from .common import Figure
+from .common import Figure, rss_of_pid_kib, stop_child
 
 __all__ = ["ATTACKS", "Attack", "AttackHub", "run"]
 
@@ -107,20 +106,10 @@ class AttackHub:
             self.addresses[name] = (host, int(port))
 
     def status_kib(self, field: str) -> int:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-        return 0
+        return rss_of_pid_kib(self.proc.pid, field)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_child(self.proc)
 
 
 # --- Lumberjack -------------------------------------------------------------------------------

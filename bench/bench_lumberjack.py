@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from taproom.config import known_sections
 from taproom.protocols.lumberjack import ClientSession, Version
 from taproom.servers import SERVICE_MODULES
 
-from .common import Figure, percentile, rss_of_pid_kib
+from .common import Figure, percentile, rss_of_pid_kib, stop_child
 
 WINDOW = 2048
 CONNECTIONS = 4
@@ -128,13 +127,7 @@ class Hub:
         self.address = (host, int(port))
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_child(self.proc)
 
 
 def _drive(

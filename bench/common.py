@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import resource
+import signal
+import subprocess
 from dataclasses import dataclass
 
 __all__ = [
@@ -13,6 +15,7 @@ __all__ = [
     "percentile",
     "print_figures",
     "rss_of_pid_kib",
+    "stop_child",
 ]
 
 
@@ -47,13 +50,24 @@ def peak_rss_mib(children: bool = False) -> float:
     return resource.getrusage(who).ru_maxrss / 1024
 
 
-def rss_of_pid_kib(pid: int) -> int:
-    """Current resident set of another process (Linux)."""
+def rss_of_pid_kib(pid: int, field: str = "VmRSS") -> int:
+    """Current resident set of another process (Linux); ``field="VmHWM"`` for its peak."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
+
+
+def stop_child(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a child hub and wait for it; SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def cpu_seconds_of_pid(pid: int) -> float:
