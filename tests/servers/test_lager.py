@@ -29,7 +29,7 @@ from taproom.protocols.lager.chp import (
 from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.messages import parse_data_message
 from taproom.servers.lager import HELLO_PREFIX, MARK_PREFIX, LagerConfig
-from tests.protocols.lager.nasa_peer import NasaChpClient, NasaMug, NasaTap
+from tests.protocols.lager.nasa_peer import NasaChpClient
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
 XML = (
@@ -372,6 +372,28 @@ class TestRegistrar:
             pass
         assert rejected(app, "xml_too_large") == 1
 
+    async def test_a_huge_subscription_is_not_taken(self, bartender: tuple[Any, Peer]) -> None:
+        """Subscriptions are input: one bigger than any key makes ZeroMQ drop that subscriber
+        (ZMQ_MAXMSGSIZE) instead of the registrar holding it; other subscribers go on."""
+        _, peer = bartender
+        greedy = peer.ctx.socket(zmq.SUB)
+        greedy.setsockopt(zmq.LINGER, 0)
+        greedy.setsockopt(zmq.RECONNECT_IVL, 10_000)  # at most one more try in this test
+        greedy.setsockopt(zmq.SUBSCRIBE, b"")
+        # 4 KiB: far above any key. (A 1 MiB subscription crashes libzmq 4.3.5 when the
+        # subscribing socket closes: a client-side stack overflow, so it is not used here.)
+        greedy.setsockopt(zmq.SUBSCRIBE, b"x" * 4096)
+        greedy.connect(tcp(peer.a["lager_registrar_publisher"]))
+        normal = hugz = 0
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            if await peer.updates.poll(50):
+                normal += (await peer.updates.recv_multipart())[0] == b"HUGZ"
+            while await greedy.poll(0):
+                hugz += (await greedy.recv_multipart())[0] == b"HUGZ"
+        greedy.close()
+        assert normal >= 4 and hugz <= 1, (normal, hugz)
+
     async def test_keys_the_real_registrar_takes(self, bartender: tuple[Any, Peer]) -> None:
         """nasa/lager's registrar takes any key; its own example is "/sample_format"."""
         app, peer = bartender
@@ -466,66 +488,6 @@ class TestForwarder:
             assert rejected(app, reason) - before[reason] == len(messages), reason
         journaled = [r.ts_ns for r in app.hub.journal.read(0) if r.content_type == "lager"]
         assert 1 not in journaled and journaled[-1] == 7
-
-
-class TestWireConformance:
-    """What a SUB subscribed to everything sees on the forwarder's output (F+1) is what
-    nasa/lager's forwarder would carry: data messages only, one frame per item."""
-
-    async def test_only_data_messages_under_load_and_hugz(self, tmp_path: Path) -> None:
-        async with running_app(
-            tmp_path, enable=["lager"], lager={"hugz_interval_s": 0.05, "mark_repeat": 5}
-        ) as app:
-            peer = Peer(app.addresses)
-            registrar = app.addresses["lager_registrar_snapshot"]
-            fwd_in = app.addresses["lager_forwarder_in"]
-            nasa = NasaTap(peer.ctx, registrar, fwd_in, "/Conf/Nasa/", NASA_XML)
-            seed_u = uuid.uuid4().bytes
-            fmt = parse_format_xml(NASA_XML)
-            sizes = [item.size for item in fmt.items]
-            mug = NasaMug(peer.ctx, tcp(app.addresses["lager_forwarder_out"]),
-                          {nasa.uuid: sizes, seed_u: sizes})  # fmt: skip
-            n = 2000
-            try:
-                await peer.settle()
-                await nasa.register()
-                await register(peer, "/Conf/Seed/", seed_u, NASA_XML)
-                while await mug.read(0.2) is None:  # the mug's subscription is in place
-                    await nasa.log(0, [fmt.encode_row({"a": 0, "b": 0.0})[:4], bytes(8)])
-                while await mug.read(0.3) is not None:
-                    pass
-                mug.rows.clear()
-                await peer.subscribe_data(b"")  # a taproom mug on F+2: hellos, marks flow
-
-                def row(i: int) -> bytes:
-                    return fmt.encode_row({"a": i, "b": i / 2})
-
-                async def send() -> None:
-                    for i in range(1, n + 1):
-                        await nasa.log(i, [row(i)[:4], row(i)[4:]])
-                        await peer.data_in.send_multipart(
-                            [seed_u, b"\x01\x00", b"\x00\x00", i.to_bytes(8, "big"), row(i)]
-                        )
-                        if i % 500 == 0:
-                            await peer.subscribe_data(uuid.uuid4().bytes)  # a hello mid-stream
-                            await asyncio.sleep(0.06)  # HUGZ rounds (and mark repeats) too
-
-                async def receive() -> None:
-                    while len(mug.rows) < 2 * n:
-                        assert await mug.read(10) is not None, len(mug.rows)
-
-                await asyncio.gather(send(), receive())
-                await asyncio.sleep(0.3)  # a HUGZ round with marks after the last row
-                assert await mug.read(0.2) is None
-            finally:
-                mug.close()
-                nasa.close()
-                peer.close()
-        by_tap: dict[bytes, list[bytes]] = {nasa.uuid: [], seed_u: []}
-        for keg_row in mug.rows:
-            by_tap[keg_row[:16]].append(keg_row[16:])
-        for rows in by_tap.values():  # both taps, every row, in order, values exact
-            assert rows == [i.to_bytes(8, "big") + row(i) for i in range(1, n + 1)]
 
 
 class TestFuzz:
@@ -626,104 +588,6 @@ class TestFuzz:
         # also refuses some that decode, e.g. duplicate keys from flipped uuid bits).
         assert expected > n / 2
         assert total >= expected
-
-
-class TestRestartedTap:
-    """A restarted nasa/lager Tap comes back under a new uuid with the same key, and its client
-    takes the registrar's entry (same key, same format) as its own: taproom refused all its rows
-    as unknown_tap. Now the key moves to the new uuid once the old one is gone."""
-
-    LAGER = {"takeover_after_s": 0.5, "unknown_tap_hold_s": 8.0, "hugz_interval_s": 0.2}
-    FMT = parse_format_xml(NASA_XML)
-
-    def row(self, i: int) -> list[bytes]:
-        row = self.FMT.encode_row({"a": i, "b": i / 2})
-        return [row[:4], row[4:]]
-
-    async def journaled(self, app: Any, producer: bytes, want: int) -> list[int]:
-        deadline = time.monotonic() + 15
-        text = str(uuid.UUID(bytes=producer))
-        while True:
-            got = [r.ts_ns for r in app.hub.journal.read(0)
-                   if r.content_type == "lager" and r.producer == text]  # fmt: skip
-            if len(got) >= want or time.monotonic() > deadline:
-                return got
-            await asyncio.sleep(0.1)
-
-    async def test_restarted_taps_keep_every_row(self, tmp_path: Path) -> None:
-        async with running_app(tmp_path, enable=["lager"], lager=self.LAGER) as app:
-            peer = Peer(app.addresses)
-            where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
-            first = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
-            try:
-                await peer.settle()
-                await first.register()
-                for i in range(20):
-                    await first.log(i, self.row(i))
-                assert len(await self.journaled(app, first.uuid, 20)) == 20
-                first.close()
-                # Restart 1: its registration reaches the registrar (refused while the old
-                # uuid is fresh, then it takes the key); it logs at once.
-                second = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
-                await second.register()  # satisfied by the holder's echo, as the C++ is
-                for i in range(100, 150):
-                    await second.log(i, self.row(i))
-                assert await self.journaled(app, second.uuid, 50) == list(range(100, 150))
-                second.close()
-                # Restart 2: no registration gets through at all, only rows.
-                third = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
-                await peer.settle()
-                for i in range(200, 250):
-                    await third.log(i, self.row(i))
-                assert await self.journaled(app, third.uuid, 50) == list(range(200, 250))
-                snap = await peer.snapshot()
-                third.close()
-            finally:
-                peer.close()
-            moves = [(r.producer, r.attrs.get("replaces")) for r in app.hub.journal.read(0)
-                     if r.content_type == "lager-registration"]  # fmt: skip
-        text = {t.uuid: str(uuid.UUID(bytes=t.uuid)) for t in (first, second, third)}
-        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", third.uuid)]
-        assert moves == [
-            (text[first.uuid], None),
-            (text[second.uuid], text[first.uuid]),
-            (text[third.uuid], text[second.uuid]),
-        ]
-        assert rejected(app, "unknown_tap") == 0
-        async with running_app(tmp_path, enable=["lager"], lager=self.LAGER) as app:
-            peer = Peer(app.addresses)  # the journal replays the moves
-            snap = await peer.snapshot()
-            peer.close()
-        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", third.uuid)]
-
-    async def test_a_live_tap_keeps_its_key(self, tmp_path: Path) -> None:
-        """A second tap with the same key while the first is alive is still a duplicate."""
-        async with running_app(
-            tmp_path, enable=["lager"], lager={**self.LAGER, "unknown_tap_hold_s": 1.5}
-        ) as app:
-            peer = Peer(app.addresses)
-            where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
-            holder = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
-            impostor = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
-            try:
-                await peer.settle()
-                await holder.register()
-                await impostor.register()
-                for i in range(80):  # 4 s: the holder is never silent for takeover_after_s
-                    await holder.log(i, self.row(i))
-                    if i < 30:  # the impostor's rows wait 1.5 s for a key, then are refused
-                        await impostor.log(i, self.row(i))
-                    await asyncio.sleep(0.05)
-                await until_rejected(app, "unknown_tap", 30)
-                assert len(await self.journaled(app, holder.uuid, 80)) == 80
-                snap = await peer.snapshot()
-            finally:
-                holder.close()
-                impostor.close()
-                peer.close()
-            assert rejected(app, "unknown_tap") == 30 and rejected(app, "duplicate_key") >= 1
-            assert not await self.journaled(app, impostor.uuid, 0)
-        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", holder.uuid)]
 
 
 class TestPersistence:

@@ -131,6 +131,8 @@ class RegistrarServer:
         # A snapshot is up to max_taps messages in one burst: the HWM must hold all of them.
         self.snapshot.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
         self.publisher.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
+        # A subscriber's subscriptions are input too: a key prefix, never more than a key.
+        self.publisher.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
 
     @property
     def sockets(self) -> tuple[zmq.asyncio.Socket, ...]:
