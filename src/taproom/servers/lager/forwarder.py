@@ -154,8 +154,8 @@ class _Held:
 
 class Forwarder:
     """The forwarder's sockets and loops. ``registrar`` is the live hashmap (read only here);
-    ``touch`` tells the registrar which uuids sent rows, ``adopt`` asks it to give an
-    unregistered uuid a key (see the module docstring)."""
+    ``touch`` tells the registrar which uuids sent rows, ``adopt`` asks it to give
+    unregistered uuids a key (see the module docstring)."""
 
     def __init__(
         self,
@@ -165,7 +165,7 @@ class Forwarder:
         reject: Callable[[str, str], None],
         *,
         touch: Callable[[Iterable[bytes], float], None],
-        adopt: Callable[[bytes, Callable[[DataFormat], bool]], Awaitable[bool]],
+        adopt: Callable[[dict[bytes, Callable[[DataFormat], bool]]], Awaitable[None]],
     ) -> None:
         self.hub = hub
         self.config = config
@@ -282,7 +282,8 @@ class Forwarder:
         while True:
             await hub.wait_capacity()
             if not replay and not readable(raw):
-                await self.fwd_in.poll(timeout=1000)
+                # Short naps while rows are held: a takeover releases them into ``replay``.
+                await self.fwd_in.poll(timeout=100 if self._held else 1000)
             received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
             parts: list[bytes] = []
             forwards: list[list[bytes]] = []
@@ -465,11 +466,9 @@ class Forwarder:
         hold_s = self.config.unknown_tap_hold_s
         while True:
             await asyncio.sleep(_HELD_TICK_S)
-            for raw_uuid in list(self._held):
-                held = self._held.get(raw_uuid)
-                if held is None:  # released while we awaited the registrar
-                    continue
-                if time.monotonic() - held.since >= hold_s:
+            now = time.monotonic()
+            for raw_uuid, held in list(self._held.items()):
+                if now - held.since >= hold_s:
                     del self._held[raw_uuid]
                     self._held_bytes -= held.nbytes
                     # Every held row is refused: all but one counted here, one (and the log
@@ -479,8 +478,8 @@ class Forwarder:
                         "unknown_tap",
                         f"{len(held.messages)} rows from unregistered uuid {raw_uuid.hex()}",
                     )
-                    continue
-                await self._adopt(raw_uuid, _fits(held.messages[0]))  # registered() on success
+            if self._held:  # registered() releases the rows of each uuid that gets a key
+                await self._adopt({u: _fits(h.messages[0]) for u, h in self._held.items()})
 
     async def _plain_subscriptions(self) -> None:
         """Track what real mugs subscribe to on F+1 (only data is ever sent there)."""

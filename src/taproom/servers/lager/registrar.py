@@ -391,36 +391,45 @@ class RegistrarServer:
         while len(claims) > _MAX_CLAIMS:
             del claims[next(iter(claims))]
 
-    async def adopt(self, raw_uuid: bytes, fits: Callable[[DataFormat], bool]) -> bool:
-        """Rows came from ``raw_uuid``, which is not registered: let it take over the key it
-        claimed by a refused registration, or else the one key whose tap is gone and whose
-        format ``fits`` its rows. True when it now holds a key."""
+    async def adopt(self, unregistered: dict[bytes, Callable[[DataFormat], bool]]) -> None:
+        """Rows came from these uuids, which hold no key: let each take over the key it claimed
+        by a refused registration, or else the one key whose tap is gone and whose format
+        ``fits`` its rows. One scan of the map per call, whatever the number of uuids."""
         async with self._map_lock:
-            if raw_uuid in self.registrar.by_uuid:
-                return True
             now = time.monotonic()
-            claim = self._claims.get(raw_uuid)
-            if claim is not None:
-                holder = self.registrar.by_key.get(claim.key)
-                if holder is not None and not self._gone(holder, now):
-                    return False
-                reg, replacing = claim, (holder.uuid if holder is not None else None)
-            else:
-                gone = [
-                    r
-                    for r in self.registrar.by_uuid.values()
-                    if self._gone(r, now) and fits(r.format)
-                ]
-                if len(gone) != 1:  # none yet, or several taps this row could be from
-                    return False
-                replacing = gone[0].uuid
-                reg = Registration(gone[0].key, raw_uuid, gone[0].value, gone[0].format)
-            try:
-                self.registrar.check(reg, replacing=replacing)
-            except ProtocolError as exc:
-                self._reject(exc.reason, str(exc))
-                return False
-            return await self._commit([(reg, replacing)])
+            gone = [r for r in self.registrar.by_uuid.values() if self._gone(r, now)]
+            moves: list[tuple[Registration, bytes | None]] = []
+            taken: set[str] = set()
+            for raw_uuid, fits in unregistered.items():
+                if raw_uuid in self.registrar.by_uuid:
+                    continue
+                claim = self._claims.get(raw_uuid)
+                if claim is not None:
+                    holder = self.registrar.by_key.get(claim.key)
+                    if holder is not None and not self._gone(holder, now):
+                        continue
+                    reg, replacing = claim, (holder.uuid if holder is not None else None)
+                else:
+                    fitting = [r for r in gone if fits(r.format)]
+                    if len(fitting) != 1:  # none yet, or several taps the rows could be from
+                        continue
+                    old = fitting[0]
+                    reg, replacing = (
+                        Registration(old.key, raw_uuid, old.value, old.format),
+                        old.uuid,
+                    )
+                if reg.key in taken:  # two new uuids for one key: neither, until one registers
+                    moves = [m for m in moves if m[0].key != reg.key]
+                    continue
+                try:
+                    self.registrar.check(reg, replacing=replacing)
+                except ProtocolError as exc:
+                    self._reject(exc.reason, str(exc))
+                    continue
+                taken.add(reg.key)
+                moves.append((reg, replacing))
+            if moves:
+                await self._commit(moves)
 
     async def _snapshot_loop(self) -> None:
         cfg = self.config

@@ -40,7 +40,7 @@ class LagerService:
             lambda: self.registrar.registrar,
             self._reject,
             touch=lambda uuids, now: self.registrar.touch(uuids, now),
-            adopt=lambda raw_uuid, fits: self.registrar.adopt(raw_uuid, fits),
+            adopt=lambda unregistered: self.registrar.adopt(unregistered),
         )
         self.registrar = RegistrarServer(
             hub,
