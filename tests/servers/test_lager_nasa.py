@@ -179,3 +179,46 @@ class TestRestartedTap:
             assert rejected(app, "unknown_tap") == 30 and rejected(app, "duplicate_key") >= 1
             assert not await self.journaled(app, impostor.uuid, 0)
         assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", holder.uuid)]
+
+    async def test_taps_of_one_format_restarted_together(self, tmp_path: Path) -> None:
+        """Two taps share a format (a robot's two wheels) and restart together. With their
+        registrations (refused while the old uuids are fresh, remembered as claims) each new
+        uuid gets its own key; with rows only, nothing tells them apart: no key is guessed and
+        the rows are refused when the hold ends."""
+        lager = {**self.LAGER, "unknown_tap_hold_s": 3.0}
+        keys = ["/Robot/WheelL/", "/Robot/WheelR/"]
+        xml = {key: NASA_XML.replace("/Conf/Nasa/", key) for key in keys}
+        async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
+            peer = Peer(app.addresses)
+            where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
+            try:
+                await peer.settle()
+                old = [NasaTap(peer.ctx, *where, key, xml[key]) for key in keys]
+                for tap in old:
+                    await tap.register()
+                    await tap.log(1, self.row(1))
+                    tap.close()
+                new = [NasaTap(peer.ctx, *where, key, xml[key]) for key in keys]
+                for tap in new:
+                    await tap.register()  # refused (the old uuid is fresh): a claim
+                for i in range(10, 20):
+                    for tap in new:
+                        await tap.log(i, self.row(i))
+                for tap in new:
+                    assert await self.journaled(app, tap.uuid, 10) == list(range(10, 20))
+                    tap.close()
+                third = [NasaTap(peer.ctx, *where, key, xml[key]) for key in keys]
+                await peer.settle()
+                for i in range(30, 40):
+                    for tap in third:
+                        await tap.log(i, self.row(i))
+                await until_rejected(app, "unknown_tap", 20)
+                snap = await peer.snapshot()
+                for tap in third:
+                    tap.close()
+            finally:
+                peer.close()
+            assert rejected(app, "unknown_tap") == 20
+        assert [(f[0], f[2]) for f in snap[:-1]] == [
+            (key.encode(), tap.uuid) for key, tap in zip(keys, new, strict=True)
+        ]
