@@ -2,6 +2,11 @@
 unacked data frames in flight each, 200-byte payloads, ``fsync = always``; then ack latency
 p50/p99 at half that load.
 
+Restart (issue 17 item 2): seconds from starting ``taproom serve`` to its ready file with 1 M
+and 10 M LogTK records in the idempotency window: without a checkpoint (the window is read from
+the journal), from the checkpoint written at the previous stop, and from that checkpoint plus
+100 k records committed after it (a SIGKILL between checkpoints), next to an empty journal.
+
 The hub runs as a child process (``taproom serve`` with a ready file) pinned to one core; this
 process is the load generator (pinned to another core when there is one). The generator keeps
 pre-encoded frames and counts acks by their fixed 7-byte size, so it stays cheap next to the
@@ -14,6 +19,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -36,18 +42,20 @@ ACK_SIZE = 7
 _IDEM = struct.Struct(">I")
 
 
-def _start_hub(root: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+def _start_hub(root: str, logtk_extra: str = "") -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     cfg = Path(root) / "taproom.toml"
     cfg.write_text(
         f'[journal]\ndir = "{root}/journal"\nfsync = "always"\n'
         "[web]\nenabled = false\n"
-        '[hub]\nlog_level = "WARNING"\n'
+        '[hub]\nlog_level = "INFO"\ngrace_period_s = 120\n'
         "[lumberjack]\nenabled = false\n[logjam]\nenabled = false\n"
         "[eventbus]\nenabled = false\n[lager]\nenabled = false\n"
         "[logtk]\nenabled = true\nws_port = 0\ntcp_port = 0\nping_enabled = false\n"
+        f"{logtk_extra}"
         f'[logtk.apps.bench]\ntoken_sha256 = "{hashlib.sha256(TOKEN).hexdigest()}"\n'
     )
     ready = Path(root) / "ready.json"
+    ready.unlink(missing_ok=True)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
     def pin() -> None:
@@ -71,7 +79,7 @@ def _start_hub(root: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     )
     if len(cpus) > 1:
         os.sched_setaffinity(0, set(cpus[1:]))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 600
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError((Path(root) / "hub.log").read_text()[-3000:])
@@ -236,10 +244,86 @@ async def _latency(
     return sorted(latencies)
 
 
+def _fill_journal(root: str, first: int, count: int) -> None:
+    """``count`` LogTK records as the server writes them (received now, 1000 clients), in
+    batches of 10,000; fsync once at the end."""
+    from taproom.journal import Journal
+    from taproom.records import BatchBuilder
+
+    journal = Journal(f"{root}/journal", fsync="off")
+    try:
+        for start in range(first, first + count, 10_000):
+            builder = BatchBuilder()
+            for n in range(start, min(start + 10_000, first + count)):
+                client, idem = n % 1000, n // 1000
+                builder.add(
+                    "logtk",
+                    b'{"n":%d}' % n,
+                    stream="bench",
+                    producer=f"{client:08x}",
+                    seq=idem,
+                    event_id=f"bench:{client:08x}:{idem:08x}",
+                    content_type="json",
+                )
+            journal.commit([builder.build()])
+        journal.sync()
+    finally:
+        journal.close()
+
+
+def _time_to_ready(root: str, extra: str) -> tuple[float, float, float, float]:
+    """Seconds from spawning ``taproom serve`` to its ready file; the seconds its log gives for
+    the LogTK index alone; its CPU seconds by then (what a loaded machine distorts least); its
+    RSS in MiB. Stopped with SIGTERM, so the LogTK index is checkpointed at stop."""
+    started = time.perf_counter()
+    proc, _listeners = _start_hub(root, extra)
+    elapsed = time.perf_counter() - started
+    cpu = _cpu_seconds(proc.pid)
+    rss = rss_of_pid_kib(proc.pid) / 1024
+    proc.terminate()
+    try:
+        proc.wait(300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log = (Path(root) / "hub.log").read_text(errors="replace")
+    index = [float(s) for s in re.findall(r"idempotency index of .* in ([0-9.]+) s", log)]
+    return elapsed, index[-1] if index else float("nan"), cpu, rss
+
+
+def _restart_figures(quick: bool) -> list[Figure]:
+    figures: list[Figure] = []
+    sizes = (100_000,) if quick else (1_000_000, 10_000_000)
+    tail = 10_000 if quick else 100_000
+    for size in sizes:
+        root = tempfile.mkdtemp(prefix="taproom-bench-logtk-", dir=os.environ.get("BENCH_DIR"))
+        # An hour's window holding every record, and an index allowed to hold them all.
+        extra = f"dedup_max_entries = {size + 2 * tail}\n"
+        label = f"{size / 1e6:g} M" if size >= 1e6 else f"{size / 1e3:g} k"
+        try:
+            runs = {"empty journal": _time_to_ready(root, extra)}
+            _fill_journal(root, 0, size)
+            # No checkpoint yet: the window is read from the journal; one is written at stop.
+            runs["no checkpoint"] = _time_to_ready(root, extra)
+            runs["from checkpoint"] = _time_to_ready(root, extra)
+            _fill_journal(root, size, tail)  # committed after that checkpoint
+            runs[f"checkpoint + {tail // 1000} k tail"] = _time_to_ready(root, extra)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        for name, (elapsed, index, cpu, rss) in runs.items():
+            goal = "< 2 at 10 M" if name == "from checkpoint" else ""
+            figures += [
+                Figure(f"restart {label}, {name}: to ready", elapsed, "s", goal),
+                Figure(f"restart {label}, {name}: LogTK index (hub log)", index, "s"),
+                Figure(f"restart {label}, {name}: hub CPU to ready", cpu, "s"),
+                Figure(f"restart {label}, {name}: hub RSS", rss, "MiB"),
+            ]
+    return figures
+
+
 def run(quick: bool) -> list[Figure]:
+    figures = _restart_figures(quick)
     seconds = 2.0 if quick else 12.0
     root = tempfile.mkdtemp(prefix="taproom-bench-logtk-", dir=os.environ.get("BENCH_DIR"))
-    figures: list[Figure] = []
     proc, listeners = _start_hub(root)
     try:
         for k, transport in enumerate(("tcp", "ws")):

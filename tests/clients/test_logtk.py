@@ -244,7 +244,8 @@ async def test_exactly_once_across_two_sigkills(tmp_path, transport):
         hub.kill()
     assert hub.starts == kills + 1
     # Each restart rebuilt the idempotency index from what the journal already held.
-    rebuilt = [int(n) for n in re.findall(r"rebuilt from (\d+) journal", hub.log_path.read_text())]
+    log = hub.log_path.read_text()
+    rebuilt = [int(n) for n in re.findall(r"idempotency index of (\d+) keys from", log)]
     assert len(rebuilt) == kills + 1 and rebuilt[0] == 0 and rebuilt[-1] < total
     assert all(a < b for a, b in itertools.pairwise(rebuilt))
     counts = Counter(r.payload for r in JournalReader(tmp_path / "journal").read(0))

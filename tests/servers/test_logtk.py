@@ -11,6 +11,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from taproom.config import load_config
 from taproom.errors import ConfigError
+from taproom.journal import JournalReader
 from taproom.protocols.logtk import (
     Ack,
     Close,
@@ -19,8 +20,9 @@ from taproom.protocols.logtk import (
     Init,
     encode_frame,
 )
-from taproom.servers.logtk import DedupIndex, hash_token, parse_event_id
-from tests.support import running_app
+from taproom.servers.logtk import DedupIndex, hash_token
+from taproom.servers.logtk.dedup import read_checkpoint, write_checkpoint
+from tests.support import HubProcess, running_app, write_config
 
 TOKEN = bytes(range(64))
 OTHER = bytes(range(1, 65))
@@ -312,6 +314,51 @@ async def test_dedup_survives_restart(tmp_path):
         assert len(records(app)) == 1 and duplicates(app) == 1
 
 
+async def test_restart_reads_the_checkpoint_and_only_the_journal_after_it(tmp_path):
+    """Issue 17 item 2: after SIGKILL the index comes from the last checkpoint plus the records
+    committed after it, not from every record in the window; nothing is stored twice."""
+
+    async def send(hub, first, count):
+        reader, writer = await asyncio.open_connection(*hub.address("logtk_tcp"))
+        frames = b"".join(encode_frame(Data(b'{"n":%d}' % i, i)) for i in range(first, count))
+        writer.write(b"\x01\x01" + TOKEN + b"\x00" + INIT + frames)
+        decoder = FrameDecoder()
+        got: set[int] = set()
+        while len(got) < count - first:
+            frames_in = decoder.feed(await asyncio.wait_for(reader.read(65536), 10))
+            got.update(f.idem for f in frames_in if isinstance(f, Ack))
+        writer.close()
+
+    config = write_config(
+        tmp_path, enable=["logtk"], logtk={**APPS, "dedup_checkpoint_interval_s": 0.2}
+    )
+    checkpoint = tmp_path / "journal" / "logtk" / "dedup.checkpoint"
+    hub = HubProcess(config).start()
+    try:
+        await send(hub, 0, 300)
+        deadline = asyncio.get_running_loop().time() + 10
+        while (
+            read_checkpoint(str(checkpoint)) is None
+            or len(read_checkpoint(str(checkpoint)).frozen) < 300
+        ):
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.1)
+        hub.kill()  # SIGKILL: no checkpoint at stop
+        hub.start()
+        assert "index of 300 keys from a checkpoint and 0 journal records" in hub.log()
+        await send(hub, 300, 340)
+        hub.kill()
+        hub.start()
+        log = hub.log()
+        assert "from a checkpoint and" in log
+        await send(hub, 0, 340)  # everything again, as a client replaying its cache
+        hub.terminate()
+    finally:
+        hub.kill()
+    stored = [r for r in JournalReader(tmp_path / "journal").read(0) if r.protocol == "logtk"]
+    assert sorted(r.seq for r in stored) == list(range(340))
+
+
 class TestDedupIndex:
     def test_window_expiry_and_slots(self):
         index = DedupIndex(window_s=160, max_entries=1000)
@@ -332,9 +379,51 @@ class TestDedupIndex:
         assert len(index) <= 1000 and index.evicted == 5000 - len(index)
         assert 4999 in index and 0 not in index
 
-    def test_event_id_round_trip(self):
-        assert parse_event_id("my:app:285db4ad:3a7bd946") == ("my:app", 0x285DB4AD, 0x3A7BD946)
-        assert parse_event_id("garbage") is None and parse_event_id("a:zz:01") is None
+    def test_checkpoint_round_trip(self, tmp_path):
+        # Issue 17 item 2: a restart loads the index instead of reading the whole window.
+        index = DedupIndex(window_s=160, max_entries=1000)
+        a, b = index.slot("app", 1), index.slot("other", 0xFFFFFFFF)
+        index.add_many([a | i for i in range(100)], when=1000.0)
+        index.add_many([b | i for i in range(50)], when=1085.0)  # a later bucket
+        index.covered_offset = 4242
+        path = str(tmp_path / "dedup.checkpoint")
+        assert write_checkpoint(path, index.snapshot()) == 150
+        loaded = DedupIndex(window_s=160, max_entries=1000)
+        loaded.restore(read_checkpoint(path), now=1090.0)
+        assert loaded.frozen == 150 and len(loaded) == 150 and loaded.covered_offset == 4242
+        assert loaded.slot("app", 1) == a and loaded.slot("other", 0xFFFFFFFF) == b
+        assert a | 99 in loaded and b | 49 in loaded and a | 100 not in loaded
+        assert loaded.known([a | 5, a | 500, b | 7]) == {a | 5, b | 7}
+        # Keys committed after the restart are live; a frozen one resent is saved once.
+        c = loaded.slot("new", 2)
+        loaded.add_many([c | 1, a | 5], when=1095.0)
+        assert c | 1 in loaded and len(loaded) == 152
+        assert write_checkpoint(path, loaded.snapshot()) == 151
+        # Frozen buckets expire like live ones: the first goes once the window has passed it.
+        loaded.expire(1000.0 + 160 + 10 + 1)
+        assert a | 0 not in loaded and b | 0 in loaded and c | 1 in loaded
+        assert loaded.frozen == 50
+
+    def test_checkpointed_keys_are_evicted_first(self, tmp_path):
+        index = DedupIndex(window_s=160, max_entries=1000)
+        index.add_many([index.slot("app", 1) | i for i in range(900)], when=1000.0)
+        path = str(tmp_path / "dedup.checkpoint")
+        write_checkpoint(path, index.snapshot())
+        loaded = DedupIndex(window_s=160, max_entries=1000)
+        loaded.restore(read_checkpoint(path), now=1001.0)
+        new = loaded.slot("app", 2)
+        loaded.add_many([new | i for i in range(200)], when=1001.0)
+        assert loaded.frozen == 0 and len(loaded) == 200 and loaded.evicted == 900
+
+    def test_damaged_checkpoint_is_not_used(self, tmp_path):
+        index = DedupIndex(window_s=160, max_entries=1000)
+        index.add(index.slot("app", 1) | 7, when=1000.0)
+        path = tmp_path / "dedup.checkpoint"
+        write_checkpoint(str(path), index.snapshot())
+        damaged = bytearray(path.read_bytes())
+        damaged[-3] ^= 0xFF
+        path.write_bytes(bytes(damaged))
+        assert read_checkpoint(str(path)) is None
 
 
 class TestPingsAndLimits:

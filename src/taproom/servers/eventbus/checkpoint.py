@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import os
 import struct
-import zlib
 from collections import deque
 
 import msgpack
 
+from ...checkpoint import load_checkpoint, save_checkpoint
 from ...hub import Hub
 from ...protocols.eventbus import SEQUENCE
 from .state import PROTOCOL, BusState, Entry, record_entry
@@ -27,7 +27,7 @@ def checkpoint_path(hub: Hub) -> str:
 
 
 def write_checkpoint(path: str, state: BusState) -> None:
-    """Save ``state`` atomically: temp file, fsync, rename, fsync the directory."""
+    """Save ``state`` atomically (:func:`taproom.checkpoint.save_checkpoint`)."""
     body = msgpack.packb(
         [
             state.offset,
@@ -37,37 +37,13 @@ def write_checkpoint(path: str, state: BusState) -> None:
         ],
         use_bin_type=True,
     )
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, _CHECKPOINT_MAGIC + struct.pack(">I", zlib.crc32(body)) + body)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    save_checkpoint(path, _CHECKPOINT_MAGIC, [body])
 
 
 def read_checkpoint(path: str) -> BusState | None:
     """The saved state, or None when there is none or it does not verify."""
-    try:
-        with open(path, "rb") as f:
-            blob = f.read()
-    except FileNotFoundError:
-        return None
-    head = len(_CHECKPOINT_MAGIC)
-    if not blob.startswith(_CHECKPOINT_MAGIC) or len(blob) < head + 4:
-        log.warning("eventbus: %s is not a checkpoint; scanning the journal", path)
-        return None
-    (crc,) = struct.unpack_from(">I", blob, head)
-    body = blob[head + 4 :]
-    if zlib.crc32(body) != crc:
-        log.warning("eventbus: %s fails its CRC; scanning the journal", path)
+    body = load_checkpoint(path, _CHECKPOINT_MAGIC)
+    if body is None:
         return None
     try:
         offset, sequence, rows, uuids = msgpack.unpackb(body, raw=False, use_list=False)

@@ -6,16 +6,17 @@ Exactly-once by idempotency: every stored event carries ``event_id = "<app>:<cli
 hex>:<idem hex>"`` and a :class:`DedupIndex` keyed by (app, client id, idem) remembers every
 committed token for ``dedup_window_s``. A token seen again is acknowledged again and counted,
 never stored twice; one whose first copy is still being committed is acknowledged when that
-commit resolves. On start the index is rebuilt from the journal's LogTK records within the
-window (in a thread, bounded by ``dedup_rebuild_max_records``), so the guarantee survives
-restarts and SIGKILL without a second file to keep consistent with the journal.
+commit resolves. The index is checkpointed beside the journal every
+``dedup_checkpoint_interval_s`` and at stop; on start it is loaded and only the journal's LogTK
+records after it are read (without a usable checkpoint: every record in the window), so the
+guarantee survives restarts and SIGKILL and a restart stays quick with millions of keys.
 
 Modules: ``config`` (the ``[logtk]`` section), ``dedup`` (the index), ``session`` (one
 connection), ``service`` (listeners, auth, lifecycle).
 """
 
 from .config import LogTKApp, LogTKConfig, hash_token
-from .dedup import DedupIndex, parse_event_id
+from .dedup import DedupIndex
 from .service import LogTKService, create_service
 
 __all__ = [
@@ -25,5 +26,4 @@ __all__ = [
     "LogTKService",
     "create_service",
     "hash_token",
-    "parse_event_id",
 ]

@@ -107,7 +107,13 @@ class LogTKConfig:
         4_000_000, "bounds the index's memory (~60 B each); the oldest bucket goes first", min=1000
     )
     dedup_rebuild_max_records: int = setting(
-        10_000_000, "journal records scanned at start to rebuild the index", min=0
+        10_000_000, "journal records read at most at start to rebuild the index", min=0
+    )
+    dedup_checkpoint_interval_s: float = setting(
+        60.0,
+        "the index is saved beside the journal this often (and at stop) so a restart reads "
+        "only the journal after it; 0: never, a restart reads the whole window",
+        min=0,
     )
     auth_failures_per_minute: float = setting(
         10.0, "failed authentications refill this fast per peer address", min=0.1

@@ -1,18 +1,56 @@
-"""Exactly-once by idempotency: the index of committed (app, client id, idem) keys."""
+"""Exactly-once by idempotency: the index of committed (app, client id, idem) keys, and how it
+survives a restart: a checkpoint beside the journal plus the journal's tail.
+
+The journal stays the only truth. The checkpoint says up to which journal offset it covers every
+LogTK record; a restart loads it and reads only the records after that offset. A checkpoint that
+is missing, damaged (CRC) or ahead of the journal is ignored and the window is read from the
+journal, as before checkpoints existed.
+"""
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections import deque
+from collections.abc import Container, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["DedupIndex", "parse_event_id"]
+import numpy as np
+import orjson
+
+from ...checkpoint import load_checkpoint, save_checkpoint
+from ...journal import Journal
+from ...records import RECORD_HEAD
+
+__all__ = ["DedupIndex", "Snapshot", "read_checkpoint", "rebuild", "write_checkpoint"]
+
+log = logging.getLogger("taproom.logtk")
+
+_MAGIC = b"TAPROOM-LOGTK-DEDUP-1\n"
+_U32 = np.dtype("<u4")
+# Frozen keys are stored as ``key << TAG_BITS | tag``: sorted by key, each carrying its time
+# bucket (an index into a table of bucket starts). A window holds at most BUCKETS + 2 live and
+# as many frozen buckets, well under 2**TAG_BITS; a key then has 58 bits (2**26 slots).
+TAG_BITS = 6
+_TAG_MASK = (1 << TAG_BITS) - 1
+_MAX_KEY = (1 << (64 - TAG_BITS)) - 1
+_NONE = np.zeros(0, dtype=np.uint64)
+_CHUNK = 65536  # keys converted per step while the loop may want the GIL
+
+U64Array = np.ndarray[Any, np.dtype[np.uint64]]
 
 
 class DedupIndex:
-    """Committed (app, client id, idem) keys seen within ``window_s``.
+    """Committed keys (``slot << 32 | idem``, one slot per app and client id) seen within
+    ``window_s``.
 
-    Keys are ints (``slot << 32 | idem``, one slot per app and client id) in one set for
-    lookups, and listed in time buckets for expiry: a whole bucket expires at once, and over
-    ``max_entries`` the oldest bucket is dropped early (``evicted`` counts those keys).
+    Keys committed while running are *live*: one set for lookups, and lists per time bucket
+    for expiry (a whole bucket expires at once; over ``max_entries`` the oldest goes early and
+    ``evicted`` counts its keys). Keys loaded from a checkpoint stay *frozen*: one sorted numpy
+    array of ``key << TAG_BITS | bucket tag``, loaded without making a Python object per key
+    (millions load in a fraction of a second), searched by bisection, shrinking as its buckets
+    expire. Frozen buckets are never newer than live ones, so they go first.
     """
 
     BUCKETS = 16
@@ -24,10 +62,19 @@ class DedupIndex:
         self._keys: set[int] = set()
         self._buckets: deque[tuple[float, list[int]]] = deque()
         self._slots: dict[tuple[str, int], int] = {}
+        self._frozen: U64Array = _NONE
+        self._frozen_starts: list[float] = []  # tag -> bucket start
         self.evicted = 0
+        # Every LogTK record below this journal offset is in the index (see Snapshot).
+        self.covered_offset = 0
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._keys) + len(self._frozen)
+
+    @property
+    def frozen(self) -> int:
+        """Keys loaded from a checkpoint and not expired yet."""
+        return len(self._frozen)
 
     def slot(self, app: str, client_id: int) -> int:
         """The key prefix of one (app, client id): ``slot << 32``."""
@@ -37,20 +84,35 @@ class DedupIndex:
             slot = self._slots[key] = len(self._slots) + 1
         return slot << 32
 
-    def __contains__(self, key: int) -> bool:
-        return key in self._keys
+    def __contains__(self, key: object) -> bool:
+        if key in self._keys:
+            return True
+        frozen = self._frozen
+        if not len(frozen) or not isinstance(key, int) or key > _MAX_KEY:
+            return False
+        i = int(frozen.searchsorted(np.uint64(key << TAG_BITS)))
+        return i < len(frozen) and int(frozen[i]) >> TAG_BITS == key
+
+    def known(self, keys: list[int]) -> Container[int]:
+        """The subset of ``keys`` remembered, the frozen part searched once for all of them."""
+        if not len(self._frozen):
+            return self
+        found = {key for key in keys if key in self._keys}
+        wanted = np.array(
+            [key for key in keys if key not in found and key <= _MAX_KEY], dtype=np.uint64
+        )
+        frozen = self._frozen
+        at = frozen.searchsorted(wanted << TAG_BITS).clip(0, len(frozen) - 1)
+        found.update(wanted[frozen[at] >> TAG_BITS == wanted].tolist())
+        return found
 
     def add(self, key: int, when: float) -> None:
         """Remember ``key`` as committed at wall-clock ``when`` (seconds)."""
         if key in self._keys:
             return
-        start = when - when % self._bucket_s
-        if not self._buckets or self._buckets[-1][0] < start:
-            self._buckets.append((start, []))
-        self._buckets[-1][1].append(key)
+        self._bucket(when).append(key)
         self._keys.add(key)
-        while len(self._keys) > self.max_entries and len(self._buckets) > 1:
-            self.evicted += self._drop_oldest()
+        self._bound()
 
     def add_many(self, keys: list[int], when: float) -> None:
         """:meth:`add` for a commit's worth of keys."""
@@ -59,34 +121,260 @@ class DedupIndex:
         if len(self._keys) - before != len(keys):
             # Some were known already (a rebuild racing a resend): keep one entry per key.
             self._keys.difference_update(keys)
-            self._keys.update(keys)
             for key in keys:
                 self.add(key, when)
             return
+        self._bucket(when).extend(keys)
+        self._bound()
+
+    def _bucket(self, when: float) -> list[int]:
         start = when - when % self._bucket_s
         if not self._buckets or self._buckets[-1][0] < start:
             self._buckets.append((start, []))
-        self._buckets[-1][1].extend(keys)
-        while len(self._keys) > self.max_entries and len(self._buckets) > 1:
+        return self._buckets[-1][1]
+
+    def _bound(self) -> None:
+        while len(self) > self.max_entries and (self.frozen or len(self._buckets) > 1):
             self.evicted += self._drop_oldest()
 
     def _drop_oldest(self) -> int:
+        if self.frozen:
+            tags = np.unique(self._frozen & _TAG_MASK).tolist()
+            oldest = min(tags, key=self._frozen_starts.__getitem__)
+            return self._drop_frozen([oldest])
         _, dropped = self._buckets.popleft()
         self._keys.difference_update(dropped)
         return len(dropped)
+
+    def _drop_frozen(self, tags: list[int]) -> int:
+        drop = np.isin(self._frozen & _TAG_MASK, tags)
+        self._frozen = self._frozen[~drop]
+        return int(drop.sum())
 
     def expire(self, now: float) -> None:
         cutoff = now - self.window_s - self._bucket_s
         while self._buckets and self._buckets[0][0] < cutoff:
             self._drop_oldest()
+        if self.frozen:
+            old = [tag for tag, start in enumerate(self._frozen_starts) if start < cutoff]
+            if old:
+                self._drop_frozen(old)
+
+    # --- checkpoint -----------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """What a checkpoint needs, taken in one step on the loop; :func:`write_checkpoint`
+        does the rest in a thread (live bucket lists only grow, frozen arrays never change)."""
+        return Snapshot(
+            self.covered_offset,
+            dict(self._slots),
+            [(start, keys, len(keys)) for start, keys in self._buckets],
+            self._frozen,
+            list(self._frozen_starts),
+        )
+
+    def restore(self, snapshot: Snapshot, now: float) -> None:
+        """Take a loaded checkpoint's keys as the frozen part (the index must be empty)."""
+        assert not len(self) and not self._slots, "restore into an empty index"
+        self._slots = dict(snapshot.slots)
+        self._frozen = snapshot.frozen
+        self._frozen_starts = list(snapshot.frozen_starts)
+        self.covered_offset = snapshot.covered_offset
+        self.expire(now)
+        self._bound()
 
 
-def parse_event_id(event_id: str) -> tuple[str, int, int] | None:
-    """``"<app>:<client id hex>:<idem hex>"`` back to its parts."""
-    parts = event_id.rsplit(":", 2)
-    if len(parts) != 3:
+@dataclass
+class Snapshot:
+    """The index at one moment, as a checkpoint stores it."""
+
+    covered_offset: int
+    slots: dict[tuple[str, int], int]
+    live: list[tuple[float, list[int], int]] = field(default_factory=list)  # (start, keys, n)
+    frozen: U64Array = field(default_factory=lambda: _NONE)  # key << TAG_BITS | tag, sorted
+    frozen_starts: list[float] = field(default_factory=list)
+
+
+def _live_keys(bucket: list[int], count: int) -> U64Array:
+    """The first ``count`` keys of a live bucket as an array (those within the checkpoint's key
+    space), converted a chunk at a time so the event loop is never held up for long."""
+    parts = [
+        np.fromiter(itertools.islice(bucket, at, min(at + _CHUNK, count)), dtype=np.uint64)
+        for at in range(0, count, _CHUNK)
+    ]
+    keys = np.concatenate(parts) if parts else _NONE
+    return keys[keys <= _MAX_KEY] if len(keys) and keys.max() > _MAX_KEY else keys
+
+
+def _merge(a: U64Array, b: U64Array) -> U64Array:
+    """Two sorted arrays as one, in linear time after a search of the smaller in the larger."""
+    if not len(a) or not len(b):
+        return b if not len(a) else a
+    if len(a) < len(b):
+        a, b = b, a
+    at = a.searchsorted(b) + np.arange(len(b))
+    out = np.empty(len(a) + len(b), dtype=np.uint64)
+    from_a = np.ones(len(out), dtype=bool)
+    from_a[at] = False
+    out[at] = b
+    out[from_a] = a
+    return out
+
+
+def write_checkpoint(path: str, snapshot: Snapshot) -> int:
+    """Save ``snapshot`` (in a thread); returns the number of keys saved. Layout after the
+    checkpoint header: u32 length of a JSON header, the header (padded so what follows is
+    8-byte aligned), then the keys as ``key << TAG_BITS | tag`` (u64, little endian, sorted)."""
+    # Number the buckets anew, oldest first, keeping only those with keys.
+    frozen = snapshot.frozen
+    used = (
+        np.flatnonzero(np.bincount(frozen & _TAG_MASK, minlength=1)).tolist() if len(frozen) else []
+    )
+    starts = sorted(
+        {snapshot.frozen_starts[t] for t in used} | {s for s, _, n in snapshot.live if n}
+    )
+    if len(starts) > _TAG_MASK + 1:
+        raise ValueError(f"{len(starts)} time buckets: more than a checkpoint can tag")
+    tag_of = {start: tag for tag, start in enumerate(starts)}
+    if len(frozen):
+        renumber = np.zeros(_TAG_MASK + 1, dtype=np.uint64)
+        for old in used:
+            renumber[old] = tag_of[snapshot.frozen_starts[old]]
+        frozen = (frozen & ~np.uint64(_TAG_MASK)) | renumber[frozen & _TAG_MASK]
+    live = []
+    for start, bucket, count in snapshot.live:
+        if count:
+            # A key beyond _MAX_KEY (past 2**26 clients) is left out, never wrapped around.
+            keys = _live_keys(bucket, count)
+            if len(keys) < count:
+                log.warning("logtk: %d keys beyond the checkpoint's key space", count - len(keys))
+            live.append((keys << TAG_BITS) | np.uint64(tag_of[start]))
+    fresh = np.concatenate(live) if live else _NONE
+    fresh.sort()
+    keys = _merge(frozen, fresh)
+    # A key both frozen and live (resent after a restart): keep the newer, which sorts last.
+    if len(keys) > 1:
+        newest = np.ones(len(keys), dtype=bool)
+        newest[:-1] = keys[:-1] >> TAG_BITS != keys[1:] >> TAG_BITS
+        keys = keys[newest]
+    header = orjson.dumps(
+        {
+            "covered_offset": snapshot.covered_offset,
+            "starts": starts,
+            "slots": [[app, client, slot] for (app, client), slot in snapshot.slots.items()],
+            "keys": len(keys),
+        }
+    )
+    header += b" " * (-(4 + len(header)) % 8)
+    length = np.array([len(header)], dtype=_U32).tobytes()
+    save_checkpoint(path, _MAGIC, [length, header, keys.astype("<u8", copy=False).data])
+    return len(keys)
+
+
+def read_checkpoint(path: str) -> Snapshot | None:
+    """The snapshot saved at ``path``; None when there is none or it is not usable."""
+    body = load_checkpoint(path, _MAGIC)
+    if body is None:
         return None
     try:
-        return parts[0], int(parts[1], 16), int(parts[2], 16)
-    except ValueError:
+        (size,) = np.frombuffer(body, dtype=_U32, count=1)
+        header = orjson.loads(body[4 : 4 + size])
+        keys = np.frombuffer(body, dtype="<u8", count=int(header["keys"]), offset=4 + int(size))
+        slots = {(str(app), int(client)): int(slot) for app, client, slot in header["slots"]}
+        return Snapshot(
+            int(header["covered_offset"]),
+            slots,
+            frozen=keys.astype(np.uint64, copy=False),
+            frozen_starts=[float(s) for s in header["starts"]],
+        )
+    except (ValueError, KeyError, TypeError) as exc:  # a bug, not disk damage (CRC passed)
+        log.warning("logtk: %s unreadable (%s); the journal is read instead", path, exc)
         return None
+
+
+# --- start-up -------------------------------------------------------------------------------
+
+
+def _logtk_records(
+    journal: Journal, start: int, end: int
+) -> Iterator[tuple[bytes, bytes, int, int]]:
+    """``(stream, producer, idem, received_ns)`` of the LogTK records in ``[start, end)``,
+    walked without building records (a restart may read millions). Damaged journal frames are
+    skipped by the journal's reader, as everywhere."""
+    unpack = RECORD_HEAD.unpack_from
+    head = RECORD_HEAD.size
+    for base, _count, body in journal.read_batches(start, end):
+        offset = base
+        pos = 0
+        while pos < len(body) and offset < end:
+            length, received_ns, _ts, seq, lp, lc, ls, lt, lr, _le, _la, _ll = unpack(body, pos)
+            q = pos + head
+            if offset >= start and body[q : q + lp] == b"logtk":
+                q += lp + lc
+                yield body[q : q + ls], body[q + ls + lt : q + ls + lt + lr], seq, received_ns
+            pos += 4 + length
+            offset += 1
+
+
+def _window_start(journal: Journal, cutoff_ns: int) -> int:
+    """The first offset worth reading: whole segments older than the window are skipped."""
+    start = journal.first_offset
+    for seg in reversed(journal.segments()):
+        if seg.base_offset <= start:
+            break
+        first = next(journal.read(seg.base_offset, seg.base_offset + 1), None)
+        if first is not None and first.received_ns < cutoff_ns:
+            return seg.base_offset
+    return start
+
+
+def rebuild(
+    index: DedupIndex, journal: Journal, path: str | None, max_records: int, now: float
+) -> tuple[int, int | None]:
+    """Fill the empty ``index``: the checkpoint at ``path`` when usable, then the journal's
+    LogTK records after it (or, without one, every record in the window), at most the last
+    ``max_records``. Run it in a thread. Returns the records read and the offset the checkpoint
+    covered (None when none served)."""
+    end = journal.end_offset
+    snapshot = read_checkpoint(path) if path else None
+    if snapshot is not None and snapshot.covered_offset > end:
+        # The journal lost a tail the checkpoint had seen (fsync = "interval" and a crash):
+        # it may name records that are gone, so trust the journal alone.
+        log.warning("logtk: the idempotency checkpoint is ahead of the journal; reading it all")
+        snapshot = None
+    cutoff_ns = int((now - index.window_s) * 1e9)
+    if snapshot is not None:
+        index.restore(snapshot, now)
+        start = max(snapshot.covered_offset, journal.first_offset)
+    else:
+        start = _window_start(journal, cutoff_ns)
+    slots: dict[tuple[bytes, bytes], int] = {}
+    bucket_ns = int(index.window_s / index.BUCKETS * 1e9)
+    keys: list[int] = []  # of one time bucket, added at once (a set update, not one by one)
+    bucket = when_ns = count = 0
+    for stream, producer, idem, received_ns in _logtk_records(
+        journal, max(start, end - max_records), end
+    ):
+        if received_ns < cutoff_ns:
+            continue
+        slot = slots.get((stream, producer))
+        if slot is None:  # producer is the client id in hex (docs/protocols/logtk.md)
+            try:
+                client_id = int(producer, 16)
+            except ValueError:
+                continue
+            app = stream.decode("utf-8", "surrogateescape")
+            slot = slots[(stream, producer)] = index.slot(app, client_id)
+        if received_ns // bucket_ns != bucket:
+            if keys:
+                index.add_many(keys, when_ns / 1e9)
+                count += len(keys)
+                keys = []
+            bucket = received_ns // bucket_ns
+        keys.append(slot | idem)
+        when_ns = received_ns
+    if keys:
+        index.add_many(keys, when_ns / 1e9)
+        count += len(keys)
+    index.covered_offset = end
+    return count, None if snapshot is None else snapshot.covered_offset

@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import http
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable
@@ -23,7 +24,7 @@ from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.logtk import CloseCode, ServerConnection
 from .config import APP_NAME, LogTKConfig
-from .dedup import DedupIndex, parse_event_id
+from .dedup import DedupIndex, rebuild, write_checkpoint
 from .session import Session
 
 __all__ = ["AuthLimiter", "LogTKService", "create_service"]
@@ -66,6 +67,8 @@ class LogTKService:
         self.config = config
         self.settings = config.server_settings()
         self.dedup = DedupIndex(config.dedup_window_s, config.dedup_max_entries)
+        self._checkpoint_path = os.path.join(hub.config.journal.dir, "logtk", "dedup.checkpoint")
+        self._checkpointed = -1  # the covered offset of the last checkpoint written
         self.pending: dict[int, asyncio.Future[Commit]] = {}
         self.limiter = AuthLimiter(
             config.auth_failures_per_minute, config.auth_failure_burst, config.max_tracked_peers
@@ -133,7 +136,23 @@ class LogTKService:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> dict[str, str]:
-        await asyncio.to_thread(self._rebuild_dedup)
+        began = time.monotonic()
+        count, checkpointed = await asyncio.to_thread(
+            rebuild,
+            self.dedup,
+            self.hub.journal,
+            self._checkpoint_path if self.config.dedup_checkpoint_interval_s else None,
+            self.config.dedup_rebuild_max_records,
+            time.time(),
+        )
+        self._checkpointed = -1 if checkpointed is None else checkpointed
+        log.info(
+            "logtk: idempotency index of %d keys from %s%d journal records in %.2f s",
+            len(self.dedup),
+            "" if checkpointed is None else "a checkpoint and ",
+            count,
+            time.monotonic() - began,
+        )
         from websockets.asyncio.server import serve
 
         c = self.config
@@ -156,6 +175,7 @@ class LogTKService:
         tcp = self._tcp_server.sockets[0].getsockname()
         ws = next(iter(self._ws_server.sockets)).getsockname()
         self._expire_task = asyncio.create_task(self._expire_loop())
+        self._checkpoint_task = asyncio.create_task(self._checkpoint_loop())
         return {"logtk_ws": f"{ws[0]}:{ws[1]}", "logtk_tcp": f"{tcp[0]}:{tcp[1]}"}
 
     async def stop(self) -> None:
@@ -170,6 +190,12 @@ class LogTKService:
         for task in list(self._tasks):
             task.cancel()
         self._expire_task.cancel()
+        self._checkpoint_task.cancel()
+        if self.config.dedup_checkpoint_interval_s:
+            try:
+                await self.checkpoint()
+            except OSError as exc:
+                log.warning("logtk: idempotency checkpoint at stop failed: %s", exc)
         if self._ws_server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._ws_server.wait_closed(), timeout=grace)
@@ -182,31 +208,30 @@ class LogTKService:
             await asyncio.sleep(max(1.0, self.dedup.window_s / DedupIndex.BUCKETS))
             self.dedup.expire(time.time())
 
-    def _rebuild_dedup(self) -> None:
-        """Every LogTK event id committed within the window, read back from the journal."""
-        journal = self.hub.journal
-        cutoff_ns = int((time.time() - self.config.dedup_window_s) * 1e9)
-        end = journal.end_offset
-        start = max(journal.first_offset, end - self.config.dedup_rebuild_max_records)
-        # Skip whole segments that end before the window: their newest record is older.
-        for seg in reversed(journal.segments()):
-            if seg.base_offset <= start:
-                break
-            first = next(journal.read(seg.base_offset, seg.base_offset + 1), None)
-            if first is not None and first.received_ns < cutoff_ns:
-                start = max(start, seg.base_offset)
-                break
-        count = 0
-        for record in journal.read(start, end):
-            if record.protocol != "logtk" or record.received_ns < cutoff_ns:
-                continue
-            parsed = parse_event_id(record.event_id)
-            if parsed is None:
-                continue
-            app, client_id, idem = parsed
-            self.dedup.add(self.dedup.slot(app, client_id) | idem, record.received_ns / 1e9)
-            count += 1
-        log.info("logtk: idempotency index rebuilt from %d journal records", count)
+    async def checkpoint(self) -> None:
+        """Save the index beside the journal (nothing when no LogTK commit came since)."""
+        dedup = self.dedup
+        if not self.pending:
+            # No LogTK batch is in flight: every LogTK record committed so far is indexed.
+            dedup.covered_offset = max(dedup.covered_offset, self.hub.journal.end_offset)
+        if dedup.covered_offset == self._checkpointed:
+            return
+        snapshot = dedup.snapshot()
+        began = time.monotonic()
+        keys = await asyncio.to_thread(write_checkpoint, self._checkpoint_path, snapshot)
+        self._checkpointed = snapshot.covered_offset
+        log.debug("logtk: checkpoint of %d keys in %.2f s", keys, time.monotonic() - began)
+
+    async def _checkpoint_loop(self) -> None:
+        interval = self.config.dedup_checkpoint_interval_s
+        if not interval:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.checkpoint()
+            except OSError as exc:
+                log.warning("logtk: idempotency checkpoint failed: %s", exc)
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)

@@ -93,7 +93,9 @@ class Session:
 
     def _ingest(self, datas: list[Data | OversizeData]) -> None:
         svc = self.service
-        dedup = svc.dedup
+        slot = self._slot
+        # One search of the checkpointed keys for the whole read (the live ones are a set).
+        dedup = svc.dedup.known([slot | f.idem for f in datas]) if svc.dedup.frozen else svc.dedup
         pending = svc.pending
         builder = BatchBuilder()
         stored: list[int] = []  # keys to store
@@ -101,7 +103,6 @@ class Session:
         seen_here: set[int] = set()
         at_once: list[int] = []
         waits: dict[asyncio.Future[Commit], list[int]] = {}
-        slot = self._slot
         prefix = self._id_prefix
         fmt = self.conn.format
         time_of = self._time_of
@@ -188,6 +189,10 @@ class Session:
                     pop(key, None)
                 if ok:
                     svc.dedup.add_many(keys, time.time())
+                    # Commits resolve in offset order: everything below is indexed now.
+                    svc.dedup.covered_offset = max(
+                        svc.dedup.covered_offset, fut.result().end_offset
+                    )
             if ok:
                 self.ack(idems)
             else:
