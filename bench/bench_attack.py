@@ -223,7 +223,12 @@ ATTACKS: list[Attack] = [
         lumberjack_honest,
     ),
     Attack(
-        "lumberjack compressed burst", "lumberjack", lumberjack_compressed_burst, lumberjack_honest
+        "lumberjack compressed burst",
+        "lumberjack",
+        lumberjack_compressed_burst,
+        lumberjack_honest,
+        over_goal="a window's inflated content, its batches and the previous window coexist "
+        "(~400 MiB); needs a decoder that pauses inside a C frame (docs/protocols/lumberjack.md)",
     ),
     Attack("lumberjack partial frames", "lumberjack", lumberjack_partial_frames, lumberjack_honest),
     Attack("lumberjack idle sockets", "lumberjack", lumberjack_idle_sockets, lumberjack_honest),
