@@ -1,5 +1,7 @@
 """Lager figures (issue 7): tap -> bartender (journal, fsync=always) -> mug rows/s with 32-byte
-rows; keg write and read rows/s; registrar snapshot time for 10,000 taps.
+rows (four doubles: the Tap sends nasa/lager's framing, 8 frames; a shorter run with the seed's
+5-frame messages shows what the framing costs); keg write and read rows/s; registrar snapshot
+time for 10,000 taps.
 
 The bartender is a child process (``taproom serve``, one core); the tap is another child
 process and the mug runs here, so the three do not share a GIL.
@@ -77,14 +79,41 @@ class _Serve:
 
 
 def _tap_process(
-    registrar: str, forwarder: str, n: int, go: Any, done: Any, cpu: Any, drained: Any
+    registrar: str,
+    forwarder: str,
+    n: int,
+    go: Any,
+    done: Any,
+    cpu: Any,
+    drained: Any,
+    seed_framing: bool,
 ) -> None:
     tap = Tap("/Bench/Tap/", XML, registrar=registrar, forwarder=forwarder, watch=False,
               send_hwm=1_000_000).register()  # fmt: skip
     row = FORMAT.encode_row({f"v{i}": float(i) for i in range(4)})
+    log = tap.log_row
+    if seed_framing:  # the seed's 5 frames (one payload frame) from a raw socket, same uuid
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.XPUB)
+        raw.setsockopt(zmq.SNDHWM, 1_000_000)
+        raw.setsockopt(zmq.XPUB_NODROP, 1)
+        raw.connect(f"tcp://{forwarder}")
+        raw.recv()  # the forwarder's subscription: the path is up
+        send, more = zmq.backend.Socket.send, int(zmq.SNDMORE)
+
+        def log(row: bytes, i: int | None = None) -> bool:
+            try:
+                send(raw, tap.uuid, more | int(zmq.NOBLOCK))
+            except zmq.Again:
+                return False
+            send(raw, b"\x01\x00", more)
+            send(raw, b"\x00\x00", more)
+            send(raw, (i or 0).to_bytes(8, "big"), more)
+            send(raw, row, 0)
+            return True
+
     go.wait(60)
     c0 = time.process_time()
-    log = tap.log_row
     for i in range(n):
         while not log(row, i):
             time.sleep(0.0005)  # the bartender pushes back: wait, never drop
@@ -94,6 +123,9 @@ def _tap_process(
     # discard what the bartender has not read yet. Wait until the mug has accounted for all.
     drained.wait(180)
     tap.close()
+    if seed_framing:
+        raw.close()
+        ctx.term()
 
 
 def _journal_rows(journal_dir: Path) -> int:
@@ -104,14 +136,14 @@ def _journal_rows(journal_dir: Path) -> int:
     )
 
 
-def _pipeline(tmp: Path, n: int) -> list[Figure]:
+def _pipeline(tmp: Path, n: int, seed_framing: bool = False) -> list[Figure]:
     serve = _Serve(tmp)
     try:
         go, done, drained = _CTX.Event(), _CTX.Event(), _CTX.Event()
         tap_cpu = _CTX.Value("d", 0.0)
         proc = _CTX.Process(
             target=_tap_process,
-            args=(serve.registrar, serve.forwarder, n, go, done, tap_cpu, drained),
+            args=(serve.registrar, serve.forwarder, n, go, done, tap_cpu, drained, seed_framing),
         )
         proc.start()
         gaps: list[int] = []
@@ -147,6 +179,13 @@ def _pipeline(tmp: Path, n: int) -> list[Figure]:
     forwarded = received + mug.lost
     rate = forwarded / (last - first) if last > first else 0.0
     journal = _journal_rows(tmp / "journal")
+    if seed_framing:  # the same path with the seed's 5-frame messages: the framing's cost
+        return [
+            Figure("  same, seed framing (5 frames): bartender CPU per row",
+                   hub_cpu / max(forwarded, 1) * 1e6, "us"),
+            Figure("  same, seed framing: rows received + counted lost", received + mug.lost,
+                   "rows", f"= {n}"),
+        ]  # fmt: skip
     return [
         Figure("tap -> bartender (fsync=always) -> mug, 32 B rows (8 frames)", rate, "rows/s",
                ">= 200000"),
@@ -341,6 +380,11 @@ def run(quick: bool) -> list[Figure]:
         figures = []
         for name, fn, arg in (
             ("pipe", _pipeline, 100_000 if quick else 1_000_000),
+            (
+                "seed",
+                lambda tmp, k: _pipeline(tmp, k, seed_framing=True),
+                30_000 if quick else 300_000,
+            ),
             ("ceiling", lambda _tmp, k: _ceiling(k), 100_000 if quick else 500_000),
             ("keg", _keg, 300_000 if quick else 3_000_000),
             ("snap", _snapshot, 2_000 if quick else 10_000),
