@@ -415,6 +415,31 @@ class TestDedupIndex:
         loaded.add_many([new | i for i in range(200)], when=1001.0)
         assert loaded.frozen == 0 and len(loaded) == 200 and loaded.evicted == 900
 
+    def test_slots_of_clients_gone_are_freed_and_reused(self, tmp_path):
+        # A client that changes its client id (or many that come and go) must not grow the
+        # slot table for good: a slot goes once no session holds it and no key carries it.
+        index = DedupIndex(window_s=160, max_entries=10_000)
+        held = index.acquire("app", 1)  # a session still connected, nothing sent yet
+        for client_id in range(2, 1002):  # clients that sent one entry each and went
+            prefix = index.acquire("app", client_id)
+            index.add(prefix | 1, when=1000.0)
+            index.release(prefix)
+        index.release(index.acquire("app", 5000))  # came and went without sending
+        assert index.slots == 1002
+        index.expire(1001.0)
+        assert index.slots == 1001  # only the keyless one: the others' keys are in the window
+        path = str(tmp_path / "dedup.checkpoint")
+        write_checkpoint(path, index.snapshot())
+        index.expire(1000.0 + 160 + 10 + 1)
+        assert index.slots == 1 and index.slot("app", 1) == held
+        assert (index.slot("app", 9) >> 32) <= 1002  # numbers are reused, not grown
+        # Slots restored with a checkpoint's keys go the same way once those keys expire.
+        loaded = DedupIndex(window_s=160, max_entries=10_000)
+        loaded.restore(read_checkpoint(path), now=1001.0)
+        assert loaded.slots == 1000  # the keyless session's slot did not outlive its process
+        loaded.expire(1000.0 + 160 + 10 + 1)
+        assert loaded.slots == 0
+
     def test_damaged_checkpoint_is_not_used(self, tmp_path):
         index = DedupIndex(window_s=160, max_entries=1000)
         index.add(index.slot("app", 1) | 7, when=1000.0)

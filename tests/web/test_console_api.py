@@ -268,3 +268,28 @@ async def test_requests_day_from_rollup_tables(tmp_path):
                 http, f"{base}/api/requests/day?date=2026-01-02&stream=shop-prod&actions=3"
             )
             assert sum(again["requests"]) == 60_000
+
+
+def test_a_hub_loads_pyarrow_only_when_the_requests_page_is_read(tmp_path):
+    """pyarrow (with pandas) adds ~95 MB to a hub's RSS, which counts against the memory bound
+    (issue 19's 2 x max_pending_bytes + 100 MB): a hub pays for it only once somebody reads the
+    Requests page."""
+    import subprocess
+    import sys
+
+    script = f"""
+import asyncio, pathlib, sys, urllib.request
+from tests.support import running_app
+async def main():
+    async with running_app(pathlib.Path({str(tmp_path)!r}),
+                           enable=["lumberjack", "logtk", "logjam", "eventbus", "lager"]) as app:
+        before = "pyarrow" in sys.modules
+        url = f"http://{{app.addresses['web']}}/api/requests/apps"
+        await asyncio.to_thread(lambda: urllib.request.urlopen(url).read())
+        print(before, "pyarrow" in sys.modules)
+asyncio.run(main())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["False", "True"], out.stderr

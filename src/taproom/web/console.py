@@ -20,11 +20,12 @@ import orjson
 from aiohttp import WSMsgType, web
 
 from ..records import Record
-from . import kegs, params, rollups, services
+from . import kegs, params, services
 from .stats import StatsRing
 from .tail import TailClient, TailFilter, TailHub, event_json
 
 if TYPE_CHECKING:
+    from .rollups import Rollups
     from .server import WebServer
 
 __all__ = ["add_routes"]
@@ -82,7 +83,17 @@ class Console:
         )
         self.tail = TailHub(server.hub, config.tail_events_per_s, config.max_tail_clients)
         self.kegs = kegs.KegIndex(config.kegs)
-        self.rollups = rollups.Rollups(config.rollups)
+        self._rollups: Rollups | None = None
+
+    @property
+    def rollups(self) -> Rollups:
+        # pyarrow (and the pandas it pulls in) costs ~95 MB of RSS: a hub loads it only when
+        # somebody opens the Requests page, not at start.
+        if self._rollups is None:
+            from .rollups import Rollups
+
+            self._rollups = Rollups(self.server.console.rollups)
+        return self._rollups
 
     async def start(self, app: web.Application) -> None:
         self.stats.start()

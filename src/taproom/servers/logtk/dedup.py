@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +62,13 @@ class DedupIndex:
         self._keys: set[int] = set()
         self._buckets: deque[tuple[float, list[int]]] = deque()
         self._slots: dict[tuple[str, int], int] = {}
+        # A slot number lives while a session holds it or a key in the index carries it; then
+        # expire() frees it for reuse, so clients that come and go (or change their client id)
+        # never grow the table beyond the keys and sessions it has to serve.
+        self._slot_keys: Counter[int] = Counter()  # slot -> keys in the index
+        self._held: Counter[int] = Counter()  # slot -> sessions (with commits in flight)
+        self._free: list[int] = []  # numbers given back, reused before new ones
+        self._next_slot = 1
         self._frozen: U64Array = _NONE
         self._frozen_starts: list[float] = []  # tag -> bucket start
         self.evicted = 0
@@ -76,13 +83,36 @@ class DedupIndex:
         """Keys loaded from a checkpoint and not expired yet."""
         return len(self._frozen)
 
+    @property
+    def slots(self) -> int:
+        """(app, client id) pairs with a slot number now."""
+        return len(self._slots)
+
     def slot(self, app: str, client_id: int) -> int:
         """The key prefix of one (app, client id): ``slot << 32``."""
         key = (app, client_id)
         slot = self._slots.get(key)
         if slot is None:
-            slot = self._slots[key] = len(self._slots) + 1
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot = self._next_slot
+                self._next_slot += 1
+            self._slots[key] = slot
         return slot << 32
+
+    def acquire(self, app: str, client_id: int) -> int:
+        """:meth:`slot`, held for a session until :meth:`release` (its number is not reused
+        while the session may still commit keys under it)."""
+        prefix = self.slot(app, client_id)
+        self._held[prefix >> 32] += 1
+        return prefix
+
+    def release(self, prefix: int) -> None:
+        slot = prefix >> 32
+        self._held[slot] -= 1
+        if self._held[slot] <= 0:
+            del self._held[slot]
 
     def __contains__(self, key: object) -> bool:
         if key in self._keys:
@@ -112,6 +142,7 @@ class DedupIndex:
             return
         self._bucket(when).append(key)
         self._keys.add(key)
+        self._slot_keys[key >> 32] += 1
         self._bound()
 
     def add_many(self, keys: list[int], when: float) -> None:
@@ -125,6 +156,7 @@ class DedupIndex:
                 self.add(key, when)
             return
         self._bucket(when).extend(keys)
+        self._slot_keys.update(key >> 32 for key in keys)
         self._bound()
 
     def _bucket(self, when: float) -> list[int]:
@@ -144,12 +176,28 @@ class DedupIndex:
             return self._drop_frozen([oldest])
         _, dropped = self._buckets.popleft()
         self._keys.difference_update(dropped)
+        self._slot_keys.subtract(key >> 32 for key in dropped)
         return len(dropped)
 
     def _drop_frozen(self, tags: list[int]) -> int:
         drop = np.isin(self._frozen & _TAG_MASK, tags)
+        self._count_frozen(self._frozen[drop], -1)
         self._frozen = self._frozen[~drop]
         return int(drop.sum())
+
+    def _count_frozen(self, frozen: U64Array, sign: int) -> None:
+        slots, counts = np.unique(frozen >> np.uint64(32 + TAG_BITS), return_counts=True)
+        self._slot_keys.update(dict(zip(slots.tolist(), (sign * counts).tolist(), strict=True)))
+
+    def _free_slots(self) -> None:
+        """Give back the numbers of slots no session holds and no key carries."""
+        unused = {slot for slot, n in self._slot_keys.items() if n <= 0}
+        for slot in unused:
+            del self._slot_keys[slot]
+        for pair, slot in list(self._slots.items()):
+            if slot not in self._slot_keys and slot not in self._held:
+                del self._slots[pair]
+                self._free.append(slot)
 
     def expire(self, now: float) -> None:
         cutoff = now - self.window_s - self._bucket_s
@@ -159,6 +207,7 @@ class DedupIndex:
             old = [tag for tag, start in enumerate(self._frozen_starts) if start < cutoff]
             if old:
                 self._drop_frozen(old)
+        self._free_slots()
 
     # --- checkpoint -----------------------------------------------------------------------
 
@@ -177,7 +226,9 @@ class DedupIndex:
         """Take a loaded checkpoint's keys as the frozen part (the index must be empty)."""
         assert not len(self) and not self._slots, "restore into an empty index"
         self._slots = dict(snapshot.slots)
+        self._next_slot = max(self._slots.values(), default=0) + 1
         self._frozen = snapshot.frozen
+        self._count_frozen(self._frozen, 1)
         self._frozen_starts = list(snapshot.frozen_starts)
         self.covered_offset = snapshot.covered_offset
         self.expire(now)

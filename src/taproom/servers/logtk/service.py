@@ -304,6 +304,7 @@ class LogTKService:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(sender), timeout=5)
             self.sessions.discard(session)
+            session.finish()
             self._leave("logtk_tcp")
 
     # --- WebSocket ------------------------------------------------------------------------
@@ -417,6 +418,7 @@ class LogTKService:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(sender), timeout=5)
             self.sessions.discard(session)
+            session.finish()
             self._leave("logtk_ws")
 
 

@@ -57,6 +57,8 @@ class Session:
         self.room = asyncio.Event()
         self.room.set()
         self.inflight: set[asyncio.Future[Commit]] = set()
+        self._held_slots: list[int] = []
+        self._finished = False
         self.done = asyncio.Event()
         self.stream = conn.app or ""
         self._slot = 0
@@ -72,7 +74,8 @@ class Session:
                 datas.append(event)
             elif isinstance(event, Initialized):
                 app = self.conn.app or ""
-                self._slot = self.service.dedup.slot(app, event.client_id)
+                self._slot = self.service.dedup.acquire(app, event.client_id)
+                self._held_slots.append(self._slot)
                 self._producer = f"{event.client_id:08x}"
                 self._id_prefix = f"{app}:{event.client_id:08x}:"
                 self._time_of = time_reader(event.format)
@@ -202,8 +205,21 @@ class Session:
                     log.warning("%s %s: commit failed; closing", self.transport, self.peer)
                     self.conn.close(CloseCode.INTERNAL_ERROR, "internal error")
                     self.wake.set()
+            if self._finished and not self.inflight:
+                self._release_slots()  # after add_many: its keys now carry the slot
 
         future.add_done_callback(done)
+
+    def finish(self) -> None:
+        """The connection is over: its slots go back once its last commit has resolved (a
+        slot number must not be reused while keys may still be added under it)."""
+        self._finished = True
+        if not self.inflight:
+            self._release_slots()
+
+    def _release_slots(self) -> None:
+        while self._held_slots:
+            self.service.dedup.release(self._held_slots.pop())
 
     def ack(self, idems: list[int]) -> None:
         self.conn.ack(idems)
