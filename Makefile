@@ -7,7 +7,7 @@ STAMP_ALL  := $(VENV)/.installed-all
 PEERS      := tests/peers/node_modules/.installed
 export PYSPARK_PYTHON := $(abspath $(BIN)/python)
 
-.PHONY: run test lint typecheck unit bench soak peers clean browser screenshots
+.PHONY: run test lint typecheck unit wheel bench soak peers clean browser screenshots
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -52,7 +52,16 @@ typecheck: $(STAMP_ALL)
 unit: $(STAMP_ALL) $(PEERS) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-test: lint typecheck unit
+# A wheel, built as pip builds one, must carry the compiled ZeroMQ burst module (setup.py).
+wheel: $(STAMP_ALL)
+	rm -rf build/wheel
+	$(BIN)/pip wheel --quiet --no-deps --wheel-dir build/wheel .
+	$(BIN)/python -c "import glob, sys, zipfile; \
+	  names = zipfile.ZipFile(glob.glob('build/wheel/taproom-*.whl')[0]).namelist(); \
+	  sys.exit(not any(n.startswith('taproom/zmqburst/_burst') and n.endswith('.so') for n in names) \
+	    and 'the wheel has no compiled taproom/zmqburst/_burst module')"
+
+test: lint typecheck wheel unit
 
 bench: $(STAMP_ALL) $(PEERS)
 	$(BIN)/python -m bench $(ARGS)
@@ -61,4 +70,4 @@ soak: $(STAMP_ALL) $(PEERS)
 	TAPROOM_SOAK=1 $(BIN)/python -m pytest -m 'soak or not soak' -p no:timeout $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) tests/peers/node_modules var .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) tests/peers/node_modules var build .pytest_cache .mypy_cache .ruff_cache

@@ -1,9 +1,12 @@
-"""Settings for the whole suite: hypothesis profiles and the SOAK switch."""
+"""Settings for the whole suite: hypothesis profiles, the SOAK switch, and the ZeroMQ path
+(compiled or pure Python) fixture."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -11,3 +14,29 @@ settings.register_profile(
 )
 settings.register_profile("ci", parent=settings.get_profile("default"), print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+
+@pytest.fixture(params=["ext", "py"])
+def zmq_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test on taproom.zmqburst's compiled path and on its pure-Python twin. Modules of
+    ZeroMQ protocol tests use it for every test (``pytestmark = usefixtures("zmq_path")``).
+    Hubs started in this process take the selected path; child processes (HubProcess) get
+    ``TAPROOM_NO_EXT=1`` for the Python one. "ext" fails, never skips, when the compiled
+    module is not built."""
+    from taproom import zmqburst
+
+    before = zmqburst.active()
+    saved = os.environ.get("TAPROOM_NO_EXT")
+    zmqburst.select(request.param)
+    if request.param == "py":
+        os.environ["TAPROOM_NO_EXT"] = "1"
+    else:
+        os.environ.pop("TAPROOM_NO_EXT", None)
+    try:
+        yield request.param
+    finally:
+        zmqburst.select(before)
+        if saved is None:
+            os.environ.pop("TAPROOM_NO_EXT", None)
+        else:
+            os.environ["TAPROOM_NO_EXT"] = saved

@@ -19,6 +19,9 @@ from taproom.protocols.lumberjack import ClientSession
 from taproom.records import BatchBuilder
 from tests.support import HubProcess, running_app, write_config
 
+# Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("zmq_path")
+
 
 def url(app, name):
     return "tcp://" + app.addresses[name]

@@ -18,11 +18,15 @@ from collections import Counter
 from dataclasses import dataclass
 
 import orjson
+import pytest
 import zmq
 
 from taproom.protocols import logjam as lj
 from tests.servers.test_logjam import rejected, sample, url, wait_committed
 from tests.support import running_app
+
+# Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("zmq_path")
 
 A = b"202 Accepted"
 B = b"400 Bad Request"

@@ -1,6 +1,6 @@
-"""The logjam server's fast paths over real ZeroMQ: the ZMQ_RCVMORE reader (cffi, and pyzmq's
-getsockopt as the fallback), the unrolled PULL loop on every frame count, and the PUB output's
-numbering of ingested batches when nobody subscribes."""
+"""The logjam server's fast paths over real ZeroMQ, on both taproom.zmqburst paths: every frame
+count on both ingest loops, and the PUB output's numbering of ingested batches when nobody
+subscribes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import zmq
 from taproom.clients.logjam import LogjamAgent, LogjamConsumer
 from taproom.protocols import logjam as lj
 from taproom.records import BatchBuilder
-from taproom.servers.logjam import zmqio
 from tests.servers.test_logjam import (
     QUIET,
     rejected,
@@ -24,65 +23,15 @@ from tests.servers.test_logjam import (
     wait_subscriptions,
 )
 
-
-@pytest.fixture
-def pair():
-    ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = ctx.socket(zmq.PUSH)
-    push.connect(f"tcp://127.0.0.1:{port}")
-    yield push, pull
-    push.close(linger=0)
-    pull.close(linger=0)
-    ctx.term()
+# Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("zmq_path")
 
 
-def test_rcvmore_reader_agrees_with_pyzmq_frame_by_frame(pair):
-    push, pull = pair
-    more = zmqio.rcvmore_reader(pull)
-    # On Linux with cffi (a dependency of cryptography) the cheap reader is the one in use.
-    assert more.fast
-    shapes = [1, 4, 2, 6, 4]
-    for n in shapes:
-        push.send_multipart([b"%d" % i for i in range(n)])
-    assert pull.poll(5000)
-    seen = []
-    for _ in shapes:
-        frames = [pull.recv()]
-        while True:
-            flag = more()
-            assert flag == pull.get(zmq.RCVMORE)  # the same answer as pyzmq's, each frame
-            if not flag:
-                break
-            frames.append(pull.recv())
-        seen.append(len(frames))
-    assert seen == shapes
-
-
-def test_rcvmore_reader_falls_back_when_libzmq_is_not_reachable(pair, monkeypatch):
-    push, pull = pair
-    monkeypatch.setattr(zmqio, "_LIBZMQ", None)
-    monkeypatch.setattr(zmqio, "_LIBZMQ_LOADED", True)
-    more = zmqio.rcvmore_reader(pull)
-    assert not more.fast
-    push.send_multipart([b"a", b"b"])
-    assert pull.poll(5000)
-    pull.recv()
-    assert more() == 1
-    pull.recv()
-    assert more() == 0
-
-
-@pytest.mark.parametrize("fast_more", [True, False], ids=["cffi", "getsockopt"])
-async def test_every_frame_count_on_both_loops(tmp_path, monkeypatch, fast_more):
+async def test_every_frame_count_on_both_loops(tmp_path):
     """Messages of 1..7 frames, good ones between them: the four-frame ones are stored, and on
     the PULL the three-frame one too (an old agent's message without meta, as logjam-device
     takes it); the others are counted as bad_frame_count and never shift the framing of the
     next."""
-    if not fast_more:
-        monkeypatch.setattr(zmqio, "_LIBZMQ", None)
-        monkeypatch.setattr(zmqio, "_LIBZMQ_LOADED", True)
     async with running(tmp_path) as app:
 
         def work():

@@ -30,9 +30,13 @@ from taproom.protocols import logjam as lj
 from tests.support import SOAK, HubProcess, write_config
 from tests.web.test_ops import fill, small_tmpfs
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="a real full filesystem needs root to mount tmpfs"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="a real full filesystem needs root to mount tmpfs"
+    ),
+    # on taproom.zmqburst's compiled path and on its pure-Python twin
+    pytest.mark.usefixtures("zmq_path"),
+]
 
 MiB = 1024 * 1024
 # `make test`: a 16 MiB bound; `make soak`: the default 64 MiB and the message counts.

@@ -39,6 +39,7 @@ from .codec import (
 from .ingest import BURST_FULL, BurstFull, IngestedBody, IngestParser, Pushed
 from .messages import (
     GRAMMARS,
+    MAX_CREATED_MS,
     UNKNOWN_APP_ENV,
     DataMessage,
     PingMessage,
@@ -66,6 +67,7 @@ __all__ = [
     "EMPTY_META",
     "GRAMMARS",
     "HEARTBEAT_APP_ENV",
+    "MAX_CREATED_MS",
     "MAX_PREFIX_BYTES",
     "META_TAG",
     "META_TAG_SWAPPED",

@@ -5,6 +5,7 @@ records straight into one journal batch per burst (same rules and errors as
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import islice
 
 import orjson
 
@@ -20,7 +21,7 @@ from .codec import (
     decompress,
     parse_meta,
 )
-from .messages import _MAX_CREATED_MS, PingMessage, is_valid_app_env, is_valid_topic
+from .messages import MAX_CREATED_MS, PingMessage, is_valid_app_env, is_valid_topic
 
 __all__ = ["BURST_FULL", "BurstFull", "IngestParser", "IngestedBody", "Pushed"]
 
@@ -76,8 +77,10 @@ class IngestParser:
 
     __slots__ = (
         "_app_envs",
+        "_built",
         "_fixed",
         "_fixed_raw",
+        "_get_budget",
         "_parts",
         "_producers",
         "_push",
@@ -104,9 +107,10 @@ class IngestParser:
         # payload, len(stream), len(topic), len(producer))
         self._fixed: dict[tuple[bytes, bytes, int], tuple[bytes, int, int, int, int]] = {}
         self._fixed_raw: dict[tuple[bytes, bytes, int], tuple[bytes, int, int, int, int]] = {}
-        self._parts: list[bytes] = []  # three per record: head, fixed part, payload
+        self._parts: list[bytes | memoryview] = []  # three per record: head, fixed part, payload
+        self._built = 0  # records added whole by add_records, beyond one per three parts
         self.received_ns = 0
-        self._push, self._set_budget = self._make_push()
+        self._push, self._set_budget, self._get_budget = self._make_push()
 
     # --- the fast path: the parser's own batch ----------------------------------------------
 
@@ -114,19 +118,38 @@ class IngestParser:
         """Start a batch whose records all carry ``received_ns`` (as one BatchBuilder does);
         :meth:`push` answers :data:`BURST_FULL` once its payloads reach ``max_bytes``."""
         self._parts.clear()
+        self._built = 0
         self.received_ns = received_ns
         self._set_budget(max_bytes)
 
     def pending(self) -> int:
         """Records pushed since :meth:`start_batch` (three parts each)."""
-        return len(self._parts) // 3
+        return len(self._parts) // 3 + self._built
 
     def take_batch(self) -> EncodedBatch:
         """The records pushed since :meth:`start_batch`, as one journal batch."""
         parts = self._parts
-        batch = EncodedBatch(len(parts) // 3, IngestedBody(b"".join(parts)))
+        batch = EncodedBatch(self.pending(), IngestedBody(b"".join(parts)))
         parts.clear()
+        self._built = 0
         return batch
+
+    def add_records(self, records: bytes | memoryview, count: int) -> None:
+        """Append ``count`` records written elsewhere exactly as :meth:`push` writes them (the
+        compiled burst path, taproom.zmqburst), in order with pushed ones. ``records`` is
+        read (copied) only by :meth:`take_batch`."""
+        self._parts.extend((records, b"", b""))
+        self._built += count - 1
+
+    @property
+    def budget(self) -> int:
+        """Bytes of bodies the current batch may still take before :meth:`push` answers
+        :data:`BURST_FULL` (shared with the compiled burst path, which counts the same)."""
+        return self._get_budget()
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self._set_budget(value)
 
     def push(self, app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes) -> Pushed:
         """Validate one four-frame message and append its record to the current batch; a ping
@@ -140,7 +163,9 @@ class IngestParser:
 
     def _make_push(
         self,
-    ) -> tuple[Callable[[bytes, bytes, bytes, bytes], Pushed], Callable[[int], None]]:
+    ) -> tuple[
+        Callable[[bytes, bytes, bytes, bytes], Pushed], Callable[[int], None], Callable[[], int]
+    ]:
         # A closure rather than a method: what it needs per message is in its cells, not
         # behind attribute and global lookups (~0.5 us a message, measured). The bounds are
         # read once: a parser's settings do not change after construction. The byte budget
@@ -155,7 +180,7 @@ class IngestParser:
         loads, json_error = orjson.loads, orjson.JSONDecodeError
         pack_head = _pack_head
         max_body, max_decompressed = self.max_body, self.max_decompressed
-        max_created = _MAX_CREATED_MS
+        max_created = MAX_CREATED_MS
         tag_ok, version_ok, ping, field_max = META_TAG, META_VERSION, PING, _FIELD_MAX
 
         def push(app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes) -> Pushed:
@@ -234,7 +259,10 @@ class IngestParser:
             nonlocal budget
             budget = max_bytes
 
-        return push, set_budget
+        def get_budget() -> int:
+            return budget
+
+        return push, set_budget, get_budget
 
     def _fixed_part(
         self, app_env: bytes, topic: bytes, device: int, content_type: bytes
@@ -255,6 +283,16 @@ class IngestParser:
         if len(cache) < self._CACHE:
             cache[(app_env, topic, device)] = fixed
         return fixed
+
+    def validated(self, app_envs_from: int, topics_from: int) -> tuple[list[bytes], list[bytes]]:
+        """The app-envs and topics the grammar accepted, in the order first seen, from the
+        given counts on (at most ``_CACHE`` of each are remembered; the compiled burst path
+        learns them from here)."""
+        app_envs, topics = self._app_envs, self._topics
+        return (
+            list(islice(app_envs, app_envs_from, None)) if len(app_envs) > app_envs_from else [],
+            list(islice(topics, topics_from, None)) if len(topics) > topics_from else [],
+        )
 
     # --- the BatchBuilder path ----------------------------------------------------------------
 
@@ -342,6 +380,6 @@ class IngestParser:
             topic=topic_str,
             producer=producer,
             seq=seq,
-            ts_ns=created * 1_000_000 if created <= _MAX_CREATED_MS else 0,
+            ts_ns=created * 1_000_000 if created <= MAX_CREATED_MS else 0,
             content_type=content_type,
         )

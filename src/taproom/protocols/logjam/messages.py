@@ -103,11 +103,11 @@ class DataMessage:
 
 # Event times are stored as i64 nanoseconds; a created-ms beyond that (year 2262) is garbage
 # from the sender and is stored as 0, "unknown", rather than refusing the message.
-_MAX_CREATED_MS = ((1 << 63) - 1) // 1_000_000
+MAX_CREATED_MS = ((1 << 63) - 1) // 1_000_000
 
 
 def created_ns(created_ms: int) -> int:
-    return created_ms * 1_000_000 if created_ms <= _MAX_CREATED_MS else 0
+    return created_ms * 1_000_000 if created_ms <= MAX_CREATED_MS else 0
 
 
 @dataclass(frozen=True, slots=True)

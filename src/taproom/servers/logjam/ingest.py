@@ -19,12 +19,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
 from ...hub import Hub
 from ...metrics import Metrics
 from ...protocols import logjam as lj
 from .config import LogjamConfig
-from .zmqio import MAX_FRAMES, NOBLOCK, RCVMORE, SNDMORE, raw_send, rcvmore_reader, readable
+from .zmqio import MAX_FRAMES, NOBLOCK, SNDMORE, raw_send, readable
 
 __all__ = ["Ingest", "RejectLog"]
 
@@ -108,195 +109,39 @@ class Ingest:
         return future
 
     async def pull_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
-        """PUSH agents: no replies. Messages of four frames (all of them, in practice) take
-        the unrolled path; three frames are an old agent's message without meta, stored as
-        logjam-device stores it; any other shape is read whole and refused."""
-        hub = self.hub
-        parser = self._parser()
-        push = parser.pusher()
-        recv = sock.recv
-        more = rcvmore_reader(sock)
-        getopt, handle, flag, size, _ = more
-        rcvmore = RCVMORE
-        burst, burst_bytes = self.config.burst_messages, self.config.burst_bytes
-        burst_full, empty_meta = lj.BURST_FULL, lj.EMPTY_META
-        while True:
-            await hub.wait_capacity()
-            await readable(asock, sock)
-            parser.start_batch(time.time_ns(), burst_bytes)
-            not_json = parser.not_json
-            for _ in range(burst):
-                try:
-                    a = recv(NOBLOCK)
-                except zmq.Again:
-                    break
-                # A message arrives whole, so after its first frame the rest is already here.
-                getopt(handle, rcvmore, flag, size)
-                if flag[0]:
-                    b = recv(0)
-                    getopt(handle, rcvmore, flag, size)
-                    if flag[0]:
-                        c = recv(0)
-                        getopt(handle, rcvmore, flag, size)
-                        if flag[0]:
-                            d = recv(0)
-                            getopt(handle, rcvmore, flag, size)
-                            if not flag[0]:
-                                try:
-                                    pushed = push(a, b, c, d)
-                                except ProtocolError as exc:
-                                    self._refuse(sock, exc.reason, str(exc), None, ())
-                                    continue
-                                except Exception:  # a bug must not stop ingest
-                                    log.exception("logjam: internal error on a message")
-                                    self._refuse(sock, "internal_error", "", None, ())
-                                    continue
-                                if pushed is None:
-                                    continue
-                                if pushed is burst_full:
-                                    break
-                                self._m_pings.inc()
-                                continue
-                            count = 5
-                            recv(0)
-                            while more():  # read and drop the rest of an over-long message
-                                recv(0)
-                                count += 1
-                        else:
-                            # logjam-device's read_zmq_message_and_forward takes 3 or 4 frames
-                            if self._take_legacy(sock, push, a, b, c, empty_meta):
-                                break
-                            continue
-                    else:
-                        count = 2
-                else:
-                    count = 1
-                self._refuse(sock, "bad_frame_count", f"{count} frames, expected 4", None, ())
-            if parser.pending():
-                future = self._submit(parser, not_json)
-                if future is None:
-                    return
-                future.add_done_callback(self.pending.discard)
-            # While agents keep the socket full, neither wait above suspends: yield once per
-            # burst so commits resolve, 202s and the PUB output go out, /metrics answers.
-            await asyncio.sleep(0)
-
-    def _take_legacy(
-        self, sock: zmq.Socket, push: Pusher, a: bytes, b: bytes, c: bytes, empty_meta: bytes
-    ) -> bool:
-        """Three frames on the PULL: an old agent's message without meta. True: burst full."""
-        try:
-            pushed = push(a, b, c, empty_meta)
-        except ProtocolError as exc:
-            self._refuse(sock, exc.reason, str(exc), None, ())
-            return False
-        except Exception:  # a bug must not stop ingest
-            log.exception("logjam: internal error on a message")
-            self._refuse(sock, "internal_error", "", None, ())
-            return False
-        if pushed is lj.BURST_FULL:
-            return True
-        if pushed is not None:
-            self._m_pings.inc()
-        return False
+        """PUSH agents: no replies. Four frames make a message; three frames are an old
+        agent's message without meta, stored as logjam-device stores it; any other shape is
+        read whole and refused."""
+        await self._loop(asock, sock, router=False)
 
     async def router_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
         """DEALER agents: an empty frame after the routing id asks for a reply, ``202
         Accepted`` once the burst is durable (``400 Bad Request`` at once)."""
+        await self._loop(asock, sock, router=True)
+
+    async def _loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket, *, router: bool) -> None:
+        """Read a burst (taproom.zmqburst: compiled or pure Python), make its records, hand
+        them to the hub as one batch. A burst whose bodies reach ``burst_bytes`` before its
+        end is finished in the next batch, after the hub has room again."""
         hub = self.hub
         parser = self._parser()
-        push = parser.pusher()
-        recv = sock.recv
-        getopt, handle, flag, size, _ = rcvmore_reader(sock)
-        rcvmore = RCVMORE
-        burst, burst_bytes = self.config.burst_messages, self.config.burst_bytes
-        burst_full = lj.BURST_FULL
-        content_max = MAX_FRAMES - 1
+        one = functools.partial(
+            self._router_message if router else self._pull_message, sock, parser.pusher()
+        )
+        take = _compiled_take(parser, sock, router, one) or _python_take(one)
+        reader = zmqburst.reader(sock, MAX_FRAMES)
+        burst_messages, burst_bytes = self.config.burst_messages, self.config.burst_bytes
+        burst: zmqburst.Burst | None = None
+        start = 0
         while True:
             await hub.wait_capacity()
-            await readable(asock, sock)
+            if burst is None or start >= burst.n:
+                await readable(asock, sock)
+                burst, start = reader.recv(burst_messages, burst_bytes), 0
             parser.start_batch(time.time_ns(), burst_bytes)
             not_json = parser.not_json
-            acks: list[tuple[bytes, bytes]] = []
-            for _ in range(burst):
-                try:
-                    routing_id = recv(NOBLOCK)
-                except zmq.Again:
-                    break
-                # The routing id, then [""] app-env topic body meta (a message is delivered
-                # whole, so the rest is already here). The usual shape, a reply wanted, is
-                # unrolled; whatever else arrives is read in the loop below, with flag[0]
-                # telling whether frames are left.
-                getopt(handle, rcvmore, flag, size)
-                if not flag[0]:
-                    content: list[bytes] = []
-                else:
-                    e = recv(0)
-                    getopt(handle, rcvmore, flag, size)
-                    if not (flag[0] and not e):
-                        content = [e]
-                    else:
-                        a = recv(0)
-                        getopt(handle, rcvmore, flag, size)
-                        if not flag[0]:
-                            content = [e, a]
-                        else:
-                            b = recv(0)
-                            getopt(handle, rcvmore, flag, size)
-                            if not flag[0]:
-                                content = [e, a, b]
-                            else:
-                                c = recv(0)
-                                getopt(handle, rcvmore, flag, size)
-                                if not flag[0]:
-                                    content = [e, a, b, c]
-                                else:
-                                    d = recv(0)
-                                    getopt(handle, rcvmore, flag, size)
-                                    if not flag[0]:
-                                        if self._take_reply_message(
-                                            sock, push, routing_id, a, b, c, d, acks
-                                        ):
-                                            break
-                                        continue
-                                    content = [e, a, b, c, d]
-                # Frames past the bound are read and dropped.
-                overflow = False
-                while flag[0]:
-                    frame = recv(0)
-                    if len(content) < content_max:
-                        content.append(frame)
-                    else:
-                        overflow = True
-                    if getopt(handle, rcvmore, flag, size) != 0:
-                        break  # cannot happen on an open socket; never loop on it
-                # logjam-device replies when the frame after the routing id is empty
-                wants_reply = bool(content) and content[0] == b""
-                if wants_reply:
-                    del content[0]
-                reply_to = routing_id if wants_reply else None
-                try:
-                    if overflow:
-                        raise lj.LogjamError("too many frames", reason="bad_frame_count")
-                    if len(content) != 4:
-                        raise lj.LogjamError(
-                            f"{len(content)} frames, expected 4", reason="bad_frame_count"
-                        )
-                    pushed = push(content[0], content[1], content[2], content[3])
-                except ProtocolError as exc:
-                    self._refuse(sock, exc.reason, str(exc), reply_to, content)
-                    continue
-                except Exception:  # a bug must not stop ingest; nothing of this one is stored
-                    log.exception("logjam: internal error on a message")
-                    self._refuse(sock, "internal_error", "", reply_to, content)
-                    continue
-                if isinstance(pushed, lj.PingMessage):
-                    self._answer_ping(sock, reply_to)
-                    continue
-                if wants_reply:
-                    acks.append((routing_id, content[0]))
-                if pushed is burst_full:
-                    break
+            acks: Acks = []
+            start = take(burst, start, acks)
             if parser.pending():
                 future = self._submit(parser, not_json)
                 if future is None:
@@ -308,35 +153,68 @@ class Ingest:
                     future.add_done_callback(functools.partial(self._send_acks, sock, acks))
                 else:
                     future.add_done_callback(self.pending.discard)
-            await asyncio.sleep(0)  # let commits resolve and 202s go out (see pull_loop)
+            # While agents keep the socket full, neither wait above suspends: yield once per
+            # burst so commits resolve, 202s and the PUB output go out, /metrics answers.
+            await asyncio.sleep(0)
 
-    def _take_reply_message(
-        self,
-        sock: zmq.Socket,
-        push: Pusher,
-        routing_id: bytes,
-        a: bytes,
-        b: bytes,
-        c: bytes,
-        d: bytes,
-        acks: list[tuple[bytes, bytes]],
+    def _pull_message(
+        self, sock: zmq.Socket, push: Pusher, count: int, frames: list[bytes], _acks: Acks
     ) -> bool:
-        """``routing-id "" app-env topic body meta``: store it and queue its 202, answer a
-        ping, or refuse it with a 400 at once (same handling as the general path). True: the
+        """One PULL message (``count`` frames, at most MAX_FRAMES of them kept). True: the
         burst has reached its byte budget."""
+        if count == 4 or count == 3:
+            # logjam-device's read_zmq_message_and_forward takes 3 or 4 frames: three are an
+            # old agent's message without meta
+            meta = frames[3] if count == 4 else lj.EMPTY_META
+            try:
+                pushed = push(frames[0], frames[1], frames[2], meta)
+            except ProtocolError as exc:
+                self._refuse(sock, exc.reason, str(exc), None, ())
+                return False
+            except Exception:  # a bug must not stop ingest
+                log.exception("logjam: internal error on a message")
+                self._refuse(sock, "internal_error", "", None, ())
+                return False
+            if pushed is None:
+                return False
+            if pushed is lj.BURST_FULL:
+                return True
+            self._m_pings.inc()
+            return False
+        self._refuse(sock, "bad_frame_count", f"{count} frames, expected 4", None, ())
+        return False
+
+    def _router_message(
+        self, sock: zmq.Socket, push: Pusher, count: int, frames: list[bytes], acks: Acks
+    ) -> bool:
+        """One ROUTER message: the routing id, then ``[""] app-env topic body meta``: store it
+        and queue its 202, answer a ping, or refuse it (a 400 at once when it asked for a
+        reply). True: the burst has reached its byte budget."""
+        routing_id = frames[0]
+        content = frames[1:]
+        # logjam-device replies when the frame after the routing id is empty
+        wants_reply = bool(content) and content[0] == b""
+        if wants_reply:
+            del content[0]
+        reply_to = routing_id if wants_reply else None
         try:
-            pushed = push(a, b, c, d)
+            if count > MAX_FRAMES:  # frames past the bound were read and dropped
+                raise lj.LogjamError("too many frames", reason="bad_frame_count")
+            if len(content) != 4:
+                raise lj.LogjamError(f"{len(content)} frames, expected 4", reason="bad_frame_count")
+            pushed = push(content[0], content[1], content[2], content[3])
         except ProtocolError as exc:
-            self._refuse(sock, exc.reason, str(exc), routing_id, (a,))
+            self._refuse(sock, exc.reason, str(exc), reply_to, content)
             return False
         except Exception:  # a bug must not stop ingest; nothing of this one is stored
             log.exception("logjam: internal error on a message")
-            self._refuse(sock, "internal_error", "", routing_id, (a,))
+            self._refuse(sock, "internal_error", "", reply_to, content)
             return False
         if isinstance(pushed, lj.PingMessage):
-            self._answer_ping(sock, routing_id)
+            self._answer_ping(sock, reply_to)
             return False
-        acks.append((routing_id, a))
+        if wants_reply:
+            acks.append((routing_id, content[0]))
         return pushed is lj.BURST_FULL
 
     def _answer_ping(self, sock: zmq.Socket, reply_to: bytes | None) -> None:
@@ -363,9 +241,7 @@ class Ingest:
             with contextlib.suppress(zmq.ZMQError):
                 sock.send_multipart(lj.reply_frames(reply_to, content, lj.BAD_REQUEST), zmq.NOBLOCK)
 
-    def _send_acks(
-        self, sock: zmq.Socket, acks: list[tuple[bytes, bytes]], future: asyncio.Future[Any]
-    ) -> None:
+    def _send_acks(self, sock: zmq.Socket, acks: Acks, future: asyncio.Future[Any]) -> None:
         self.pending.discard(future)
         if future.cancelled() or future.exception() is not None:
             return  # not durable: no 202; the agent times out and may resend
@@ -374,7 +250,11 @@ class Ingest:
         send = functools.partial(raw_send, sock)
         flags = NOBLOCK | SNDMORE
         accepted = lj.ACCEPTED
-        for routing_id, app_env in acks:
+        for ack in acks:
+            if isinstance(ack, _AckRun):
+                ack.send()  # a run of 202s the compiled path prepared: one call
+                continue
+            routing_id, app_env = ack
             # as logjam-device: routing id, the agent's app-env, the status
             try:
                 send(routing_id, flags)
@@ -382,3 +262,152 @@ class Ingest:
                 send(accepted, NOBLOCK)
             except zmq.ZMQError:
                 continue  # the agent went away; ROUTER drops replies to unknown peers
+
+
+# One message, handled in Python: (count, kept frames, acks) -> the burst is full.
+OneMessage = Callable[[int, list[bytes], "Acks"], bool]
+# Take messages start.. of a burst into the parser's batch; returns the first one not taken.
+Take = Callable[[zmqburst.Burst, int, "Acks"], int]
+
+
+class _AckRun:
+    """202s the compiled path wrote for a run of messages: sent in one call after the commit."""
+
+    __slots__ = ("_buffers", "_counts", "_data", "_ends", "_lib", "_n", "_sock")
+
+    def __init__(self, lib: Any, sock: zmq.Socket, buffers: Any, at: tuple[int, int, int], n: int):
+        data, ends, counts = buffers
+        self._lib, self._sock, self._buffers, self._n = lib, sock, buffers, n
+        self._data, self._ends, self._counts = data + at[0], ends + at[1], counts + at[2]
+
+    def send(self) -> None:
+        self._lib.tb_send(
+            zmqburst.handle(self._sock), self._data, self._ends, self._counts, self._n
+        )
+
+
+Acks = list[tuple[bytes, bytes] | _AckRun]
+
+
+def _python_take(one: OneMessage) -> Take:
+    def take(burst: zmqburst.Burst, start: int, acks: Acks) -> int:
+        counts = burst.counts()
+        frames = burst.frames
+        for i in range(start, burst.n):
+            if one(counts[i], frames(i), acks):
+                return i + 1
+        return burst.n
+
+    return take
+
+
+def _compiled_take(
+    parser: lj.IngestParser, sock: zmq.Socket, router: bool, one: OneMessage
+) -> Take | None:
+    """The compiled path's take: runs of messages in the usual shape become records (and
+    202s) in C (``lj_build`` in zmqburst/burst.c, byte-identical to ``IngestParser.push``);
+    every other message goes to ``one``, the pure-Python path's own code."""
+    ffi, lib = zmqburst.ffi_lib()
+    if lib is None:
+        return None
+    state = ffi.gc(
+        lib.lj_ingest_new(
+            int(router),
+            parser.max_body,
+            parser.max_decompressed,
+            lj.IngestParser._CACHE,
+            lj.META_TAG,
+            lj.META_VERSION,
+            lj.MAX_CREATED_MS,
+        ),
+        lib.lj_ingest_free,
+    )
+    learn = lib.lj_ingest_learn
+    build = lib.lj_build
+    built = ffi.new("lj_built *")
+    budget = ffi.new("int64_t *")
+    unpack = ffi.buffer
+    out: Any = None
+    out_cap = 0
+    known = [0, 0]  # app-envs, topics the C side has learned from the parser
+    resume: tuple[Any, int] = (None, 0)  # (burst, its next message's first frame)
+
+    def take(burst: Any, start: int, acks: Acks) -> int:
+        nonlocal out, out_cap, resume
+        n = burst.n
+        # a record is its message's bytes plus at most 66: the head, "logjamjson", producer
+        need = burst.size + 66 * n
+        if need > out_cap:
+            out, out_cap = zmqburst.buffer("char[]", need), need
+        if router:
+            ack_cap = burst.size + 12 * n
+            ack_buffers = (
+                zmqburst.buffer("char[]", ack_cap),
+                zmqburst.buffer("size_t[]", 3 * n),
+                zmqburst.buffer("int[]", n),
+            )
+            ack_at = [0, 0, 0]
+        else:
+            ack_cap, ack_buffers, ack_at = 0, (ffi.NULL, ffi.NULL, ffi.NULL), [0, 0, 0]
+        frame = resume[1] if start and resume[0] is burst else 0
+        counts: list[int] | None = None
+        # records of this take, one run per call: the batch reads them (uncopied) at its end
+        used = 0
+        while start < n:
+            budget[0] = parser.budget
+            build(
+                state,
+                burst.buf,
+                burst.frame_end,
+                burst.counts_c,
+                MAX_FRAMES,
+                start,
+                frame,
+                n,
+                parser.received_ns,
+                budget,
+                out + used,
+                out_cap - used,
+                ack_buffers[0] + ack_at[0],
+                ack_cap - ack_at[0],
+                ack_buffers[1] + ack_at[1],
+                3 * n - ack_at[1],
+                ack_buffers[2] + ack_at[2],
+                built,
+            )
+            parser.budget = budget[0]
+            if built.records:
+                # uncopied: take_batch joins it into the batch before the next take
+                parser.add_records(memoryview(unpack(out + used, built.out_bytes)), built.records)
+                used += built.out_bytes
+            if built.acks:
+                acks.append(
+                    _AckRun(lib, sock, ack_buffers, (ack_at[0], ack_at[1], ack_at[2]), built.acks)
+                )
+                ack_at[0] += built.ack_bytes
+                ack_at[1] += built.ack_frames
+                ack_at[2] += built.acks
+            start, frame = built.next, built.next_frame
+            if built.budget_full:
+                break
+            if not built.slow:
+                continue
+            if counts is None:
+                counts = burst.counts()
+            count = counts[start]
+            full = one(count, burst.frames(start), acks)
+            app_envs, topics = parser.validated(known[0], known[1])
+            for app_env in app_envs:
+                learn(state, 0, app_env, len(app_env))
+            for topic in topics:
+                learn(state, 1, topic, len(topic))
+            known[0] += len(app_envs)
+            known[1] += len(topics)
+            start += 1
+            frame += min(count, MAX_FRAMES)
+            if full:
+                break
+        resume = (burst, frame)
+        return start
+
+    return take

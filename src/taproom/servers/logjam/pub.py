@@ -20,10 +20,12 @@ import functools
 import logging
 import struct
 import time
+from typing import Any
 
 import orjson
 import zmq
 
+from ... import zmqburst
 from ...hub import CommittedBatch, Hub, Subscription
 from ...protocols import logjam as lj
 from ...records import RECORD_HEAD
@@ -39,6 +41,49 @@ log = logging.getLogger("taproom.logjam")
 _RECORD_HEAD = RECORD_HEAD
 
 _META_OUT = {24: struct.Struct("!HBBIQQ"), 22: struct.Struct("!HBBHQQ")}
+_HEAD_SIZE = RECORD_HEAD.size
+_RECORD_LENGTH = struct.Struct("<I")
+_PROTOCOL_LENGTH_AT = 28  # len(protocol) in RECORD_HEAD: after u32, i64, i64, u64
+
+
+def _is_logjam(body: bytes, pos: int) -> bool:
+    """Whether the record at ``pos`` is logjam's (its protocol field is exactly "logjam")."""
+    q = pos + _HEAD_SIZE
+    return body[pos + _PROTOCOL_LENGTH_AT] == 6 and body[q : q + 6] == b"logjam"
+
+
+class _CompiledPublisher:
+    """The compiled PUB path: ``lj_publish`` on the XPUB's libzmq handle."""
+
+    def __init__(self, ffi: Any, lib: Any, handle: Any, config: LogjamConfig) -> None:
+        self._lib, self._handle = lib, handle
+        self._cfg = ffi.new(
+            "lj_pub *",
+            {
+                "meta_size": config.meta_size,
+                "meta_tag": lj.META_TAG,
+                "meta_version": lj.META_VERSION,
+                "device": config.device_number,
+                "wrap": config.sequence_wrap,
+            },
+        )
+        self._res = ffi.new("lj_published *")
+
+    @classmethod
+    def create(cls, sock: zmq.Socket, config: LogjamConfig) -> _CompiledPublisher | None:
+        ffi, lib = zmqburst.ffi_lib()
+        if lib is None:
+            return None
+        return cls(ffi, lib, zmqburst.handle(sock), config)
+
+    def publish(self, body: bytes, pos: int, seq: int, now_ms: int, check_protocol: bool) -> Any:
+        """Records from ``pos`` on, numbered after ``seq``: the result's pos, sent, dropped,
+        stop (0: the body is done; 1: a record of another protocol is at pos; -1: error)."""
+        res, cfg = self._res, self._cfg
+        res.pos, res.sent, res.dropped, res.seq = pos, 0, 0, seq
+        cfg.now_ms = now_ms
+        self._lib.lj_publish(self._handle, body, len(body), 1 << 30, int(check_protocol), cfg, res)
+        return res
 
 
 class PubOutput:
@@ -81,6 +126,7 @@ class PubOutput:
         self._pub = sock
         self.pub_endpoint = f"tcp://{self.hostname.decode()}:{port}"
         self.subscription: Subscription = self.hub.subscribe("logjam_pub")
+        self._compiled = _CompiledPublisher.create(sock, self.config)
 
     def _emit(
         self,
@@ -160,10 +206,13 @@ class PubOutput:
                 self._publish_ingested(batch, now_ms)
             self._next_publish = batch.end_offset
             return
+        routed_logjam = mapper.routed("logjam")
+        if routed_logjam and self._compiled is not None:
+            self._publish_compiled(batch, now_ms, check_protocol=True)
+            return
         body = batch.body
         unpack = _RECORD_HEAD.unpack_from
         head_size = _RECORD_HEAD.size
-        routed_logjam = mapper.routed("logjam")
         pub_send = functools.partial(raw_send, self._pub)
         pack_meta = self.meta_struct.pack
         index = self._index
@@ -246,6 +295,9 @@ class PubOutput:
             self.published = k + count
             self._m_pub_data.inc(count)
             return
+        if self._compiled is not None:
+            self._publish_compiled(batch, now_ms, check_protocol=False)
+            return
         body = batch.body
         unpack = _RECORD_HEAD.unpack_from
         head_size = _RECORD_HEAD.size
@@ -291,6 +343,52 @@ class PubOutput:
             if dropped:
                 self._m_dropped.inc(dropped)
             self._m_pub_data.inc(k - first_k)
+
+    def _publish_compiled(
+        self, batch: CommittedBatch, now_ms: int, *, check_protocol: bool
+    ) -> None:
+        """Send a batch's logjam records in C (``lj_publish``, zmqburst/burst.c: the same
+        frames, numbering and lossy resend as the Python loops). With ``check_protocol``, runs
+        of other protocols' records between them are mapped here, in journal order."""
+        compiled = self._compiled
+        assert compiled is not None
+        body = batch.body
+        end = len(body)
+        offset = batch.base_offset
+        pos = sent = dropped = 0
+        k = self.published
+        wrap = self.config.sequence_wrap
+        try:
+            while pos < end:
+                run = compiled.publish(
+                    body, pos, (k - 1) % wrap + 1 if k else 0, now_ms, check_protocol
+                )
+                # the replay index learns the run at once (offsets follow k one to one)
+                self._index_run(k + 1, offset, run.sent)
+                k += run.sent
+                offset += run.sent
+                sent += run.sent
+                dropped += run.dropped
+                pos = run.pos
+                if run.stop < 0:
+                    raise zmq.ZMQError(run.error)
+                if run.stop == 0:
+                    break
+                # records of other protocols up to the next logjam one, mapped in Python
+                others = []
+                while pos < end and not _is_logjam(body, pos):
+                    others.append(offset)
+                    pos += 4 + _RECORD_LENGTH.unpack_from(body, pos)[0]
+                    offset += 1
+                self.published = k
+                sent += self._publish_others(batch, others, now_ms)
+                k = self.published
+        finally:
+            self.published = k
+            self._next_publish = batch.end_offset
+            if dropped:
+                self._m_dropped.inc(dropped)
+            self._m_pub_data.inc(sent)
 
     def _index_run(self, k_first: int, offset: int, count: int) -> None:
         """Remember offsets ``offset ..`` for messages ``k_first ..`` in the replay ring."""

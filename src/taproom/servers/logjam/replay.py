@@ -16,10 +16,11 @@ from ...errors import ProtocolError
 from ...hub import Hub
 from ...protocols import logjam as lj
 from ...records import Record
+from ...zmqframes import recv_counted
 from .config import LogjamConfig
 from .ingest import RejectLog
 from .pub import PubOutput
-from .zmqio import readable, recv_message
+from .zmqio import MAX_FRAMES, readable
 
 __all__ = ["ReplayChannel"]
 
@@ -107,9 +108,10 @@ class ReplayChannel:
         while True:
             await readable(asock, sock)
             try:
-                frames, overflow = recv_message(sock)
+                count, frames = recv_counted(sock, MAX_FRAMES)
             except zmq.Again:
                 continue
+            overflow = count > MAX_FRAMES
             if len(frames) < 2:
                 continue
             routing_id = frames[0]

@@ -1,0 +1,337 @@
+"""Whole ZeroMQ bursts per call: taproom's compiled hot path and its pure-Python twin.
+
+pyzmq costs ~3 us per multi-part message in Python calls, more than libzmq itself. The compiled
+module (``_burst``, C through cffi's API mode, built by ``pip install``; burst.c) receives
+every message that is ready, up to a count and a byte budget, in one call without the GIL, into
+one buffer plus frame offsets, and sends a prepared burst of multi-part messages in one call.
+It calls the libzmq pyzmq loaded (looked up in the process, never linked), on the handles of
+the ``zmq.Socket`` objects taproom already has.
+
+The pure-Python twin does the same through pyzmq, message by message, with the same results.
+It is used when the module is not built, cannot find pyzmq's libzmq, or ``TAPROOM_NO_EXT=1``;
+tests run the ZeroMQ protocol tests on both (``select``).
+
+A reader's :meth:`Reader.recv` returns a :class:`Burst`: ``n`` messages, their true frame
+counts, and their frames (at most ``max_frames`` kept per message, the rest read and dropped).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import zmq
+
+from ..zmqframes import recv_counted
+
+__all__ = [
+    "Burst",
+    "Reader",
+    "active",
+    "ext_status",
+    "ffi_lib",
+    "reader",
+    "select",
+    "send_messages",
+]
+
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE = int(zmq.SNDMORE)
+_raw_send = zmq.backend.Socket.send
+
+# What a reader's buffers start at; a single message bigger than this grows them for a burst.
+_INITIAL_BYTES = 1 << 20
+
+
+def _load() -> tuple[Any, Any, str]:
+    """(ffi, lib, "") when the compiled module is usable, else (None, None, why not)."""
+    if os.environ.get("TAPROOM_NO_EXT", "") not in ("", "0"):
+        return None, None, "TAPROOM_NO_EXT is set"
+    try:
+        from . import _burst  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, None, f"not built ({exc})"
+    ffi, lib = _burst.ffi, _burst.lib
+    version = ffi.new("int[3]")
+    if lib.tb_bind(version, version + 1, version + 2) != 0:
+        return None, None, "pyzmq's libzmq not found in this process"
+    if tuple(version) != zmq.zmq_version_info():
+        return None, None, f"libzmq {tuple(version)} is not pyzmq's {zmq.zmq_version_info()}"
+    return ffi, lib, ""
+
+
+_FFI, _LIB, _WHY_NOT = _load()
+_use_ext = _LIB is not None
+
+
+def ext_status() -> str:
+    """ "compiled" or why the pure-Python path is in use (for logs and /metrics)."""
+    if _use_ext:
+        return "compiled"
+    return f"python ({_WHY_NOT or 'selected'})"
+
+
+def select(kind: str) -> None:
+    """Use the compiled path ("ext", when available) or the pure-Python one ("py") for
+    readers made from now on (tests run both)."""
+    global _use_ext
+    if kind == "ext" and _LIB is None:
+        raise RuntimeError(f"the compiled module is not usable: {_WHY_NOT}")
+    _use_ext = kind == "ext"
+
+
+def active() -> str:
+    """ "ext" or "py": the path new readers take."""
+    return "ext" if _use_ext else "py"
+
+
+def ffi_lib() -> tuple[Any, Any]:
+    """The compiled module's (ffi, lib) while the compiled path is selected, else (None, None),
+    for protocol kernels built on it (the logjam ingest and PUB)."""
+    return (_FFI, _LIB) if _use_ext else (None, None)
+
+
+class Burst(Protocol):
+    """Messages received in one call, oldest first."""
+
+    n: int  # messages
+    size: int  # bytes of the frames kept
+
+    def counts(self) -> list[int]:
+        """Each message's true frame count (frames past ``max_frames`` were dropped)."""
+        ...
+
+    def frames(self, i: int) -> list[bytes]:
+        """The kept frames of message ``i``."""
+        ...
+
+    def messages(self) -> Iterator[tuple[int, list[bytes]]]:
+        """(true frame count, kept frames) of every message."""
+        ...
+
+
+class Reader(Protocol):
+    def recv(self, max_messages: int, max_bytes: int) -> Burst:
+        """Every message that is ready, up to ``max_messages`` and until the kept frames reach
+        ``max_bytes``; never blocks (an empty burst when nothing is queued)."""
+        ...
+
+
+def reader(sock: zmq.Socket[bytes], max_frames: int) -> Reader:
+    """A burst reader of ``sock`` on the selected path; ``max_frames`` are kept per message."""
+    if _use_ext:
+        return _ExtReader(sock, max_frames)
+    return _PyReader(sock, max_frames)
+
+
+def send_messages(sock: zmq.Socket[bytes], messages: Sequence[Sequence[bytes]]) -> int:
+    """Send multi-part messages, every frame NOBLOCK; a message a frame of which fails is
+    skipped (a ROUTER's peer went away). Returns the number sent whole."""
+    if _use_ext and messages:
+        return _ext_send(sock, messages)
+    sent = 0
+    for message in messages:
+        last = len(message) - 1
+        try:
+            for j, frame in enumerate(message):
+                _raw_send(sock, frame, _NOBLOCK | _SNDMORE if j < last else _NOBLOCK)
+        except zmq.ZMQError:
+            continue
+        sent += 1
+    return sent
+
+
+# --- pure Python -----------------------------------------------------------------------------
+
+
+class _PyBurst:
+    __slots__ = ("_messages", "n", "size")
+
+    def __init__(self, messages: list[tuple[int, list[bytes]]], size: int) -> None:
+        self._messages = messages
+        self.n = len(messages)
+        self.size = size
+
+    def counts(self) -> list[int]:
+        return [count for count, _ in self._messages]
+
+    def frames(self, i: int) -> list[bytes]:
+        return self._messages[i][1]
+
+    def messages(self) -> Iterator[tuple[int, list[bytes]]]:
+        return iter(self._messages)
+
+
+class _PyReader:
+    def __init__(self, sock: zmq.Socket[bytes], max_frames: int) -> None:
+        self.sock = sock
+        self.max_frames = max_frames
+
+    def recv(self, max_messages: int, max_bytes: int) -> _PyBurst:
+        sock, max_frames = self.sock, self.max_frames
+        messages: list[tuple[int, list[bytes]]] = []
+        size = 0
+        for _ in range(max_messages):
+            try:
+                count, frames = recv_counted(sock, max_frames)
+            except zmq.Again:
+                break
+            messages.append((count, frames))
+            for frame in frames:
+                size += len(frame)
+            if size >= max_bytes:
+                break
+        return _PyBurst(messages, size)
+
+
+# --- compiled ----------------------------------------------------------------------------------
+
+_TB_NEED, _TB_ERROR = 4, -1
+
+
+class _ExtBurst:
+    """A burst in the reader's buffers: valid until the reader's next ``recv``."""
+
+    __slots__ = (
+        "_counts",
+        "_ends",
+        "_max_frames",
+        "_starts",
+        "buf",
+        "counts_c",
+        "frame_end",
+        "frames_kept",
+        "n",
+        "size",
+    )
+
+    def __init__(self, rd: _ExtReader, n: int, frames: int, size: int) -> None:
+        self.buf, self.frame_end, self.counts_c = rd.buf, rd.frame_end, rd.counts
+        self.n, self.frames_kept, self.size = n, frames, size
+        self._max_frames = rd.max_frames
+        self._counts: list[int] | None = None
+        self._starts: list[int] | None = None
+        self._ends: list[int] | None = None
+
+    def counts(self) -> list[int]:
+        if self._counts is None:
+            self._counts = _FFI.unpack(self.counts_c, self.n) if self.n else []
+        return self._counts
+
+    def _index(self) -> tuple[list[int], list[int]]:
+        if self._starts is None:
+            m = self._max_frames
+            starts, j = [], 0
+            for count in self.counts():
+                starts.append(j)
+                j += count if count < m else m
+            starts.append(j)
+            self._starts = starts
+            self._ends = [0, *_FFI.unpack(self.frame_end, self.frames_kept)]
+        assert self._ends is not None
+        return self._starts, self._ends
+
+    def frames(self, i: int) -> list[bytes]:
+        starts, ends = self._index()
+        data = _FFI.buffer(self.buf, self.size)
+        return [data[ends[j] : ends[j + 1]] for j in range(starts[i], starts[i + 1])]
+
+    def messages(self) -> Iterator[tuple[int, list[bytes]]]:
+        starts, ends = self._index()
+        data = _FFI.buffer(self.buf, self.size)[:]
+        counts = self.counts()
+        for i in range(self.n):
+            yield counts[i], [data[ends[j] : ends[j + 1]] for j in range(starts[i], starts[i + 1])]
+
+
+def handle(sock: zmq.Socket[bytes]) -> Any:
+    """libzmq's handle of ``sock`` as the compiled module takes it (checked: same socket type),
+    or a ValueError."""
+    ptr = _FFI.cast("void *", sock.underlying)
+    if _LIB.tb_socket_type(ptr) != sock.get(zmq.TYPE):
+        raise ValueError("the socket handle is not pyzmq's libzmq socket")
+    return ptr
+
+
+_alloc = None
+
+
+def buffer(kind: str, size: int) -> Any:
+    """A cffi array, not zeroed (every byte read was written first)."""
+    global _alloc
+    if _alloc is None:
+        _alloc = _FFI.new_allocator(should_clear_after_alloc=False)
+    return _alloc(kind, size)
+
+
+class _ExtReader:
+    def __init__(self, sock: zmq.Socket[bytes], max_frames: int) -> None:
+        self.sock = sock
+        self.max_frames = max_frames
+        reader_ptr = _LIB.tb_reader_new(handle(sock), max_frames)
+        if reader_ptr == _FFI.NULL:
+            raise ValueError(f"max_frames {max_frames} out of range")
+        self._reader = _FFI.gc(reader_ptr, _LIB.tb_reader_free)
+        self._result = _FFI.new("tb_result *")
+        self._messages = 0
+        self._cap = 0
+        self.buf: Any = None
+        self.frame_end: Any = None
+        self.counts: Any = None
+
+    def _size(self, max_messages: int, cap: int) -> None:
+        if max_messages > self._messages:
+            self.counts = buffer("int[]", max_messages)
+            self.frame_end = buffer("size_t[]", max_messages * self.max_frames)
+            self._messages = max_messages
+        if cap != self._cap:
+            self.buf = buffer("char[]", cap)
+            self._cap = cap
+
+    def recv(self, max_messages: int, max_bytes: int) -> _ExtBurst:
+        if self.sock.closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+        base = max(min(max_bytes, _INITIAL_BYTES * 16), _INITIAL_BYTES)
+        # a buffer grown for one big message goes back to its usual size afterwards
+        self._size(max_messages, base if self._cap > 2 * base or self._cap < base else self._cap)
+        res = self._result
+        recv = _LIB.tb_recv
+        while True:
+            recv(
+                self._reader,
+                self.buf,
+                self._cap,
+                self.frame_end,
+                self._messages * self.max_frames,
+                self.counts,
+                max_messages,
+                max_bytes,
+                res,
+            )
+            if res.status == _TB_NEED:  # one message bigger than the buffer: grow, read it
+                self._size(max_messages, max(res.need, 2 * self._cap))
+                continue
+            if res.status == _TB_ERROR and not res.messages:
+                raise zmq.ZMQError(res.error)
+            return _ExtBurst(self, res.messages, res.frames, res.bytes)
+
+
+def _ext_send(sock: zmq.Socket[bytes], messages: Sequence[Sequence[bytes]]) -> int:
+    if sock.closed:
+        return 0
+    frames = [frame for message in messages for frame in message]
+    data = b"".join(frames)
+    ends, end = [], 0
+    for frame in frames:
+        end += len(frame)
+        ends.append(end)
+    return int(
+        _LIB.tb_send(
+            handle(sock),
+            data,
+            _FFI.new("size_t[]", ends),
+            _FFI.new("int[]", [len(m) for m in messages]),
+            len(messages),
+        )
+    )

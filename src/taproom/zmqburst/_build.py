@@ -1,0 +1,69 @@
+"""cffi (API mode) build of taproom's compiled ZeroMQ burst module, ``taproom.zmqburst._burst``.
+
+Used by setup.py at ``pip install`` time; ``python src/taproom/zmqburst/_build.py`` builds it
+in place by hand. The C source is burst.c beside this file; no libzmq is linked (burst.c looks
+its functions up in the libzmq pyzmq loaded).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cffi import FFI
+
+CDEF = """
+typedef struct tb_reader tb_reader;
+typedef struct {
+    int status; int messages; size_t frames; size_t bytes; size_t need; int error;
+} tb_result;
+int tb_bind(int *major, int *minor, int *patch);
+int tb_socket_type(void *sock);
+tb_reader *tb_reader_new(void *sock, int max_frames);
+void tb_reader_free(tb_reader *r);
+void tb_recv(tb_reader *r, char *buf, size_t cap, size_t *frame_end, size_t frames_cap,
+             int *counts, int max_messages, size_t max_bytes, tb_result *res);
+int tb_send(void *sock, const char *buf, const size_t *frame_end, const int *counts, int n);
+int tb_json_valid(const char *text, size_t len);
+
+typedef struct lj_ingest lj_ingest;
+typedef struct {
+    int next; size_t next_frame; int slow; int budget_full; size_t out_bytes; int records;
+    int acks; size_t ack_frames; size_t ack_bytes;
+} lj_built;
+lj_ingest *lj_ingest_new(int router, size_t max_body, size_t max_decompressed, int max_entries,
+                         int meta_tag, int meta_version, uint64_t max_created_ms);
+void lj_ingest_free(lj_ingest *st);
+void lj_ingest_learn(lj_ingest *st, int kind, const char *s, size_t n);
+void lj_build(lj_ingest *st, const char *buf, const size_t *frame_end, const int *counts,
+              int max_frames, int start, size_t start_frame, int n, int64_t received_ns,
+              int64_t *budget, char *out, size_t out_cap, char *ack_buf, size_t ack_cap,
+              size_t *ack_end, size_t ack_frames_cap, int *ack_counts, lj_built *res);
+
+typedef struct {
+    int meta_size; uint16_t meta_tag; uint8_t meta_version; uint32_t device; uint64_t wrap;
+    int64_t now_ms;
+} lj_pub;
+typedef struct {
+    size_t pos; int sent; int dropped; uint64_t seq; int stop; int error;
+} lj_published;
+void lj_publish(void *sock, const char *body, size_t len, int count, int check_protocol,
+                const lj_pub *cfg, lj_published *res);
+"""
+
+SOURCE = Path(__file__).with_name("burst.c")
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "taproom.zmqburst._burst",
+    SOURCE.read_text(),
+    libraries=["dl"],
+    extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+    optional=True,  # no compiler: the install goes on, taproom takes the pure-Python path
+)
+
+if __name__ == "__main__":
+    import os
+
+    os.chdir(Path(__file__).resolve().parents[2])  # src/: the module lands in its package
+    ffibuilder.compile(verbose=True)

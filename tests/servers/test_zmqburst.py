@@ -1,0 +1,418 @@
+"""taproom.zmqburst: the compiled burst module and its pure-Python twin, over real ZeroMQ.
+
+The readers of both paths give the same messages as pyzmq frame by frame (every frame count,
+frames past the bound dropped, byte and count budgets, messages bigger than the buffer); the
+compiled JSON check never calls valid what orjson refuses; and the compiled logjam ingest
+(``lj_build``) makes byte-identical batches, rejections and replies to the pure-Python path on
+fuzzed bursts.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import orjson
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taproom import zmqburst
+from taproom.protocols import logjam as lj
+from taproom.servers.logjam import ingest as ingest_mod
+from taproom.servers.logjam.zmqio import MAX_FRAMES
+from tests.protocols.test_logjam import BODY, _frames_from
+from tests.servers.test_logjam import QUIET, sample
+from tests.support import fuzz_examples, running_app
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def pair(ctx, kind_in=zmq.PULL, kind_out=zmq.PUSH, name="pair"):
+    receiver = ctx.socket(kind_in)
+    receiver.bind(f"inproc://{name}")
+    sender = ctx.socket(kind_out)
+    sender.connect(f"inproc://{name}")
+    return sender, receiver
+
+
+def drain(reader, expected, max_messages=1000, max_bytes=1 << 30):
+    """Bursts until ``expected`` messages came: [(count, frames)], and the burst sizes."""
+    got, sizes = [], []
+    deadline = time.monotonic() + 10
+    while len(got) < expected:
+        assert time.monotonic() < deadline, f"only {len(got)} of {expected} messages"
+        burst = reader.recv(max_messages, max_bytes)
+        assert len(burst.counts()) == burst.n
+        via_index = [(c, burst.frames(i)) for i, c in enumerate(burst.counts())]
+        assert list(burst.messages()) == via_index
+        assert burst.size == sum(len(f) for _, frames in via_index for f in frames)
+        got += via_index
+        if burst.n:
+            sizes.append(burst.n)
+    return got, sizes
+
+
+@pytest.mark.usefixtures("zmq_path")
+def test_reader_gives_every_frame_count_and_drops_past_the_bound(ctx):
+    push, pull = pair(ctx)
+    shapes = [1, 4, 2, 6, 7, 4, 9, 3, 16, 17, 5]
+    sent = [[b"m%d-f%d" % (k, j) * (j + 1) for j in range(n)] for k, n in enumerate(shapes)]
+    for message in sent:
+        push.send_multipart(message)
+    got, _ = drain(zmqburst.reader(pull, MAX_FRAMES), len(sent))
+    assert got == [(len(m), m[:MAX_FRAMES]) for m in sent]
+
+
+@pytest.mark.usefixtures("zmq_path")
+def test_reader_budgets_end_a_burst_and_the_rest_comes_next(ctx):
+    push, pull = pair(ctx)
+    sent = [[b"a" * 100, b"%03d" % k] for k in range(50)]  # 103 bytes each
+    for message in sent:
+        push.send_multipart(message)
+    reader = zmqburst.reader(pull, 4)
+    # count budget: 7 messages a burst
+    got, sizes = drain(reader, 21, max_messages=7)
+    assert sizes == [7, 7, 7]
+    # byte budget: a burst ends with the message that reaches 350 bytes (the fourth here)
+    more, sizes = drain(reader, 29, max_bytes=350)
+    assert sizes[:7] == [4] * 7
+    assert got + more == [(2, m) for m in sent]
+
+
+@pytest.mark.usefixtures("zmq_path")
+def test_reader_takes_messages_bigger_than_its_buffer_in_order(ctx):
+    """A message over the reader's buffer (1 MiB to start) grows it for that burst; one that
+    does not fit behind others waits for the next call, never lost or reordered."""
+    push, pull = pair(ctx)
+    big = os.urandom(3 << 20)
+    sent = [[b"small-1"], [b"x", big, b"y"], [b"small-2"], [big[:900_000]], [big[:900_000]]]
+    for message in sent:
+        push.send_multipart(message)
+    got, _ = drain(zmqburst.reader(pull, 4), len(sent))
+    assert got == [(len(m), m) for m in sent]
+
+
+@pytest.mark.usefixtures("zmq_path")
+def test_send_messages_skips_replies_to_peers_gone(ctx):
+    dealer, router = pair(ctx, zmq.ROUTER, zmq.DEALER, "router")
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to an unknown peer fails, not drops
+    dealer.send(b"hello")
+    assert router.poll(5000)
+    rid, _ = router.recv_multipart()
+    sent = zmqburst.send_messages(
+        router, [[rid, b"one", b"1"], [b"nobody", b"two"], [rid, b"three"]]
+    )
+    assert sent == 2
+    assert [dealer.recv_multipart() for _ in range(2)] == [[b"one", b"1"], [b"three"]]
+    assert not dealer.poll(100)
+
+
+def test_compiled_module_is_built_and_bound():
+    """`pip install` built the module and it found pyzmq's libzmq (CI proves the build)."""
+    assert zmqburst.ext_status() == "compiled"
+
+
+def test_taproom_no_ext_selects_the_python_path():
+    env = dict(os.environ, TAPROOM_NO_EXT="1")
+    out = subprocess.run(
+        [sys.executable, "-c", "from taproom import zmqburst as z; print(z.ext_status())"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.strip() == "python (TAPROOM_NO_EXT is set)"
+
+
+# --- the compiled JSON check ------------------------------------------------------------------
+
+
+def _lib():
+    ffi, lib = zmqburst._FFI, zmqburst._LIB
+    assert lib is not None, zmqburst.ext_status()
+    return ffi, lib
+
+
+def _orjson_accepts(text: bytes) -> bool:
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+CERTAIN = [
+    BODY,
+    b"{}",
+    b"[]",
+    b" [1, -2, 3.5, 1e10, -0.0e-5, true, false, null] ",
+    b'{"a":{"b":[{"c":"\\u00e9\\n\\"\\\\\\/"}]}}',
+    '"caf\u00e9 \u2603 \U0001f600"'.encode(),
+    b"0",
+    b'"x"',
+]
+REFUSED_OR_UNSURE = [
+    b"",
+    b" ",
+    b"{",
+    b"[1,]",
+    b"{,}",
+    b'{"a"}',
+    b"01",
+    b"1.",
+    b".5",
+    b"-",
+    b"NaN",
+    b"Infinity",
+    b"[1] x",
+    b'"\xff"',
+    b'"\xc0\x80"',  # overlong
+    b'"\xed\xa0\x80"',  # an encoded surrogate
+    b'"\\ud800"',  # a lone surrogate escape: orjson decides
+    b'"\\ud83d\\ude00"',  # a pair: orjson decides too
+    b'"a\x01"',
+    b"\xef\xbb\xbf{}",  # BOM
+    b"[" * 200 + b"]" * 200,  # deeper than the C check goes
+    b"12345678901234567890",  # past 15 digits
+    b"1e400",
+    b"tru",
+    b'{"a":1,}',
+]
+
+
+def test_json_check_agrees_on_known_texts():
+    _, lib = _lib()
+    for text in CERTAIN:
+        assert _orjson_accepts(text), text
+        assert lib.tb_json_valid(text, len(text)) == 1, text
+    for text in REFUSED_OR_UNSURE:
+        assert lib.tb_json_valid(text, len(text)) == 0, text
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=fuzz_examples(3000, 200_000), database=None)
+@given(_json_values, st.binary(max_size=4), st.integers(0, 64), st.integers(0, 3))
+def test_fuzz_json_check_never_calls_valid_what_orjson_refuses(value, noise, at, how):
+    """Valid JSON, mutated at one place (a byte replaced, inserted or cut): where the C check
+    says valid, orjson accepts; and unmutated texts whose numbers are short integers it calls
+    valid (so the fast path is really taken)."""
+    _, lib = _lib()
+    text = orjson.dumps(value)
+    if how == 1:
+        text = text[:at] + noise + text[at + len(noise) :]
+    elif how == 2:
+        text = text[:at] + noise + text[at:]
+    elif how == 3:
+        text = text[:at]
+    verdict = lib.tb_json_valid(text, len(text))
+    if verdict:
+        assert _orjson_accepts(text), text
+    elif how == 0:
+        # only the uncertain cases are left to orjson: floats' long digits, long integers
+        assert not _short_numbers_only(value), text
+
+
+def _short_numbers_only(value) -> bool:
+    if isinstance(value, float):
+        return False
+    if isinstance(value, int) and not isinstance(value, bool):
+        return abs(value) < 10**15
+    if isinstance(value, list):
+        return all(_short_numbers_only(v) for v in value)
+    if isinstance(value, dict):
+        return all(_short_numbers_only(v) for v in value.values())
+    return True
+
+
+# --- the compiled logjam ingest against the pure-Python one -------------------------------------
+
+
+# Messages in the usual shape, which the compiled path takes in C once their app-env and topic
+# are known: JSON bodies and not, both meta sizes, created-ms past the i64 bound, big devices.
+_usual_messages = st.builds(
+    lambda app_env, topic, body, size, device, created, seq: [
+        app_env,
+        topic,
+        body,
+        lj.encode_meta(0, device if size == 24 else device & 0xFFFF, created, seq, size=size),
+    ],
+    st.sampled_from([b"app-prod", b"web2-prod"]),
+    st.sampled_from([b"logs", b"logs.a.b"]),
+    st.sampled_from(
+        [BODY, b"{}", b"[1, 2.5e3]", b"nul", b'"\xff"', b"", b'"\\ud800"', b"x" * 1500]
+    ),
+    st.sampled_from([24, 22]),
+    st.sampled_from([0, 7, 65535, 2**32 - 1]),
+    st.sampled_from([0, 1_700_000_000_000, lj.MAX_CREATED_MS, lj.MAX_CREATED_MS + 1, 2**64 - 1]),
+    st.integers(0, 2**64 - 1),
+)
+
+
+def _replies(sock, timeout_ms=200):
+    got = []
+    while sock.poll(timeout_ms):
+        got.append(sock.recv_multipart())
+        timeout_ms = 50
+    return got
+
+
+async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path):
+    """Bursts of fuzzed logjam messages (the protocol fuzz test's frames: bad metas,
+    compression, pings, bad app-envs and topics, non-JSON and oversized bodies, odd frame
+    counts), on the PULL and, with and without the empty frame, on the ROUTER, under small
+    byte budgets: the compiled take and the pure-Python take give the same batches (bytes and
+    counts, at the same budget stops), the same rejections by reason, pings and replies."""
+    _lib()
+    config = dict(QUIET, max_message_bytes=1024, max_decompressed_bytes=1024)
+    async with running_app(tmp_path, enable=["logjam"], logjam=config) as app:
+        ingest = app.services["logjam"].ingest
+        ctx = zmq.Context()
+        push, pull = pair(ctx, name="fuzz-pull")
+        dealer, router = pair(ctx, zmq.ROUTER, zmq.DEALER, "fuzz-router")
+
+        def metric_counts():
+            reasons = {
+                s.labels["reason"]: s.value
+                for m in app.hub.metrics.registry.collect()
+                for s in m.samples
+                if s.name == "taproom_ingest_rejected_items_total"
+                and s.labels.get("protocol") == "logjam"
+            }
+            return reasons, sample(app, "taproom_logjam_pings_total")
+
+        def run(take_kind, burst, router_side, budget):
+            parser = ingest._parser()
+            sock = router if router_side else pull
+            message = ingest._router_message if router_side else ingest._pull_message
+            one = lambda c, f, a: message(sock, parser.pusher(), c, f, a)  # noqa: E731
+            if take_kind == "py":
+                take = ingest_mod._python_take(one)
+            else:
+                take = ingest_mod._compiled_take(parser, sock, router_side, one)
+            before = metric_counts()
+            batches, start = [], 0
+            while start < burst.n:
+                parser.start_batch(1_700_000_000_000_000_000, budget)
+                acks = []
+                start = take(burst, start, acks)
+                batch = parser.take_batch()
+                batches.append((batch.count, bytes(batch.body), parser.not_json, start))
+                for ack in acks:
+                    if isinstance(ack, tuple):
+                        router.send_multipart([ack[0], ack[1], lj.ACCEPTED])
+                    else:
+                        ack.send()
+            after = metric_counts()
+            counts = {k: v - before[0].get(k, 0) for k, v in after[0].items()}
+            replies = _replies(dealer) if router_side else []
+            return batches, {k: v for k, v in counts.items() if v}, after[1] - before[1], replies
+
+        @settings(max_examples=fuzz_examples(150, 20_000), database=None)
+        @given(
+            st.lists(st.binary(max_size=120) | _usual_messages, min_size=1, max_size=30),
+            st.lists(st.booleans(), min_size=30, max_size=30),
+            st.integers(1, 2000),
+            st.booleans(),
+        )
+        def check(blobs, delimiters, budget, router_side):
+            messages = [b if isinstance(b, list) else _frames_from(b) for b in blobs]
+            messages = [m if m else [b""] for m in messages]
+            for k, frames in enumerate(messages):
+                if router_side:
+                    dealer.send_multipart([b""] * delimiters[k] + frames)
+                else:
+                    push.send_multipart(frames)
+            sock = router if router_side else pull
+            assert sock.poll(5000)
+            ffi_reader = zmqburst._ExtReader(sock, MAX_FRAMES)
+            got = 0
+            bursts = []
+            deadline = time.monotonic() + 10
+            while got < len(messages):
+                assert time.monotonic() < deadline
+                burst = ffi_reader.recv(4096, 1 << 30)
+                got += burst.n
+                if burst.n:
+                    bursts.append(burst)
+                    # the buffers are the reader's: take what is needed before the next recv
+                    python = run("py", burst, router_side, budget)
+                    compiled = run("ext", burst, router_side, budget)
+                    assert compiled == python
+
+        try:
+            check()
+        finally:
+            ctx.destroy(linger=0)
+
+
+async def test_compiled_ingest_takes_the_usual_message_in_c(tmp_path):
+    """After the first message of an app-env and topic (checked against the grammar in Python,
+    then learned), the usual messages never reach Python; the batches are byte for byte the
+    pure-Python path's."""
+    _lib()
+    async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
+        ctx = zmq.Context()
+        try:
+            usual_messages_in_c(app.services["logjam"].ingest, ctx)
+        finally:
+            ctx.destroy(linger=0)
+
+
+def usual_messages_in_c(ingest, ctx):
+    push, pull = pair(ctx, name="usual")
+    seen = []
+    parser = ingest._parser()
+
+    def one(count, frames, acks):
+        seen.append(frames[2])
+        return ingest._pull_message(pull, parser.pusher(), count, frames, acks)
+
+    take = ingest_mod._compiled_take(parser, pull, False, one)
+    for i in range(200):
+        push.send_multipart([b"shop-production", b"logs.a", BODY, lj.encode_meta(0, 7, 5, i)])
+    reader = zmqburst._ExtReader(pull, MAX_FRAMES)
+    python_parser = ingest._parser()
+    python_take = ingest_mod._python_take(
+        lambda c, f, a: ingest._pull_message(pull, python_parser.pusher(), c, f, a)
+    )
+    got = []
+    while len(got) < 200:
+        assert pull.poll(5000)
+        burst = reader.recv(4096, 1 << 30)
+        parser.start_batch(1, 1 << 40)
+        assert take(burst, 0, []) == burst.n
+        batch = parser.take_batch()
+        python_parser.start_batch(1, 1 << 40)
+        python_take(burst, 0, [])
+        assert batch == python_parser.take_batch()  # byte for byte
+        got += lj_records(batch)
+    assert seen == [BODY]  # only the first
+    assert [r.seq for r in got] == list(range(200))
+    assert {(r.stream, r.topic, r.producer, r.content_type) for r in got} == {
+        ("shop-production", "logs.a", "7", "json")
+    }
+
+
+def lj_records(batch):
+    from taproom.records import decode_batch
+
+    return decode_batch(batch.body, 0)
