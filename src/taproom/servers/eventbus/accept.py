@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import time
 from collections.abc import Iterable
 
 import zmq
@@ -86,10 +85,11 @@ class Acceptor(BusBase):
         self._inflight.put_nowait(Burst(future, entries, needs_ack))
 
     def _replicate(self, events: list[Event]) -> bool:
-        """Send a burst to the passive peer; True when the broadcast must wait for its ack."""
-        now = time.monotonic()
-        if not self.fsm.peer_alive(now):
-            return False
+        """Send a burst to the passive peer; True when the broadcast must wait for its ack.
+
+        Sent whether or not the peer's last HUGZ is recent: on a busy server that HUGZ may
+        simply be unread, and a burst not sent is a gap that costs the peer a full copy. A
+        dead peer's connection is gone, and ``IMMEDIATE`` then refuses the send at once."""
         # Chunks whose body stays under the peer's MAXMSGSIZE (the same settings on both).
         budget = self._max_frame - 65536
         chunks: list[list[Event]] = [[]]

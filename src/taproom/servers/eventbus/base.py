@@ -50,6 +50,7 @@ class BusBase:
     _peer_host: str
     _peer_base: int
     _peer_sub: zmq.asyncio.Socket
+    _peer_sub_raw: zmq.Socket[bytes]
     _peer_dealer: zmq.asyncio.Socket
     _peer_dealer_raw: zmq.Socket[bytes]
 

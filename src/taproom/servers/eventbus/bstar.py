@@ -44,10 +44,13 @@ class BinaryStarPeer(Acceptor):
     def _connect_peer(self) -> None:
         host, _, port_text = self.config.peer.rpartition(":")
         self._peer_host, self._peer_base = host, int(port_text)
-        self._peer_sub = self._socket(zmq.SUB, RCVHWM=1000)
+        # What the peer sends is bounded like any client's: HUGZ (with at most ACKS_PER_HUGZ
+        # acks, ~50 bytes each) and REPLICATED (18 bytes).
+        self._peer_sub = self._socket(zmq.SUB, RCVHWM=1000, MAXMSGSIZE=256 * 1024)
         self._peer_sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
         self._peer_sub.connect(endpoint(host, self._peer_base + 1))
-        self._peer_dealer = self._socket(zmq.DEALER, SNDHWM=10_000, IMMEDIATE=1)
+        self._peer_sub_raw = zmq.Socket.shadow(self._peer_sub.underlying)
+        self._peer_dealer = self._socket(zmq.DEALER, SNDHWM=10_000, IMMEDIATE=1, MAXMSGSIZE=1024)
         self._peer_dealer.connect(endpoint(host, self._peer_base + 2))
         self._peer_dealer_raw = zmq.Socket.shadow(self._peer_dealer.underlying)
 
@@ -211,7 +214,20 @@ class BinaryStarPeer(Acceptor):
 
     async def _peer_hugz_loop(self) -> None:
         while True:
-            frames = await self._peer_sub.recv_multipart()
+            await self._peer_sub.poll(1000)  # timed: the FD is edge-triggered
+            self._read_peer_hugz()
+
+    def _read_peer_hugz(self) -> None:
+        """Apply every HUGZ of the peer already received. Also called before this server
+        decides that its peer is dead: on a busy server the peer's HUGZ may be waiting unread,
+        and taking over from a live peer makes two actives."""
+        while True:
+            try:
+                frames = recv_frames(self._peer_sub_raw, MAX_FRAMES)
+            except zmq.Again:
+                return
+            if frames is None:
+                continue
             try:
                 beat = parse_broadcast(frames, self.limits)
             except EventBusError:

@@ -188,6 +188,8 @@ class SnapshotServer(ChpDialect):
     def _may_serve(self) -> bool:
         if self.fsm.state is BStarState.PASSIVE and not self.synced:
             return False  # never become active with state the peer had not confirmed
+        if not self.fsm.active and self.config.role != "standalone":
+            self._read_peer_hugz()  # is the peer really silent, or only unread?
         before = self.fsm.state
         allowed = self.fsm.on_client_request(time.monotonic())
         if self.fsm.state is not before:
