@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_ALL  := $(VENV)/.installed-all
+# An editable install builds taproom.zmqburst._burst in place: rebuild when its C changes.
+BUILT      := pyproject.toml setup.py src/taproom/zmqburst/burst.c src/taproom/zmqburst/_build.py
 PEERS      := tests/peers/node_modules/.installed
 export PYSPARK_PYTHON := $(abspath $(BIN)/python)
 
@@ -13,11 +15,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP_RUN): pyproject.toml | $(BIN)/python
+$(STAMP_RUN): $(BUILT) | $(BIN)/python
 	$(BIN)/pip install --quiet -e .
 	touch $@
 
-$(STAMP_ALL): pyproject.toml | $(BIN)/python
+$(STAMP_ALL): $(BUILT) | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[spark,dev]'
 	touch $@ $(STAMP_RUN)
 

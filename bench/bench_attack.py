@@ -19,8 +19,6 @@ import contextlib
 import os
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -30,13 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+from tests.hubprocess import HubProcess
 
 from taproom.clients.lumberjack import LumberjackClient
 from taproom.config import HubConfig, known_sections
 from taproom.protocols.lumberjack import CompressedFrame, JsonFrame, WindowSizeFrame
 from taproom.servers import SERVICE_MODULES
 
-from .common import Figure, rss_of_pid_kib, stop_child
+from .common import Figure, rss_of_pid_kib
 
 __all__ = ["ATTACKS", "Attack", "AttackHub", "run"]
 
@@ -78,30 +77,11 @@ class AttackHub:
             lines += [f"{k} = {orjson.dumps(v).decode()}" for k, v in values.items()]
         config = workdir / "attack.toml"
         config.write_text("\n".join(lines) + "\n")
-        ready = workdir / "ready.json"
-        self.log = workdir / "hub.log"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "taproom",
-                "serve",
-                "-c",
-                str(config),
-                "--ready-file",
-                str(ready),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.log, "ab"),  # noqa: SIM115 -- the child owns it
-        )
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(self.log.read_text()[-3000:])
-            time.sleep(0.05)
-        listeners = orjson.loads(ready.read_bytes())["listeners"]
+        self.hub = HubProcess(config).start()
+        self.proc = self.hub.proc
+        self.log = self.hub.log_path
         self.addresses: Addresses = {}
-        for name, text in listeners.items():
+        for name, text in self.hub.addresses.items():
             host, port = text.rsplit(":", 1)
             self.addresses[name] = (host, int(port))
 
@@ -109,7 +89,7 @@ class AttackHub:
         return rss_of_pid_kib(self.proc.pid, field)
 
     def stop(self) -> None:
-        stop_child(self.proc)
+        self.hub.stop(30)
 
 
 # --- Lumberjack -------------------------------------------------------------------------------

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,6 +25,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+from tests.hubprocess import HubProcess
 
 from taproom.config import known_sections
 from taproom.servers import SERVICE_MODULES
@@ -55,32 +54,15 @@ class _Hub:
                 lines += [f"[{name}]", "enabled = false"]
         config = workdir / "bench.toml"
         config.write_text("\n".join(lines) + "\n")
-        ready = workdir / "ready.json"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "taproom", "serve", "--config", str(config),
-             "--ready-file", str(ready)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(workdir / "hub.log", "ab"),  # noqa: SIM115 -- the child owns it
-            preexec_fn=_hub_preexec,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((workdir / "hub.log").read_text()[-3000:])
-            time.sleep(0.05)
-        listeners = orjson.loads(ready.read_bytes())["listeners"]
+        self.hub = HubProcess(config, preexec_fn=_hub_preexec).start()
+        self.proc = self.hub.proc
+        listeners = self.hub.addresses
         host, port = listeners["lumberjack"].rsplit(":", 1)
         self.lumberjack = (host, int(port))
         self.web = f"http://{listeners['web']}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        self.hub.stop(30)
 
 
 class _Browsers:

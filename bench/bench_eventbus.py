@@ -13,8 +13,6 @@ import multiprocessing as mp
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -22,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import orjson
 import zmq
+from tests.hubprocess import HubProcess
 
 from .common import Figure, cpu_seconds_of_pid, percentile
 
@@ -58,26 +56,12 @@ class _Serve:
             "[logjam]\nenabled = false\n[lager]\nenabled = false\n"
             "[eventbus]\nenabled = true\nport = 0\n"
         )
-        ready = tmp / "ready.json"
-        self.log = tmp / "serve.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "taproom", "serve", "-c", str(cfg), "--ready-file", str(ready)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.log, "wb"),  # noqa: SIM115 -- owned by the child
-        )
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(self.log.read_text()[-2000:])
-            time.sleep(0.05)
-        self.addresses = orjson.loads(ready.read_bytes())["listeners"]
+        self.hub = HubProcess(cfg).start()
+        self.proc = self.hub.proc
+        self.addresses = self.hub.addresses
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.hub.stop(30)
 
 
 def _publisher(

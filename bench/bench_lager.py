@@ -12,8 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -21,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 import zmq
 import zmq.backend
+from tests.hubprocess import HubProcess
 
 from taproom.clients.lager import Mug, Tap
 from taproom.journal.reader import JournalReader
@@ -55,27 +53,16 @@ class _Serve:
             "[lager]\nenabled = true\nregistrar_port = 0\nforwarder_port = 0\n"
             "max_taps = 20000\n"
         )
-        ready = tmp / "ready.json"
-        self.log = tmp / "serve.log"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "taproom", "serve", "-c", str(cfg), "--ready-file", str(ready)],
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.log, "wb"),  # noqa: SIM115
-        )
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(self.log.read_text()[-2000:])
-            time.sleep(0.05)
-        a = orjson.loads(ready.read_bytes())["listeners"]
+        self.hub = HubProcess(cfg).start()
+        self.proc = self.hub.proc
+        a = self.hub.addresses
         self.registrar = a["lager_registrar_snapshot"]
         self.forwarder = a["lager_forwarder_in"]
         self.collector = a["lager_registrar_collector"]
         self.publisher = a["lager_registrar_publisher"]
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(60)
+        self.hub.stop(60)
 
 
 def _tap_process(

@@ -23,12 +23,11 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import orjson
+from tests.hubprocess import HubProcess
 
 from taproom.protocols.logtk import Data, FrameDecoder, Init, encode_frame
 
@@ -54,37 +53,17 @@ def _start_hub(root: str, logtk_extra: str = "") -> tuple[subprocess.Popen[bytes
         f"{logtk_extra}"
         f'[logtk.apps.bench]\ntoken_sha256 = "{hashlib.sha256(TOKEN).hexdigest()}"\n'
     )
-    ready = Path(root) / "ready.json"
-    ready.unlink(missing_ok=True)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
     def pin() -> None:
         if cpus:
             os.sched_setaffinity(0, {cpus[0]})
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "taproom",
-            "serve",
-            "--config",
-            str(cfg),
-            "--ready-file",
-            str(ready),
-        ],
-        preexec_fn=pin,
-        stdout=subprocess.DEVNULL,
-        stderr=open(Path(root) / "hub.log", "wb"),  # noqa: SIM115 -- owned by the child
-    )
+    hub = HubProcess(cfg, preexec_fn=pin).start(timeout=600)
     if len(cpus) > 1:
         os.sched_setaffinity(0, set(cpus[1:]))
-    deadline = time.monotonic() + 600
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError((Path(root) / "hub.log").read_text()[-3000:])
-        time.sleep(0.05)
-    return proc, orjson.loads(ready.read_bytes())["listeners"]
+    assert hub.proc is not None
+    return hub.proc, hub.addresses
 
 
 class _Link:
@@ -285,7 +264,7 @@ def _time_to_ready(root: str, extra: str) -> tuple[float, float, float, float]:
         proc.wait(300)
     except subprocess.TimeoutExpired:
         proc.kill()
-    log = (Path(root) / "hub.log").read_text(errors="replace")
+    log = (Path(root) / "taproom.log").read_text(errors="replace")  # HubProcess: beside the config
     index = [float(s) for s in re.findall(r"idempotency index of .* in ([0-9.]+) s", log)]
     return elapsed, index[-1] if index else float("nan"), cpu, rss
 

@@ -21,13 +21,13 @@ import time
 from collections import deque
 from pathlib import Path
 
-import orjson
+from tests.hubprocess import HubProcess
 
 from taproom.config import known_sections
 from taproom.protocols.lumberjack import ClientSession, Version
 from taproom.servers import SERVICE_MODULES
 
-from .common import Figure, percentile, rss_of_pid_kib, stop_child
+from .common import Figure, percentile, rss_of_pid_kib
 
 WINDOW = 2048
 CONNECTIONS = 4
@@ -107,27 +107,13 @@ class Hub:
                 lines += [f"[{name}]", "enabled = false"]
         self.config = workdir / "bench.toml"
         self.config.write_text("\n".join(lines) + "\n")
-        ready = workdir / "ready.json"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                *("-m", "taproom", "serve"),
-                *("--config", str(self.config), "--ready-file", str(ready)),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=open(workdir / "hub.log", "ab"),  # noqa: SIM115 -- the child owns it
-            preexec_fn=_hub_preexec,
-        )
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((workdir / "hub.log").read_text()[-3000:])
-            time.sleep(0.05)
-        host, port = orjson.loads(ready.read_bytes())["listeners"]["lumberjack"].rsplit(":", 1)
+        self.hub = HubProcess(self.config, preexec_fn=_hub_preexec).start()
+        self.proc = self.hub.proc
+        host, port = self.hub.addresses["lumberjack"].rsplit(":", 1)
         self.address = (host, int(port))
 
     def stop(self) -> None:
-        stop_child(self.proc)
+        self.hub.stop(30)
 
 
 def _drive(

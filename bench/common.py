@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
-import subprocess
 from dataclasses import dataclass
 
 __all__ = [
@@ -15,7 +13,6 @@ __all__ = [
     "percentile",
     "print_figures",
     "rss_of_pid_kib",
-    "stop_child",
 ]
 
 
@@ -57,17 +54,6 @@ def rss_of_pid_kib(pid: int, field: str = "VmRSS") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
-
-
-def stop_child(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM a child hub and wait for it; SIGKILL after 30 s."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def cpu_seconds_of_pid(pid: int) -> float:

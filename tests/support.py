@@ -1,4 +1,5 @@
-"""Shared test support: configs on port 0, the hub in-process, and the hub as a real process.
+"""Shared test support: configs on port 0, the hub in-process, and the hub as a real process
+(``HubProcess``, from tests/hubprocess.py, which the benches launch hubs with too).
 
 Every server binds 127.0.0.1 on port 0 (the tests read the actual addresses back) and every
 test stops what it starts.
@@ -8,10 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import pytest
 from taproom.app import App
 from taproom.config import Config, known_sections, load_config
 from taproom.servers import SERVICE_MODULES
+from tests.hubprocess import HubProcess
 
 __all__ = [
     "SOAK",
@@ -164,81 +163,3 @@ async def running_app(
         yield app
     finally:
         await app.stop()
-
-
-class HubProcess:
-    """``taproom serve`` as a child process, for SIGKILL and restart tests."""
-
-    def __init__(self, config_path: Path, *, env: Mapping[str, str] | None = None) -> None:
-        self.config_path = Path(config_path)
-        self.ready_file = self.config_path.with_suffix(".ready.json")
-        self.log_path = self.config_path.with_suffix(".log")
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.addresses: dict[str, str] = {}
-        self.starts = 0
-
-    def start(self, timeout: float = 30.0) -> HubProcess:
-        with contextlib.suppress(FileNotFoundError):
-            self.ready_file.unlink()
-        log = open(self.log_path, "ab")  # noqa: SIM115 -- owned by the child process
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "taproom",
-                "serve",
-                "--config",
-                str(self.config_path),
-                "--ready-file",
-                str(self.ready_file),
-            ],
-            stdout=log,
-            stderr=log,
-            env=self.env,
-        )
-        log.close()
-        self.starts += 1
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.ready_file.exists():
-                self.addresses = orjson.loads(self.ready_file.read_bytes())["listeners"]
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"taproom serve exited {self.proc.returncode}:\n{self.log()}")
-            time.sleep(0.02)
-        self.kill()
-        raise TimeoutError(f"taproom serve not ready in {timeout}s:\n{self.log()}")
-
-    def address(self, name: str) -> tuple[str, int]:
-        host, port = self.addresses[name].rsplit(":", 1)
-        return host, int(port)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-5000:]
-        except FileNotFoundError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown code runs."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM and wait for the exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-    def restart(self, timeout: float = 30.0) -> HubProcess:
-        self.kill()
-        return self.start(timeout)
-
-    def __enter__(self) -> HubProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.kill()

@@ -1,0 +1,95 @@
+"""The benches' C loops (bench/zmqloops.c): raw libzmq ceilings and fast load generators.
+
+Built on first use with cffi into bench/out/ (the same C as taproom's compiled module,
+src/taproom/zmqburst/burst.c, for its libzmq lookup), and bound to the libzmq pyzmq loaded,
+so every loop runs on the same sockets and library as taproom. The calls release the GIL and
+take a pyzmq socket's handle; a blocking loop ends early only by ``ZMQ_RCVTIMEO``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+_HERE = Path(__file__).resolve().parent
+_OUT = _HERE / "out" / "zmqloops"
+_BURST_C = _HERE.parent / "src" / "taproom" / "zmqburst" / "burst.c"
+
+_CDEF = """
+int tb_bind(int *major, int *minor, int *patch);
+long bl_agent(void *sock, long n, int dealer, const char *app, size_t la, const char *topic,
+              size_t lt, const char *body, size_t lb);
+long bl_receiver(void *sock, long n, int reply);
+long bl_publisher(void *sock, long n, const char *app, size_t la, const char *topic, size_t lt,
+                  const char *body, size_t lb);
+"""
+
+_lib: Any = None
+
+
+def lib() -> Any:
+    """The built and bound loops (built once per source change; a lock keeps parallel bench
+    processes from building at the same time)."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    from cffi import FFI
+
+    source = _BURST_C.read_text() + (_HERE / "zmqloops.c").read_text()
+    name = "_zmqloops_" + hashlib.sha256(source.encode()).hexdigest()[:12]
+    _OUT.mkdir(parents=True, exist_ok=True)
+    with open(_OUT / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not list(_OUT.glob(f"{name}*.so")):
+            ffi = FFI()
+            ffi.cdef(_CDEF)
+            ffi.set_source(name, source, libraries=["dl"], extra_compile_args=["-O2"])
+            ffi.compile(tmpdir=str(_OUT))
+    sys.path.insert(0, str(_OUT))
+    module = importlib.import_module(name)
+    version = module.ffi.new("int[3]")
+    if module.lib.tb_bind(version, version + 1, version + 2) != 0:
+        raise RuntimeError("pyzmq's libzmq not found in this process")
+    _lib = module.lib
+    global _ffi
+    _ffi = module.ffi
+    return _lib
+
+
+_ffi: Any = None
+
+
+def _handle(sock: zmq.Socket[bytes]) -> Any:
+    return _ffi.cast("void *", sock.underlying)
+
+
+def agent(
+    sock: zmq.Socket[bytes], n: int, dealer: bool, app: bytes, topic: bytes, body: bytes
+) -> int:
+    """n logjam messages out (DEALER: with the empty frame, and every 202 read back)."""
+    loops = lib()
+    return int(
+        loops.bl_agent(
+            _handle(sock), n, int(dealer), app, len(app), topic, len(topic), body, len(body)
+        )
+    )
+
+
+def receiver(sock: zmq.Socket[bytes], n: int, reply: bool) -> int:
+    """The raw receiver ceiling: n messages in, dropped (ROUTER: a 202 each)."""
+    loops = lib()
+    return int(loops.bl_receiver(_handle(sock), n, int(reply)))
+
+
+def publisher(sock: zmq.Socket[bytes], n: int, app: bytes, topic: bytes, body: bytes) -> int:
+    """The raw publisher ceiling: n logjam messages numbered from 1."""
+    loops = lib()
+    return int(
+        loops.bl_publisher(_handle(sock), n, app, len(app), topic, len(topic), body, len(body))
+    )
