@@ -1,6 +1,7 @@
 """Event BUS figures (issue 6): PUB -> durable commit -> BROADCAST rate with fsync=always and
 200-byte MessagePack events, a 100,000-key snapshot to a new client, and broadcast latency
-at half the measured rate.
+at half the measured rate; and the CHP dialect (issue 16): kvmsg updates from a Clone model 5
+PUSH through the PULL collector -> commit -> the CHP PUB.
 
 The bus is a child process (``taproom serve``); a spawned process publishes (raw DEALER, PUB
 commands pre-built with distinct UUIDs) and this process counts BROADCASTs on a SUB, so the
@@ -47,7 +48,8 @@ DATA = msgpack.packb({"host": "web-1", "metric": "latency", "value": 12.5, "pad"
 
 
 class _Serve:
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, chp: bool = False) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
         cfg = tmp / "taproom.toml"
         cfg.write_text(
             f'[journal]\ndir = "{tmp / "journal"}"\nfsync = "always"\n'
@@ -55,6 +57,7 @@ class _Serve:
             "[lumberjack]\nenabled = false\n[logtk]\nenabled = false\n"
             "[logjam]\nenabled = false\n[lager]\nenabled = false\n"
             "[eventbus]\nenabled = true\nport = 0\n"
+            + ('chp = true\nchp_port = 0\nchp_collector = "pull"\n' if chp else "")
         )
         self.hub = HubProcess(cfg).start()
         self.proc = self.hub.proc
@@ -65,13 +68,25 @@ class _Serve:
 
 
 def _publisher(
-    endpoint: str, n: int, topics: int, rate: float, stamp: bool, ready: Any, go: Any
+    endpoint: str,
+    n: int,
+    topics: int,
+    rate: float,
+    stamp: bool,
+    ready: Any,
+    go: Any,
+    kvmsg: bool = False,
 ) -> None:
-    """Send ``n`` PUB commands (``rate`` per second, 0 = as fast as possible)."""
+    """Send ``n`` PUB commands (``rate`` per second, 0 = as fast as possible), or with
+    ``kvmsg`` n kvmsg updates from a PUSH, as a Clone model 5 client sends them."""
     ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
+    dealer = ctx.socket(zmq.PUSH if kvmsg else zmq.DEALER)
     dealer.setsockopt(zmq.SNDHWM, 100_000)
     dealer.connect(endpoint)
+    if kvmsg:
+        _kvmsg_updates(dealer, n, topics, ready, go)
+        ctx.term()
+        return
     keys = [str(uuid.uuid4()).encode() for _ in range(n)]
     names = [f"/bench/{i % topics}".encode() for i in range(n)] if topics < n else None
     zero = struct.pack(">Q", 0)
@@ -95,20 +110,54 @@ def _publisher(
     ctx.term()
 
 
+def _kvmsg_updates(push: zmq.Socket[bytes], n: int, topics: int, ready: Any, go: Any) -> None:
+    """The Guide's kvmsg: key, sequence 0, a fresh 16-byte uuid4, no properties, the body."""
+    keys = [uuid.uuid4().bytes for _ in range(n)]
+    names = [f"/bench/{i % topics}".encode() for i in range(topics)]
+    zero = struct.pack(">Q", 0)
+    ready.set()
+    go.wait()
+    more = _MORE
+    for i in range(n):
+        _send(push, names[i % topics], more)
+        _send(push, zero, more)
+        _send(push, keys[i], more)
+        _send(push, b"", more)
+        _send(push, DATA, 0)
+    time.sleep(1.0)  # let ZeroMQ flush before the context goes
+    push.close(linger=5000)
+
+
 def _run_load(
-    serve: _Serve, n: int, topics: int, rate: float = 0.0, stamp: bool = False
+    serve: _Serve,
+    n: int,
+    topics: int,
+    rate: float = 0.0,
+    stamp: bool = False,
+    kvmsg: bool = False,
 ) -> tuple[float, list[float]]:
-    """Publish ``n`` events from a child; (seconds until the last BROADCAST, latencies)."""
+    """Publish ``n`` events from a child; (seconds until the last BROADCAST, latencies). With
+    ``kvmsg``, kvmsg updates into the CHP collector, counted on the CHP publisher."""
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"/")
-    sub.connect("tcp://" + serve.addresses["eventbus_publisher"])
+    group = "eventbus_chp_" if kvmsg else "eventbus_"
+    sub.connect("tcp://" + serve.addresses[group + "publisher"])
     time.sleep(0.3)
     ready, go = _CTX.Event(), _CTX.Event()
     child = _CTX.Process(
         target=_publisher,
-        args=("tcp://" + serve.addresses["eventbus_collector"], n, topics, rate, stamp, ready, go),
+        args=(
+            "tcp://" + serve.addresses[group + "collector"],
+            n,
+            topics,
+            rate,
+            stamp,
+            ready,
+            go,
+            kvmsg,
+        ),
     )
     child.start()
     if not ready.wait(120):  # the child has made its UUIDs and connected
@@ -226,6 +275,30 @@ def run(quick: bool) -> list[Figure]:
             figures.append(
                 Figure(
                     f"broadcast latency p99 at {half:,.0f} ev/s", percentile(latencies, 99), "ms"
+                )
+            )
+        finally:
+            serve.stop()
+        # The CHP dialect on a bus of its own: with chp on, every event also goes out as a
+        # kvmsg, so the seed's figures above are taken with it off (the default).
+        serve = _Serve(root / "chp", chp=True)
+        try:
+            n = 20_000 if quick else 300_000
+            cpu0 = cpu_seconds_of_pid(serve.proc.pid)
+            elapsed, _ = _run_load(serve, n, topics=1000, kvmsg=True)
+            hub_cpu = cpu_seconds_of_pid(serve.proc.pid) - cpu0
+            figures.append(
+                Figure(
+                    "CHP: kvmsg PUSH -> PULL -> commit (fsync=always) -> PUB, 200 B body",
+                    n / elapsed,
+                    "events/s",
+                )
+            )
+            figures.append(
+                Figure(
+                    "  kvmsg updates per hub CPU-second (load-independent)",
+                    n / hub_cpu,
+                    "events/s",
                 )
             )
         finally:

@@ -53,17 +53,25 @@ class Acceptor(BusBase):
         heapq.heapify(self._expiry)
 
     def _admit(self, topic: bytes, seq: int, size: int) -> bool:
-        """Whether an entry of ``size`` bytes (0: a deletion) fits the hashmap's limits."""
-        if size:
-            previous = self._accepted.get(topic)
-            if previous is None and len(self._accepted) >= self.config.max_keys:
+        """Whether an entry of ``size`` bytes (0: a deletion) fits the hashmap's limits; if it
+        does, it is counted. On every accepted update's path, so it does its own counting."""
+        if not size:
+            self._track(topic, seq, 0)
+            return True
+        accepted = self._accepted
+        previous = accepted.get(topic)
+        if previous is None:
+            if len(accepted) >= self.config.max_keys:
                 self._reject("too_many_keys", f"{self.config.max_keys} topics already")
                 return False
-            grow = size - (previous[1] if previous is not None else 0)
-            if self._accepted_bytes + grow > self.config.max_hashmap_bytes:
-                self._reject("hashmap_full", f"{self._accepted_bytes} bytes held already")
-                return False
-        self._track(topic, seq, size)
+            grow = size
+        else:
+            grow = size - previous[1]
+        if self._accepted_bytes + grow > self.config.max_hashmap_bytes:
+            self._reject("hashmap_full", f"{self._accepted_bytes} bytes held already")
+            return False
+        accepted[topic] = (seq, size)
+        self._accepted_bytes += grow
         return True
 
     def _duplicate(self, key: str) -> None:

@@ -15,7 +15,7 @@ import zmq.asyncio
 from ...protocols.eventbus import BStarState, replicated_frames
 from .base import Burst
 from .bstar import BinaryStarPeer
-from .state import kv_frames
+from .state import Entry, kv_frames
 from .wire import rearm, send_event, send_kvmsg
 
 log = logging.getLogger("taproom.eventbus")
@@ -51,26 +51,31 @@ class Broadcaster(BinaryStarPeer):
         if broadcast and not confirmed and self.config.role != "standalone":
             self._m_unreplicated.inc(len(burst.entries))
         sent = 0
+        broadcast_seq = self._broadcast_seq
+        new_entry = Entry._make
         for entry in burst.entries:
-            if chp_pub is not None and entry.kv is None:
-                entry = entry._replace(kv=kv_frames(entry.frames, entry.chp))
-            topic = entry.frames[0]
+            seq, frames, chp, expires_ms, kv = entry
+            if chp_pub is not None and kv is None:
+                kv = kv_frames(frames, chp)
+                entry = new_entry((seq, frames, chp, expires_ms, kv))
+            topic = frames[0]
             current = hashmap.get(topic)
-            if current is None or current.seq < entry.seq:
-                if entry.frames[5]:
+            if current is None or current[0] < seq:
+                if frames[5]:
                     hashmap[topic] = entry
                 else:  # a deletion
                     hashmap.pop(topic, None)
-            if entry.expires_ms:
-                heapq.heappush(self._expiry, (entry.expires_ms, topic, entry.seq))
+            if expires_ms:
+                heapq.heappush(self._expiry, (expires_ms, topic, seq))
             # A server never broadcasts a sequence at or below one it has broadcast (the seed:
             # "strictly incremental"); copied events it had already passed are only stored.
-            if broadcast and entry.seq > self._broadcast_seq:
-                send_event(pub, entry.frames)
-                if chp_pub is not None and entry.kv is not None:
-                    send_kvmsg(chp_pub, entry.kv)
-                self._broadcast_seq = entry.seq
+            if broadcast and seq > broadcast_seq:
+                send_event(pub, frames)
+                if chp_pub is not None and kv is not None:
+                    send_kvmsg(chp_pub, kv)
+                broadcast_seq = seq
                 sent += 1
+        self._broadcast_seq = broadcast_seq
         if sent:
             self._m_broadcast.inc(sent)
         self.last_seq = max(self.last_seq, burst.entries[-1].seq)

@@ -11,7 +11,7 @@ from ...protocols.eventbus import SEQUENCE, Command, Event, EventBusError, parse
 from ...records import BatchBuilder
 from ...zmqframes import recv_frames
 from .broadcast import Broadcaster
-from .state import Entry, entry_bytes, journal_event
+from .state import ENTRY_OVERHEAD, Entry, journal_event
 from .wire import MAX_FRAMES
 
 
@@ -40,6 +40,9 @@ class Collector(Broadcaster):
         paired = self.config.role != "standalone"
         seq = self.assigned_seq
         pack = SEQUENCE.pack
+        known = dedup.seqs
+        admit = self._admit
+        new_entry = Entry._make
         for _ in range(self.config.max_burst):
             try:
                 msg = recv_frames(raw, MAX_FRAMES)
@@ -59,18 +62,22 @@ class Collector(Broadcaster):
             if not active:
                 self._hold(event)
                 continue
-            if event.uuid in dedup:
+            if event.uuid in known:
                 self._duplicate(event.uuid)
                 continue
-            frames = (msg[1], pack(seq + 1), msg[3], msg[4], event.uuid.encode(), event.data)
-            if not self._admit(msg[1], seq + 1, entry_bytes(frames, None)):
-                continue
             seq += 1
+            topic = msg[1]
+            frames = (topic, pack(seq), msg[3], msg[4], event.uuid.encode(), event.data)
+            # entry_bytes(frames, None), inline on this path
+            size = ENTRY_OVERHEAD + len(topic) + len(msg[3]) + len(msg[4]) + len(event.data)
+            if not admit(topic, seq, size):
+                seq -= 1
+                continue
             dedup.add(event.uuid, seq)
             if builder is None:
                 builder = BatchBuilder()
             journal_event(builder, event, seq, msg[4])
-            entries.append(Entry(seq, frames))
+            entries.append(new_entry((seq, frames, None, 0, None)))
             if paired:
                 events.append(event._replace(sequence=seq))
         if builder is not None:

@@ -24,7 +24,7 @@ from ...protocols.eventbus import (
 )
 from ...zmqframes import recv_frames
 from .chp import ChpDialect
-from .wire import MAX_FRAMES, MORE, NOBLOCK, base_send, rearm
+from .wire import MAX_FRAMES, MORE, NOBLOCK, base_send, rearm, send_last
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -223,11 +223,18 @@ class SnapshotServer(ChpDialect):
                         return
                     rearm(sock)
                     await asyncio.sleep(0.001)
-            if head is not None:
+            if head is not None:  # SYNC: its six frames unrolled, the common snapshot
                 send(raw, head, more)
-            for frame in frames[:-1]:
-                send(raw, frame, more)
-            send(raw, frames[-1], 0, False)  # lent, not copied, when large (see wire.py)
+                send(raw, frames[0], more)
+                send(raw, frames[1], more)
+                send(raw, frames[2], more)
+                send(raw, frames[3], more)
+                send(raw, frames[4], more)
+                send_last(raw, frames[5])
+            else:  # a kvmsg (CHP) or a REPLICATE chunk (COPY)
+                for frame in frames[:-1]:
+                    send(raw, frame, more)
+                send_last(raw, frames[-1])
             if sent % 4096 == 0:
                 rearm(sock)
                 await asyncio.sleep(0)  # let the collector and broadcaster run

@@ -80,27 +80,27 @@ class Dedup:
     def __init__(self, window: int) -> None:
         self.window = window
         self._order: deque[str] = deque()
-        self._seqs: dict[str, int] = {}
+        self.seqs: dict[str, int] = {}  # read directly by the collector's hot loop
 
     def __contains__(self, key: str) -> bool:
-        return key in self._seqs
+        return key in self.seqs
 
     def seq_of(self, key: str) -> int:
-        return self._seqs.get(key, 0)
+        return self.seqs.get(key, 0)
 
     def add(self, key: str, seq: int) -> None:
-        if not self.window or key in self._seqs:
+        if not self.window or key in self.seqs:
             return
-        self._seqs[key] = seq
+        self.seqs[key] = seq
         self._order.append(key)
         if len(self._order) > self.window:
-            self._seqs.pop(self._order.popleft(), None)
+            self.seqs.pop(self._order.popleft(), None)
 
     def forget(self, key: str) -> None:
-        self._seqs.pop(key, None)
+        self.seqs.pop(key, None)
 
     def recent(self) -> list[tuple[str, int]]:
-        seqs = self._seqs
+        seqs = self.seqs
         return [(key, seqs[key]) for key in self._order if key in seqs]
 
 

@@ -20,6 +20,8 @@ NOBLOCK = int(zmq.NOBLOCK)
 # The most frames of any command here (ROUTER identity + SYNC + 6 event frames is 8): a longer
 # message is refused before its frames are kept.
 MAX_FRAMES = 16
+# Frames this large are lent to ZeroMQ rather than copied (pyzmq's own copy_threshold).
+LEND_BYTES = 65536
 
 
 def send_event(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes]) -> None:
@@ -29,9 +31,16 @@ def send_event(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes])
     base_send(sock, frames[2], MORE)
     base_send(sock, frames[3], MORE)
     base_send(sock, frames[4], MORE)
-    # copy=False: pyzmq still copies frames under its copy_threshold (64 KiB) and lends
-    # bigger ones to ZeroMQ, so a large value is not duplicated for every send.
-    base_send(sock, frames[5], 0, False)
+    send_last(sock, frames[5])
+
+
+def send_last(sock: zmq.Socket[bytes], data: bytes) -> None:
+    """The last frame of a message. A large value is lent to ZeroMQ (copy=False) rather than
+    duplicated for every send; a small one is copied, which is cheaper than lending."""
+    if len(data) < LEND_BYTES:
+        base_send(sock, data, 0)
+    else:
+        base_send(sock, data, 0, False)
 
 
 def send_kvmsg(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes]) -> None:
@@ -40,7 +49,7 @@ def send_kvmsg(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes])
     base_send(sock, frames[1], MORE)
     base_send(sock, frames[2], MORE)
     base_send(sock, frames[3], MORE)
-    base_send(sock, frames[4], 0, False)
+    send_last(sock, frames[4])
 
 
 def rearm(sock: zmq.asyncio.Socket) -> None:
