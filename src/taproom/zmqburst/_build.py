@@ -1,7 +1,7 @@
 """cffi (API mode) build of taproom's compiled ZeroMQ burst module, ``taproom.zmqburst._burst``.
 
-Used by setup.py at ``pip install`` time; ``python src/taproom/zmqburst/_build.py`` builds it
-in place by hand. The C source is burst.c beside this file; no libzmq is linked (burst.c looks
+Used by setup.py at ``pip install`` time (``make`` reinstalls when burst.c changes: an editable
+install builds the module in place). The C source is burst.c beside this file; no libzmq is linked (burst.c looks
 its functions up in the libzmq pyzmq loaded).
 """
 
@@ -61,9 +61,3 @@ ffibuilder.set_source(
     extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
     optional=True,  # no compiler: the install goes on, taproom takes the pure-Python path
 )
-
-if __name__ == "__main__":
-    import os
-
-    os.chdir(Path(__file__).resolve().parents[2])  # src/: the module lands in its package
-    ffibuilder.compile(verbose=True)

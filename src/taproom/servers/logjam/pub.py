@@ -22,6 +22,7 @@ import struct
 import time
 from typing import Any
 
+import numpy as np
 import orjson
 import zmq
 
@@ -103,6 +104,8 @@ class PubOutput:
         self.published = 0
         self._next_publish = 0  # journal offset after the last record handled
         self._index = array.array("q", [-1]) * config.replay_index_size
+        # the same memory as numpy sees it: a run of offsets is one arange, not a list
+        self._index_np = np.frombuffer(self._index, dtype=np.int64)
         self.subscriptions = 0
         m = hub.metrics
         self._m_published = m.counter(
@@ -392,15 +395,15 @@ class PubOutput:
 
     def _index_run(self, k_first: int, offset: int, count: int) -> None:
         """Remember offsets ``offset ..`` for messages ``k_first ..`` in the replay ring."""
-        index = self._index
+        index = self._index_np
         size = len(index)
         if count > size:  # only the last ``size`` fit in the ring
             k_first, offset, count = k_first + count - size, offset + count - size, size
         start = k_first % size
         head = min(count, size - start)
-        index[start : start + head] = array.array("q", range(offset, offset + head))
+        index[start : start + head] = np.arange(offset, offset + head, dtype=np.int64)
         if count > head:
-            index[: count - head] = array.array("q", range(offset + head, offset + count))
+            index[: count - head] = np.arange(offset + head, offset + count, dtype=np.int64)
 
     def _publish_others(self, batch: CommittedBatch, offsets: list[int], now_ms: int) -> int:
         wanted = set(offsets)
