@@ -22,12 +22,15 @@ import struct
 import tempfile
 import threading
 import time
+import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
 import orjson
+import zmq
 from tests.hubprocess import HubProcess
 
 from taproom.clients.lumberjack import LumberjackClient
@@ -195,6 +198,59 @@ def lumberjack_zlib_bomb(addresses: Addresses, stop: threading.Event) -> None:
             _await_close(sock, 60)
 
 
+# --- Event BUS ----------------------------------------------------------------------------
+
+
+def _bus_pub(topic: bytes, data: bytes) -> list[bytes]:
+    return [topic, bytes(8), b"attack", b"2026-11-22T08:00:00Z", str(uuid.uuid4()).encode(), data]
+
+
+def eventbus_honest(addresses: Addresses, stop: threading.Event) -> int:
+    """A seed client publishing small updates to ten topics, each confirmed by its BROADCAST."""
+    import asyncio
+
+    from taproom.clients.eventbus import EventBusClient
+
+    host, port = addresses["eventbus_snapshot"]
+
+    async def go() -> int:
+        confirmed = 0
+        async with EventBusClient([f"tcp://{host}:{port}"], server_timeout=30) as client:
+            while not stop.is_set():
+                await asyncio.wait_for(await client.publish(f"/honest/{confirmed % 10}", 1), 60)
+                confirmed += 1
+        return confirmed
+
+    return asyncio.run(go())
+
+
+def eventbus_hashmap_flood(addresses: Addresses, stop: threading.Event) -> None:
+    """Issue 19 item 10: 300 topics of 1 MiB each (1.63 GB of RSS before the hashmap's bound)."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect("tcp://{}:{}".format(*addresses["eventbus_collector"]))
+    value = msgpack.packb(b"v" * (MiB - 64), use_bin_type=True)
+    for i in range(300):
+        dealer.send_multipart(_bus_pub(b"/flood/%d" % i, value))
+    time.sleep(5)  # committed, refused or broadcast by now
+    dealer.close(linger=0)
+    ctx.term()
+
+
+def eventbus_long_subscriptions(addresses: Addresses, stop: threading.Event) -> None:
+    """Issue 19 item 10: four subscribers with 1 MiB prefixes (+264 MB before the bound).
+    Written in ZMTP by hand: a libzmq SUB would keep the same 1 MiB-deep trie itself."""
+    host, port = addresses["eventbus_publisher"]
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
+    ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 3) + b"SUB"
+    body = b"\x01" + b"p" * MiB
+    for _ in range(4):
+        with socket.create_connection((host, port)) as sock:
+            _send_quietly(sock, greeting + bytes([0x04, len(ready)]) + ready)
+            _send_quietly(sock, b"\x02" + struct.pack(">Q", len(body)) + body)
+            _await_close(sock, 30)
+
+
 ATTACKS: list[Attack] = [
     Attack(
         "lumberjack nested compression",
@@ -213,6 +269,10 @@ ATTACKS: list[Attack] = [
     Attack("lumberjack partial frames", "lumberjack", lumberjack_partial_frames, lumberjack_honest),
     Attack("lumberjack idle sockets", "lumberjack", lumberjack_idle_sockets, lumberjack_honest),
     Attack("lumberjack zlib bomb", "lumberjack", lumberjack_zlib_bomb, lumberjack_honest),
+    Attack("eventbus hashmap flood", "eventbus", eventbus_hashmap_flood, eventbus_honest),
+    Attack(
+        "eventbus 1 MiB subscriptions", "eventbus", eventbus_long_subscriptions, eventbus_honest
+    ),
 ]
 
 

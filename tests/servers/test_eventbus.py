@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from bench.bench_attack import ATTACKS, goal_mib, run_attack
 
 from taproom.clients.eventbus import EventBusClient
 from taproom.config import load_config
@@ -318,6 +319,15 @@ class TestLimits:
             assert msgpack.unpackb(snapshot["/k/0"].data) == "small again"
             assert sum(1 for size in sizes.values() if size > 1000) == 2  # /k/1 and /k/2
             assert _metric(app, "taproom_eventbus_hashmap_bytes") <= 1024 * 1024
+
+    def test_a_flood_of_large_values_stays_within_the_memory_goal(self, tmp_path: Path) -> None:
+        """Issue 19's goal with the default settings: 300 topics of 1 MiB (1.63 GB of RSS
+        before) keep the hub's peak RSS within 2 x max_pending_bytes + 100 MB, and an honest
+        client is confirmed meanwhile (the bench attack row, once)."""
+        row = next(r for r in ATTACKS if r.name == "eventbus hashmap flood")
+        outcome = run_attack(row, tmp_path)
+        assert outcome.hub_alive and outcome.honest_acked > 0
+        assert outcome.peak_mib <= goal_mib(), f"peak RSS {outcome.peak_mib:.0f} MiB"
 
     async def test_a_subscription_longer_than_any_topic_costs_nothing(self, tmp_path: Path) -> None:
         config = write_config(tmp_path, enable=["eventbus"])

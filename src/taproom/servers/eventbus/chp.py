@@ -45,7 +45,10 @@ class ChpDialect(Collector):
         now_ms = received_ns // 1_000_000
         active = self.fsm.active
         events: list[Event] = []
+        burst_bytes = 0
         for _ in range(self.config.max_burst):
+            if burst_bytes >= self.config.max_burst_bytes:
+                break  # the rest waits for the hub's capacity check (wait_capacity)
             try:
                 msg = recv_frames(raw, MAX_FRAMES)
             except zmq.Again:
@@ -69,6 +72,7 @@ class ChpDialect(Collector):
                 (update.properties, update.body),
                 now_ms + update.ttl_ms if update.ttl_ms else 0,
             )
+            burst_bytes += len(update.body)
             if active:
                 events.append(event)
             else:

@@ -43,6 +43,8 @@ class Collector(Broadcaster):
         known = dedup.seqs
         admit = self._admit
         new_entry = Entry._make
+        burst_bytes = 0
+        max_burst_bytes = self.config.max_burst_bytes
         for _ in range(self.config.max_burst):
             try:
                 msg = recv_frames(raw, MAX_FRAMES)
@@ -78,6 +80,9 @@ class Collector(Broadcaster):
                 builder = BatchBuilder()
             journal_event(builder, event, seq, msg[4])
             entries.append(new_entry((seq, frames, None, 0, None)))
+            burst_bytes += size
+            if burst_bytes >= max_burst_bytes:
+                break  # the rest waits for the hub's capacity check (wait_capacity)
             if paired:
                 events.append(event._replace(sequence=seq))
         if builder is not None:

@@ -85,9 +85,9 @@ class EventBusConfig:
         min=1,
     )
     max_hashmap_bytes: int = setting(
-        256 * 1024 * 1024,
-        "memory the latest-value hashmap may take (frames + per-entry overhead); an update "
-        "that would grow it past this is refused",
+        64 * 1024 * 1024,
+        "memory the latest-value hashmap may take (frames + per-entry overhead), as much as "
+        "the hub's max_pending_bytes; an update that would grow it past this is refused",
         min=1024 * 1024,
     )
     max_held: int = setting(
@@ -111,8 +111,17 @@ class EventBusConfig:
     max_burst: int = setting(
         4096, "PUB commands drained into one journal batch before yielding", min=1, max=65536
     )
+    max_burst_bytes: int = setting(
+        4 * 1024 * 1024,
+        "data bytes drained into one journal batch: the hub's capacity is checked between "
+        "bursts, so a burst of large values must not hold many of them at once",
+        min=64 * 1024,
+    )
     collector_hwm: int = setting(
-        10_000, "PUB commands ZeroMQ queues before the COLLECTOR stops reading peers", min=1
+        32,
+        "PUB commands ZeroMQ queues per connected peer before it stops reading that peer: "
+        "x max_data_bytes is what one peer can make the hub hold there",
+        min=1,
     )
     publisher_hwm: int = setting(
         100_000,
