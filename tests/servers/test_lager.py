@@ -32,6 +32,9 @@ from taproom.servers.lager import HELLO_PREFIX, MARK_PREFIX, LagerConfig
 from tests.protocols.lager.nasa_peer import NasaChpClient
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
+# Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("zmq_path")
+
 XML = (
     '<format version="BEERR01"><item name="a" type="uint32_t" size="4" offset="0"/>'
     '<item name="b" type="double" size="8" offset="4"/></format>'

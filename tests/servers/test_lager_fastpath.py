@@ -21,6 +21,9 @@ from taproom.servers.lager import MARK_PREFIX, DataRecords
 from tests.servers.test_lager import XML, Peer, register, rejected
 from tests.support import fuzz_examples, running_app
 
+# Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("zmq_path")
+
 
 def builder_record(
     key: str, uuid_text: str, attrs: bytes, received_ns: int, ts_ns: int, payload: bytes

@@ -10,6 +10,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from taproom.protocols.lager.formats import parse_format_xml
 from tests.protocols.lager.nasa_peer import NasaMug, NasaTap
 from tests.servers.test_lager import (
@@ -21,6 +23,9 @@ from tests.servers.test_lager import (
     until_rejected,
 )
 from tests.support import running_app
+
+# Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
+pytestmark = pytest.mark.usefixtures("zmq_path")
 
 
 class TestWireConformance:

@@ -274,7 +274,7 @@ class _ExtReader:
             raise ValueError(f"max_frames {max_frames} out of range")
         self._reader = _FFI.gc(reader_ptr, _LIB.tb_reader_free)
         self._result = _FFI.new("tb_result *")
-        self._messages = 0
+        self._messages = self._frames = 0
         self._cap = 0
         self.buf: Any = None
         self.frame_end: Any = None
@@ -283,7 +283,10 @@ class _ExtReader:
     def _size(self, max_messages: int, cap: int) -> None:
         if max_messages > self._messages:
             self.counts = buffer("int[]", max_messages)
-            self.frame_end = buffer("size_t[]", max_messages * self.max_frames)
+            # room for a whole message always; past that, messages that do not fit wait for
+            # the next call (a reader of 1028-frame messages must not hold 8192 x 1028 slots)
+            self._frames = min(max_messages * self.max_frames, 8 * max_messages + self.max_frames)
+            self.frame_end = buffer("size_t[]", self._frames)
             self._messages = max_messages
         if cap != self._cap:
             self.buf = buffer("char[]", cap)
@@ -303,7 +306,7 @@ class _ExtReader:
                 self.buf,
                 self._cap,
                 self.frame_end,
-                self._messages * self.max_frames,
+                self._frames,
                 self.counts,
                 max_messages,
                 max_bytes,

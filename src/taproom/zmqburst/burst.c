@@ -101,14 +101,14 @@ int tb_socket_type(void *sock) {
 
 /* ---- receiving bursts -------------------------------------------------------------------- */
 
-#define TB_MAX_KEPT 16 /* frames kept per message, at most (readers ask for fewer) */
+#define TB_MAX_KEPT 65536 /* frames kept per message, at most (readers ask for fewer) */
 
 typedef struct {
     void *sock;
     int max_frames;
-    int carry_kept;  /* frames held from a message that did not fit (0: none) */
-    int carry_count; /* that message's true frame count */
-    tb_zmq_msg carry[TB_MAX_KEPT];
+    int carry_kept;    /* frames held from a message that did not fit (0: none) */
+    int carry_count;   /* that message's true frame count */
+    tb_zmq_msg *carry; /* max_frames of them */
 } tb_reader;
 
 typedef struct {
@@ -126,10 +126,15 @@ tb_reader *tb_reader_new(void *sock, int max_frames) {
     if (max_frames < 1 || max_frames > TB_MAX_KEPT)
         return NULL;
     tb_reader *r = calloc(1, sizeof *r);
-    if (r) {
-        r->sock = sock;
-        r->max_frames = max_frames;
+    if (r == NULL)
+        return NULL;
+    r->carry = calloc((size_t)max_frames, sizeof(tb_zmq_msg));
+    if (r->carry == NULL) {
+        free(r);
+        return NULL;
     }
+    r->sock = sock;
+    r->max_frames = max_frames;
     return r;
 }
 
@@ -138,6 +143,7 @@ void tb_reader_free(tb_reader *r) {
         return;
     for (int i = 0; i < r->carry_kept; i++)
         z_msg_close(&r->carry[i]);
+    free(r->carry);
     free(r);
 }
 
@@ -184,7 +190,8 @@ static int tb_read_message(tb_reader *r, int *error) {
  * the buffer. Message i's true frame count goes to counts[i] (only min(count, max_frames)
  * frames are kept); kept frame j ends at frame_end[j] in buf (frame 0 starts at 0). A message
  * that does not fit the buffer or the arrays is held for the next call (TB_FULL), or, when it
- * alone is too big for them, reported as TB_NEED with its size. */
+ * alone is too big for the buffer, reported as TB_NEED with its size (frames_cap must be at
+ * least max_frames). */
 void tb_recv(tb_reader *r, char *buf, size_t cap, size_t *frame_end, size_t frames_cap,
              int *counts, int max_messages, size_t max_bytes, tb_result *res) {
     size_t used = 0, frames = 0;

@@ -65,6 +65,13 @@ class LagerConfig:
     max_batch_messages: int = setting(
         8192, "data messages drained into one journal batch before yielding the loop", min=1
     )
+    burst_bytes: int = setting(
+        8 * 1024 * 1024,
+        "bytes of rows one read of the forwarder input takes before its batch goes to the "
+        "journal (a burst is read into one buffer): rows are KBs",
+        min=64 * 1024,
+        max=1 << 30,
+    )
     forward_hwm: int = setting(
         100_000,
         "messages queued per mug before ZeroMQ drops for that slow mug only (counted by the "

@@ -37,8 +37,8 @@ each hello reply the forwarder sends the marks of every tap with rows so far (th
 baseline; a tap without a mark then had none) and the reply carries the epoch. Marks are
 repeated once a ``hugz_interval_s`` for taps active in the last ``mark_repeat`` rounds.
 
-Hot path (issue 7): data frames are read as ZeroMQ frames (their ``more`` flag is far cheaper
-than ``getsockopt(RCVMORE)`` in pyzmq), journal records are written directly with
+Hot path (issues 7, 15): data messages are read a burst per call and forwarded a batch per call
+(:mod:`taproom.zmqburst`: compiled, or pyzmq per frame), journal records are written directly with
 :data:`~taproom.records.RECORD_HEAD` from per-tap constant parts (:class:`DataRecords`, proven
 byte-identical to ``BatchBuilder`` by a test), and rows are forwarded as the received frames.
 """
@@ -63,13 +63,13 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
 from ...hub import Hub
 from ...protocols.lager.chp import Registrar, Registration
 from ...protocols.lager.formats import DataFormat
 from ...protocols.lager.messages import parse_data_message
 from ...records import MAX_PAYLOAD_BYTES, RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
-from ...zmqframes import recv_frames
 from .config import LagerConfig
 from .sockets import MORE_NOBLOCK, NOBLOCK, raw_send, readable, recv_bounded
 
@@ -277,7 +277,7 @@ class Forwarder:
         max_frames = cfg.max_message_frames
         max_batch = cfg.max_batch_messages
         records = self._records
-        recv = recv_frames
+        reader = zmqburst.reader(raw, max_frames)
         replay = self._replay
         while True:
             await hub.wait_capacity()
@@ -288,19 +288,17 @@ class Forwarder:
             parts: list[bytes] = []
             forwards: list[list[bytes]] = []
             reframe: list[tuple[int, list[tuple[int, int]]]] = []  # seed rows of several items
-            for _ in range(max_batch):
-                frames: list[bytes] | None
-                if replay:
-                    frames = replay.popleft()
-                else:
-                    try:
-                        frames = recv(raw, max_frames)
-                    except zmq.Again:
-                        break
-                if frames is None:
+            messages: Iterable[tuple[int, list[bytes]]]
+            if replay:  # rows held for a tap that has now registered go first, in order
+                taken = [replay.popleft() for _ in range(min(max_batch, len(replay)))]
+                messages = [(len(frames), frames) for frames in taken]
+            else:  # one burst (taproom.zmqburst: compiled, or pyzmq per frame)
+                messages = reader.recv(max_batch, cfg.burst_bytes).messages()
+            for count, frames in messages:
+                if count > max_frames:
                     self._reject("frame_count", f"data message over {max_frames} frames")
                     continue
-                n = len(frames)
+                n = count
                 if (
                     n >= 5
                     and len(frames[0]) == 16
@@ -542,19 +540,7 @@ def _fits(frames: list[bytes]) -> Callable[[DataFormat], bool]:
 
 
 def _send_messages(raw: zmq.Socket[bytes], messages: list[list[bytes]]) -> None:
-    """NOBLOCK sends of whole messages (an XPUB drops for a mug at its HWM, never blocks)."""
-    send = raw_send
-    more = MORE_NOBLOCK
-    for frames in messages:
-        if len(frames) == 5:  # the seed's framing, unrolled
-            f0, f1, f2, f3, f4 = frames
-            send(raw, f0, more)
-            send(raw, f1, more)
-            send(raw, f2, more)
-            send(raw, f3, more)
-            send(raw, f4, NOBLOCK)
-        else:
-            last = frames[-1]
-            for frame in frames[:-1]:
-                send(raw, frame, more)
-            send(raw, last, NOBLOCK)
+    """NOBLOCK sends of whole messages in one burst (taproom.zmqburst); an XPUB drops for a
+    mug at its HWM and never refuses, so a message not sent means the socket is going away."""
+    if zmqburst.send_messages(raw, messages) != len(messages):
+        raise zmq.ZMQError(zmq.ENOTSOCK, "the forwarder output refused a send")
