@@ -33,6 +33,7 @@ import uuid as uuid_mod
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from ..clustered_hashmap import FRAMES, HUGZ, ICANHAZ, KTHXBAI, snapshot_subtree
 from .commands import EventBusError, Limits, parse_timestamp
 
 __all__ = [
@@ -51,11 +52,9 @@ __all__ = [
     "update_properties",
 ]
 
-ICANHAZ = b"ICANHAZ?"  # "ICANHAZ command: Frame 0: 'ICANHAZ?'" (clonesrv5 s_snapshots)
-KTHXBAI = b"KTHXBAI"  # "Now send END message with sequence number" (clonesrv5)
-HUGZ = b"HUGZ"  # "Send hugz to anyone listening on the publisher socket" (clonesrv6)
+# The Guide's sequence frame: big-endian (nasa/lager's registrar sends a host-order double
+# instead; see protocols/clustered_hashmap.py for what the two CHP speakers share).
 SEQUENCE = struct.Struct(">Q")
-FRAMES = 5
 # Properties the seed's frames carry: they become the event's producer and timestamp, and
 # every kvmsg taproom sends carries them back as properties.
 PRODUCER = "producer"
@@ -198,9 +197,9 @@ def update_properties(producer: bytes, timestamp: bytes, properties: bytes) -> b
 
 def parse_icanhaz(frames: Sequence[bytes], limits: Limits) -> bytes:
     """``ICANHAZ?`` + subtree (a plain key prefix; missing or empty means every key)."""
-    if not 1 <= len(frames) <= 2 or frames[0] != ICANHAZ:
+    subtree = snapshot_subtree(frames)
+    if subtree is None:
         raise EventBusError("not ICANHAZ? + subtree", reason="bad_command")
-    subtree = frames[1] if len(frames) == 2 else b""
     if len(subtree) > limits.max_topic_bytes:
         raise EventBusError("subtree longer than a key may be", reason="too_large")
     return subtree

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ...errors import ProtocolError
+from ..clustered_hashmap import HUGZ, ICANHAZ, KTHXBAI, snapshot_subtree
 from .formats import DEFAULT_MAX_ITEMS, DEFAULT_MAX_XML_BYTES, DataFormat, parse_format_xml
 
 __all__ = [
@@ -53,10 +54,8 @@ __all__ = [
 SEQUENCE = struct.Struct("=d")
 # Integers up to 2**53 are exact in a double: far beyond any registrar's count of changes.
 _MAX_SEQUENCE = 1 << 53
-# Seed: 'frame 0: "ICANHAZ?"', 'a KTHXBAI message', 'send a HUGZ message at an interval of 1Hz'.
-ICANHAZ = b"ICANHAZ?"
-KTHXBAI = b"KTHXBAI"
-HUGZ = b"HUGZ"
+# Seed: 'frame 0: "ICANHAZ?"', 'a KTHXBAI message', 'send a HUGZ message at an interval of 1Hz'
+# (the words the Event BUS's CHP dialect uses too: protocols/clustered_hashmap.py).
 # The seed asks for "/Namespace/Tap/" keys, but nasa/lager's registrar takes any key (its own
 # example is "/sample_format"), so taproom accepts what it accepts, within bounds: UTF-8, not
 # empty, no control characters (a NUL or a newline in a key breaks logs, XML attributes and C
@@ -186,13 +185,13 @@ def parse_snapshot_request(
     frames: Sequence[bytes], *, max_key_bytes: int = DEFAULT_MAX_KEY_BYTES
 ) -> str:
     """``ICANHAZ?`` + subtree (a missing subtree frame means the whole map)."""
-    if not 1 <= len(frames) <= 2 or frames[0] != ICANHAZ:
+    subtree = snapshot_subtree(frames)
+    if subtree is None:
         raise ChpError("snapshot request is not ICANHAZ? + subtree", reason="bad_request")
-    subtree = frames[1] if len(frames) == 2 else b""
     if len(subtree) > max_key_bytes:
         raise ChpError("subtree longer than any key", reason="bad_request")
     try:
-        return bytes(subtree).decode("utf-8")
+        return subtree.decode("utf-8")
     except UnicodeDecodeError:
         raise ChpError("subtree is not UTF-8", reason="bad_request") from None
 
