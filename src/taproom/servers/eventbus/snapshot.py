@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import zmq
 import zmq.asyncio
@@ -38,80 +38,77 @@ COPY_CHUNK = 1000
 class SnapshotServer(ChpDialect):
     """Serves snapshots side by side, each to one client."""
 
-    async def _snapshot_loop(self) -> None:
-        raw = self._snapshot_raw
+    async def _requests(
+        self, sock: zmq.asyncio.Socket, raw: zmq.Socket[bytes], where: str
+    ) -> AsyncIterator[list[bytes]]:
+        """Every request to a SNAPSHOT port (identity frame first), drained without a future
+        per message; an over-long one is refused (``frame_count``) before it is kept."""
         while True:
-            await self._snapshot.poll()
+            await sock.poll()
             while True:
                 try:
                     msg = recv_frames(raw, MAX_FRAMES)
                 except zmq.Again:
                     break
                 if msg is None:
-                    self._reject("frame_count", f"SNAPSHOT: message over {MAX_FRAMES} frames")
+                    self._reject("frame_count", f"{where}: message over {MAX_FRAMES} frames")
                     continue
-                if msg[1:] == [COPY]:
-                    if not self.fsm.active:
-                        self._reject("not_active", "COPY to a server that is not active")
-                        continue
-                    await self._start_snapshot(
-                        self._snapshot,
-                        raw,
-                        msg[0],
-                        self._copy_messages(),
-                        None,
-                        syncend_frames((), self.last_seq),
-                    )
+                yield msg
+
+    async def _snapshot_loop(self) -> None:
+        raw = self._snapshot_raw
+        async for msg in self._requests(self._snapshot, raw, "SNAPSHOT"):
+            if msg[1:] == [COPY]:
+                if not self.fsm.active:
+                    self._reject("not_active", "COPY to a server that is not active")
                     continue
-                try:
-                    request = parse_syncstart(msg[1:], self.limits)
-                except EventBusError as exc:
-                    self._reject(exc.reason, f"SNAPSHOT: {exc}")
-                    continue
-                if not self._may_serve():
-                    self._reject("not_active", "SYNCSTART to a server that is not active")
-                    continue
-                floor = request.sequence
-                prefixes = tuple(s.encode() for s in request.subtrees)
-                values = self.hashmap.values()
-                if prefixes:
-                    frames = [
-                        e.frames
-                        for e in values
-                        if e.seq > floor and e.frames[0].startswith(prefixes)
-                    ]
-                else:
-                    frames = [e.frames for e in values if e.seq > floor]
-                end = syncend_frames(request.subtrees, self.last_seq)
-                await self._start_snapshot(self._snapshot, raw, msg[0], frames, SYNC, end)
+                await self._start_snapshot(
+                    self._snapshot,
+                    raw,
+                    msg[0],
+                    self._copy_messages(),
+                    None,
+                    syncend_frames((), self.last_seq),
+                )
+                continue
+            try:
+                request = parse_syncstart(msg[1:], self.limits)
+            except EventBusError as exc:
+                self._reject(exc.reason, f"SNAPSHOT: {exc}")
+                continue
+            if not self._may_serve():
+                self._reject("not_active", "SYNCSTART to a server that is not active")
+                continue
+            floor = request.sequence
+            prefixes = tuple(s.encode() for s in request.subtrees)
+            values = self.hashmap.values()
+            if prefixes:
+                frames = [
+                    e.frames for e in values if e.seq > floor and e.frames[0].startswith(prefixes)
+                ]
+            else:
+                frames = [e.frames for e in values if e.seq > floor]
+            end = syncend_frames(request.subtrees, self.last_seq)
+            await self._start_snapshot(self._snapshot, raw, msg[0], frames, SYNC, end)
 
     async def _chp_snapshot_loop(self) -> None:
         raw = self._chp_snapshot_raw
-        while True:
-            await self._chp_snapshot.poll()
-            while True:
-                try:
-                    msg = recv_frames(raw, MAX_FRAMES)
-                except zmq.Again:
-                    break
-                if msg is None:
-                    self._reject("frame_count", f"CHP SNAPSHOT: message over {MAX_FRAMES} frames")
-                    continue
-                try:
-                    subtree = kvmsg.parse_icanhaz(msg[1:], self.limits)
-                except EventBusError as exc:
-                    self._reject(exc.reason, f"CHP SNAPSHOT: {exc}")
-                    continue
-                if not self._may_serve():
-                    self._reject("not_active", "ICANHAZ? to a server that is not active")
-                    continue
-                entries = [
-                    e.kv
-                    for e in self.hashmap.values()
-                    if e.kv is not None and e.kv[0].startswith(subtree)
-                ]
-                end = kvmsg.kthxbai_frames(self.last_seq, subtree)
-                await self._start_snapshot(self._chp_snapshot, raw, msg[0], entries, None, end)
+        async for msg in self._requests(self._chp_snapshot, raw, "CHP SNAPSHOT"):
+            try:
+                subtree = kvmsg.parse_icanhaz(msg[1:], self.limits)
+            except EventBusError as exc:
+                self._reject(exc.reason, f"CHP SNAPSHOT: {exc}")
+                continue
+            if not self._may_serve():
+                self._reject("not_active", "ICANHAZ? to a server that is not active")
+                continue
+            entries = [
+                e.kv
+                for e in self.hashmap.values()
+                if e.kv is not None and e.kv[0].startswith(subtree)
+            ]
+            end = kvmsg.kthxbai_frames(self.last_seq, subtree)
+            await self._start_snapshot(self._chp_snapshot, raw, msg[0], entries, None, end)
 
     def _copy_messages(self) -> list[list[bytes]]:
         """The whole state as REPLICATE messages, in sequence order, for the passive peer."""
