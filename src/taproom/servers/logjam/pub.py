@@ -279,11 +279,7 @@ class PubOutput:
                     seq = (k - 1) % wrap + 1 if k else 0
                     others = []
         finally:
-            self.published = k
-            self._next_publish = batch.end_offset
-            if dropped:
-                self._m_dropped.inc(dropped)
-            self._m_pub_data.inc(sent)
+            self._batch_done(batch, k, sent, dropped)
 
     def _publish_ingested(self, batch: CommittedBatch, now_ms: int) -> None:
         """A batch the ingest loops built (its body is an :class:`lj.IngestedBody`, which the
@@ -387,11 +383,15 @@ class PubOutput:
                 sent += self._publish_others(batch, others, now_ms)
                 k = self.published
         finally:
-            self.published = k
-            self._next_publish = batch.end_offset
-            if dropped:
-                self._m_dropped.inc(dropped)
-            self._m_pub_data.inc(sent)
+            self._batch_done(batch, k, sent, dropped)
+
+    def _batch_done(self, batch: CommittedBatch, k: int, sent: int, dropped: int) -> None:
+        """After a batch, sent whole or not: the numbering and the counters."""
+        self.published = k
+        self._next_publish = batch.end_offset
+        if dropped:
+            self._m_dropped.inc(dropped)
+        self._m_pub_data.inc(sent)
 
     def _index_run(self, k_first: int, offset: int, count: int) -> None:
         """Remember offsets ``offset ..`` for messages ``k_first ..`` in the replay ring."""
