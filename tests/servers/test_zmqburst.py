@@ -102,6 +102,18 @@ def test_reader_takes_messages_bigger_than_its_buffer_in_order(ctx):
 
 
 @pytest.mark.usefixtures("zmq_path")
+def test_reader_keeps_lager_rows_of_1028_frames(ctx):
+    """nasa/lager rows are one frame per item: the forwarder keeps up to 1028 frames a message
+    (a reader limited to 16 could not even be made for it)."""
+    push, pull = pair(ctx)
+    sent = [[b"%d" % j for j in range(n)] for n in (1028, 1029, 5, 1028)]
+    for message in sent:
+        push.send_multipart(message)
+    got, _ = drain(zmqburst.reader(pull, 1028), len(sent), max_messages=8192)
+    assert got == [(len(m), m[:1028]) for m in sent]
+
+
+@pytest.mark.usefixtures("zmq_path")
 def test_send_messages_skips_replies_to_peers_gone(ctx):
     dealer, router = pair(ctx, zmq.ROUTER, zmq.DEALER, "router")
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to an unknown peer fails, not drops
