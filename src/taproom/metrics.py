@@ -74,8 +74,12 @@ class Metrics:
             ("protocol", "reason"),
         ).labels(protocol=protocol, reason=reason).inc(count)
 
-    def accepted(self, protocol: str, count: int) -> None:
-        """Count events a protocol handed to the journal (acked once committed)."""
+    def accepted(self, protocol: str, count: int, nbytes: int) -> None:
+        """Count events a protocol handed to the journal (acked once committed), and their bytes.
+
+        ``nbytes`` is the size of the encoded journal records, the same measure for every
+        protocol (wire bytes differ by framing and compression).
+        """
         self.counter(
             "ingest",
             "accepted",
@@ -83,6 +87,13 @@ class Metrics:
             "Events handed to the journal, by protocol",
             ("protocol",),
         ).labels(protocol=protocol).inc(count)
+        self.counter(
+            "ingest",
+            "accepted",
+            "bytes",
+            "Bytes of journal records handed to the journal, by protocol",
+            ("protocol",),
+        ).labels(protocol=protocol).inc(nbytes)
 
     def connections(self, protocol: str, listener: str) -> Gauge:
         """Open connections of one listener."""

@@ -164,6 +164,10 @@ def test_overview_draws_live_charts(hub: Any, page: Any) -> None:
     counts = wait_for_drawn(page, ".uplot canvas", 5)
     assert sum(1 for n in counts if n > 0) >= 5, counts
     assert "lumberjack" in page.inner_text("#listeners")
+    # Bytes in per protocol: the card's legend names the protocols the hub was fed by.
+    bytes_card = page.locator(".card", has_text="Bytes in per second, by protocol")
+    legend = bytes_card.locator(".u-legend").inner_text()
+    assert "lumberjack" in legend and "logjam" in legend, legend
     assert_safe(page, watch)
 
 

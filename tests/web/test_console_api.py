@@ -11,7 +11,7 @@ from aiohttp import ClientSession, WSMsgType
 from taproom.records import BatchBuilder
 from tests.support import running_app
 
-from .console_support import send_bus, send_lager, write_rollups
+from .console_support import send_bus, send_lager, send_logjam, send_lumberjack, write_rollups
 
 
 async def get_json(http: ClientSession, url: str) -> tuple[int, dict]:
@@ -27,25 +27,48 @@ def batch(*payloads: bytes, protocol: str = "lumberjack", stream: str = "app-pro
 
 
 async def test_overview_and_stats_follow_ingest(tmp_path):
-    async with running_app(tmp_path) as app:
+    async with running_app(tmp_path, enable=["lumberjack", "logjam"]) as app:
         base = f"http://{app.addresses['web']}"
-        await app.hub.ingest(batch(b'{"n":1}', b'{"n":2}'))
-        app.hub.metrics.accepted("lumberjack", 2)
+        await send_lumberjack(app.addresses["lumberjack"], [{"n": i} for i in range(20)])
+        logjam = [{"action": "Home#index", "total_time": 5.0, "pad": "x" * 2000}] * 10
+        await asyncio.to_thread(send_logjam, app.addresses["logjam_router"], "shop-prod", logjam)
         async with ClientSession() as http:
-            for _ in range(100):  # the sampler runs once a second
+            events: dict[str, float] = {}
+            nbytes: dict[str, float] = {}
+            for _ in range(200):  # the sampler runs once a second
                 status, stats = await get_json(http, f"{base}/api/stats?seconds=900")
-                rates = [v for v in stats["series"].get("events_in/lumberjack", []) if v]
-                if rates:
+                assert status == 200
+                for protocol in ("lumberjack", "logjam"):
+                    events[protocol] = sum(
+                        filter(None, stats["series"].get(f"events_in/{protocol}", []))
+                    )
+                    nbytes[protocol] = sum(
+                        filter(None, stats["series"].get(f"bytes_in/{protocol}", []))
+                    )
+                if all(events.values()) and all(nbytes.values()) and len(events) == 2:
                     break
                 await asyncio.sleep(0.1)
-            assert status == 200 and sum(rates) > 0
-            assert stats["series"]["journal_end_offset"][-1] == 2
+            assert events["lumberjack"] > 0 and events["logjam"] > 0, stats["series"].keys()
+            # Bytes in are each protocol's own: logjam's ten 2 KB bodies outweigh twenty tiny
+            # Lumberjack events, and each protocol's bytes are at least its payloads.
+            assert nbytes["logjam"] > nbytes["lumberjack"] > 0
+            journal = sum(filter(None, stats["series"]["journal_bytes_in"]))
+            assert journal > 0
+            assert stats["series"]["journal_end_offset"][-1] == 30
             assert len(stats["t"]) == len(stats["series"]["journal_end_offset"])
             status, overview = await get_json(http, f"{base}/api/overview")
             assert status == 200
             assert overview["ready"] == {"ready": True, "reasons": []}
-            assert overview["journal"]["end_offset"] == 2
+            assert overview["journal"]["end_offset"] == 30
             assert overview["listeners"]["web"] == app.addresses["web"]
+            metrics = await (await http.get(f"{base}/metrics")).text()
+        counted = {
+            line.split("{")[1].split('"')[1]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("taproom_ingest_accepted_bytes_total{")
+        }
+        # Bytes as journal records: a logjam body of 2000+ bytes makes a record bigger than it.
+        assert counted["logjam"] > 10 * 2000 and counted["lumberjack"] > 20 * len('{"n":0}')
 
 
 async def test_events_record_and_filters(tmp_path):

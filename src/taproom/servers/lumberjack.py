@@ -391,7 +391,7 @@ class _Connection(asyncio.Protocol):
 
     def _submit(self, windows: list[Window]) -> None:
         hub = self.server.hub
-        events = 0
+        events = nbytes = 0
         for window in windows:
             future: asyncio.Future[Commit] | None = None
             if window.batch.count:
@@ -401,10 +401,11 @@ class _Connection(asyncio.Protocol):
                     self._abort("hub stopping")
                     return
                 events += window.batch.count
+                nbytes += len(window.batch.body)
                 future.add_done_callback(self._on_commit)
             self._pending.append((future, window))
         if events:
-            hub.metrics.accepted(PROTOCOL, events)
+            hub.metrics.accepted(PROTOCOL, events, nbytes)
         self._on_commit(None)
 
     def _on_commit(self, _future: object) -> None:

@@ -6,7 +6,8 @@ hub's outputs, and appends one row. The ring holds ``[console] stats_seconds`` r
 default); every series name comes from a bounded label set (protocol, listener, reason, output),
 so a row has a bounded number of values.
 
-Series names: ``events_in/<protocol>`` (events/s), ``bytes_in`` (journal bytes/s),
+Series names: ``events_in/<protocol>`` (events/s), ``bytes_in/<protocol>`` (bytes/s of the
+journal records a protocol handed in), ``journal_bytes_in`` (bytes/s appended to the journal),
 ``connections/<listener>``, ``rejects/<protocol>/<reason>`` (per second), ``journal_end_offset``,
 ``journal_size_bytes``, ``journal_segments``, ``commit_p50_ms`` and ``commit_p99_ms`` (of the
 commits in that second, to the histogram bucket's upper bound), ``pending_bytes``,
@@ -29,7 +30,8 @@ __all__ = ["StatsRing"]
 
 _RATES = {
     "taproom_ingest_accepted_events": ("events_in", ("protocol",)),
-    "taproom_journal_appended_bytes": ("bytes_in", ()),
+    "taproom_ingest_accepted_bytes": ("bytes_in", ("protocol",)),
+    "taproom_journal_appended_bytes": ("journal_bytes_in", ()),
     "taproom_ingest_rejected_items": ("rejects", ("protocol", "reason")),
     "taproom_hub_output_dropped_events": ("dropped", ("output",)),
 }

@@ -69,12 +69,15 @@ def render(overview: dict[str, Any], url: str) -> str:
         f"  pending {_size(latest.get('pending_bytes'))}",
         f"commit     p50 {_num(latest.get('commit_p50_ms'), 2)} ms"
         f"  p99 {_num(latest.get('commit_p99_ms'), 2)} ms"
-        f"  in {_size(latest.get('bytes_in'))}/s",
+        f"  in {_size(latest.get('journal_bytes_in'))}/s",
         "",
-        f"{'PROTOCOL':<16}{'EVENTS/S':>14}",
+        f"{'PROTOCOL':<16}{'EVENTS/S':>14}{'BYTES/S':>12}",
     ]
     rates = _group(latest, "events_in/")
-    lines += [f"{name:<16}{_num(rate, 1):>14}" for name, rate in rates] or ["(no events yet)"]
+    lines += [
+        f"{name:<16}{_num(rate, 1):>14}{_size(latest.get('bytes_in/' + name)):>12}"
+        for name, rate in rates
+    ] or ["(no events yet)"]
     lines += ["", f"{'LISTENER':<28}{'CONNECTIONS':>12}"]
     lines += [f"{name:<28}{_num(n):>12}" for name, n in _group(latest, "connections/")]
     lines += ["", f"{'OUTPUT':<20}{'QUEUE':>10}{'LAG':>12}{'DROPPED/S':>12}"]

@@ -86,9 +86,10 @@ class Acceptor(BusBase):
 
     def _submit(self, builder: BatchBuilder, entries: list[Entry], events: list[Event]) -> None:
         """Journal a burst and queue it for the broadcaster (after replicating it)."""
-        future = self.hub.submit(builder.build())
+        batch = builder.build()
+        future = self.hub.submit(batch)
         self.assigned_seq = entries[-1].seq
-        self.hub.metrics.accepted(PROTOCOL, len(entries))
+        self.hub.metrics.accepted(PROTOCOL, len(entries), len(batch.body))
         needs_ack = self._replicate(events) if events else False
         self._inflight.put_nowait(Burst(future, entries, needs_ack))
 

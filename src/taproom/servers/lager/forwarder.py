@@ -341,9 +341,10 @@ class Forwarder:
                 parts += tap.parts(received_ns, ts, payload)
                 forwards.append(frames)  # forwarded as received, as nasa/lager's forwarder does
             if forwards:
-                hub.metrics.accepted("lager", len(forwards))
+                batch = EncodedBatch(len(forwards), b"".join(parts))
+                hub.metrics.accepted("lager", len(forwards), len(batch.body))
                 try:
-                    future = hub.submit(EncodedBatch(len(forwards), b"".join(parts)))
+                    future = hub.submit(batch)
                 except HubStopped:
                     return
                 self.inflight.add(future)

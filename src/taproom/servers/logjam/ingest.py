@@ -102,7 +102,7 @@ class Ingest:
             future = self.hub.submit(batch)
         except HubStopped:
             return None
-        self.hub.metrics.accepted("logjam", batch.count)
+        self.hub.metrics.accepted("logjam", batch.count, len(batch.body))
         if parser.not_json != not_json_before:
             self._m_not_json.inc(parser.not_json - not_json_before)
         self.pending.add(future)

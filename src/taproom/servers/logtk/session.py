@@ -148,12 +148,13 @@ class Session:
             self._after(future, idems, ())
         if stored:
             try:
-                future = svc.hub.submit(builder.build())
+                batch = builder.build()
+                future = svc.hub.submit(batch)
             except HubStopped:
                 self.settle(len(batch_idems))
                 self.conn.close(CloseCode.SHUTTING_DOWN, "server shutting down")
                 return
-            svc.hub.metrics.accepted("logtk", len(stored))
+            svc.hub.metrics.accepted("logtk", len(stored), len(batch.body))
             for key in stored:
                 pending[key] = future
             self._after(future, batch_idems, stored)

@@ -5,7 +5,8 @@
   const grid = document.getElementById("charts");
   const groups = [
     ["events_in/", "Events in per second, by protocol", ""],
-    ["bytes_in", "Bytes in per second (journal)", "B/s"],
+    ["bytes_in/", "Bytes in per second, by protocol (journal records)", "B/s"],
+    ["journal_bytes_in", "Bytes appended to the journal per second", "B/s"],
     ["connections/", "Open connections, by listener", ""],
     ["rejects/", "Rejects per second, by protocol and reason", ""],
     ["journal_end_offset", "Journal end offset", ""],
