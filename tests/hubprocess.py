@@ -43,6 +43,7 @@ class HubProcess:
         self.preexec_fn = preexec_fn
         self.proc: subprocess.Popen[bytes] | None = None
         self.addresses: dict[str, str] = {}
+        self.journal_id = ""  # the journal's identity, from the ready file
         self.starts = 0
 
     @property
@@ -75,7 +76,9 @@ class HubProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.ready_file.exists():
-                self.addresses = orjson.loads(self.ready_file.read_bytes())["listeners"]
+                ready = orjson.loads(self.ready_file.read_bytes())
+                self.addresses = ready["listeners"]
+                self.journal_id = ready["journal_id"]
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"taproom serve exited {self.proc.returncode}:\n{self.log()}")

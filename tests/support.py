@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -27,6 +28,7 @@ __all__ = [
     "HubProcess",
     "fill",
     "flip_byte",
+    "free_port",
     "fuzz_examples",
     "needs_mount",
     "running_app",
@@ -72,6 +74,14 @@ def fill(path: Path) -> Path:
     finally:
         os.close(fd)
     return filler
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server that must keep its port across
+    restarts (port 0 would give it a new one each time)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def flip_byte(path: Path | str, position: int, mask: int = 0x40) -> None:

@@ -108,12 +108,11 @@ class App:
         await self.stop()
 
 
-def _write_ready_file(path: str, addresses: dict[str, Any]) -> None:
+def _write_ready_file(path: str, addresses: dict[str, Any], journal_id: str) -> None:
     tmp = f"{path}.tmp"
+    ready = {"pid": os.getpid(), "listeners": addresses, "journal_id": journal_id}
     with open(tmp, "wb") as f:
-        f.write(
-            orjson.dumps({"pid": os.getpid(), "listeners": addresses}, option=orjson.OPT_INDENT_2)
-        )
+        f.write(orjson.dumps(ready, option=orjson.OPT_INDENT_2))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -148,9 +147,12 @@ async def run_app(config: Config, ready_file: str | None = None) -> int:
     for name, address in sorted(app.addresses.items()):
         log.info("listening: %-22s %s", name, address)
     if ready_file:
-        _write_ready_file(ready_file, app.addresses)
+        _write_ready_file(ready_file, app.addresses, app.hub.journal.id)
     log.info(
-        "taproom ready; journal %s at offset %d", config.journal.dir, app.hub.journal.next_offset
+        "taproom ready; journal %s (id %s) at offset %d",
+        config.journal.dir,
+        app.hub.journal.id,
+        app.hub.journal.next_offset,
     )
     await stop.wait()
     try:

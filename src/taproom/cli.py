@@ -141,6 +141,7 @@ def cmd_journal_stats(args: argparse.Namespace) -> int:
     end = reader.end_offset()
     stats = {
         "path": path,
+        "id": reader.id,  # None until a hub opens a journal made before identities
         "segments": len(bases),
         "bytes": total,
         "first_offset": first,

@@ -124,6 +124,33 @@ class JournalConfig:
         "one group commit writes at most this much so one fsync never waits on a huge write",
         min=64 * 1024,
     )
+    retain_unread: bool = setting(
+        False,
+        "off: retention alone decides; on: keep segments a registered reader's cursor has not "
+        "passed (up to retain_unread_max_bytes)",
+    )
+    retain_unread_max_bytes: int = setting(
+        16 * 1024**3,
+        "hard cap with retain_unread: a reader gone for good cannot fill the disk; past it the "
+        "oldest segments go anyway and the loss is counted and reported to the reader",
+        min=1024 * 1024,
+    )
+    max_remote_readers: int = setting(
+        8, "concurrent network reads of the journal (Spark tasks): each holds a thread", min=1,
+        max=256,
+    )  # fmt: skip
+    max_read_bytes: int = setting(
+        64 * 1024 * 1024,
+        "most frame bytes one network read answers with (larger budgets get this much)",
+        min=1024 * 1024,
+        max=1 << 30,
+    )
+    remote_write_timeout_s: float = setting(
+        60.0,
+        "a network reader that takes no bytes for this long is cut off and frees its slot",
+        min=1,
+        max=3600,
+    )
 
     def validate(self) -> None:
         """A journal directory that is a file, or lies below one, can never be opened.

@@ -10,7 +10,10 @@ Every exception taproom raises on purpose derives from :class:`TaproomError`::
      ├── JournalError           the journal cannot do what was asked
      │    ├── CorruptSegment    a CRC or framing check failed inside a segment
      │    ├── DiskFull          ENOSPC while appending: acks stop until space returns
-     │    └── JournalFailed     an fsync or write failed; the journal refuses further appends
+     │    ├── JournalFailed     an fsync or write failed; the journal refuses further appends
+     │    ├── OffsetsDeleted    a reader asked for offsets retention deleted (HTTP 410)
+     │    ├── HubUnavailable    a hub's journal read API could not be reached or refused
+     │    └── CorruptTransfer   a batch read from a hub failed its CRC on the way
      ├── HubStopped             ingest after shutdown began
      └── StartupError           serve cannot start: an address in use, a journal it cannot open
 
@@ -23,11 +26,14 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "CorruptSegment",
+    "CorruptTransfer",
     "DiskFull",
     "HubStopped",
+    "HubUnavailable",
     "JournalError",
     "JournalFailed",
     "LimitExceeded",
+    "OffsetsDeleted",
     "ProtocolError",
     "StartupError",
     "TaproomError",
@@ -94,6 +100,31 @@ class DiskFull(JournalError):
 
 class JournalFailed(JournalError):
     """A write or fsync failed. The descriptor is never trusted again: reopen to recover."""
+
+
+class OffsetsDeleted(JournalError):
+    """Offsets a reader had not read were deleted by retention: an explicit loss, never a
+    silent skip. ``first_offset`` is the oldest offset still held."""
+
+    def __init__(self, message: str, *, requested: int, first_offset: int) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.first_offset = first_offset
+
+
+class HubUnavailable(JournalError):
+    """A hub's journal read API could not be reached, or refused a request. The message names
+    the hub; a streaming query fails its micro-batch and resumes from its checkpoint."""
+
+
+class CorruptTransfer(JournalError):
+    """A batch read from a hub did not pass its CRC: damaged on the way, never turned into
+    rows. Reading it again (a task retry) fetches it again."""
+
+    def __init__(self, message: str, *, journal_id: str, offset: int) -> None:
+        super().__init__(message)
+        self.journal_id = journal_id
+        self.offset = offset
 
 
 class HubStopped(TaproomError):

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from taproom.journal import Journal
+from taproom.journal.segments import FRAME, scan_segment
 from taproom.records import BatchBuilder
+from tests.support import flip_byte
 
 __all__ = [
     "BASE_NS",
@@ -30,6 +32,7 @@ __all__ = [
     "reference_exceptions",
     "reference_logs",
     "reference_requests",
+    "write_damaged_journal",
     "write_journal",
 ]
 
@@ -343,3 +346,27 @@ def reference_logs(events: list[GeneratedEvent]) -> dict[tuple[Any, ...], tuple[
         acc[0] += 1
         acc[1] += len(e.payload)
     return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def write_damaged_journal(path: Path) -> set[int]:
+    """Four 1 MiB segments of 200-event batches with quarantined damage: a corrupt frame in the
+    first and in the last segment (valid frames after each) and a damaged sealed segment
+    header. Returns the offsets of the events that are still intact."""
+    journal = Journal(path, segment_bytes=1 << 20)
+    for k in range(16):
+        b = BatchBuilder()
+        for i in range(200):
+            b.add("test", f'{{"k":{k},"i":{i}}}'.encode().ljust(1500, b" "), content_type="json")
+        journal.commit([b.build()])
+    journal.close()
+    segments = sorted(path.glob("*.seg"))
+    assert len(segments) >= 3
+    lost: set[int] = set()
+    for seg, pick in ((segments[0], 1), (segments[-1], 1)):
+        index = scan_segment(str(seg)).index
+        base, position = index[pick]
+        assert pick + 1 < len(index)  # a valid frame follows the damaged one
+        flip_byte(seg, position + FRAME.size + 700)
+        lost |= set(range(base, index[pick + 1][0]))
+    flip_byte(segments[1], 4)  # a sealed segment's header: no frame lost
+    return set(range(3200)) - lost

@@ -449,7 +449,12 @@ class Hub:
         jc = self.config.journal
         if jc.retention_bytes or jc.retention_age_s:
             try:
-                self.journal.enforce_retention(jc.retention_bytes, jc.retention_age_s)
+                self.journal.enforce_retention(
+                    jc.retention_bytes,
+                    jc.retention_age_s,
+                    unread=self.cursors.offsets() if jc.retain_unread else None,
+                    unread_max_bytes=jc.retain_unread_max_bytes,
+                )
             except OSError as exc:
                 log.warning("retention failed: %s", exc)
         return time.monotonic()

@@ -1,8 +1,10 @@
 """Named consumer cursors, persisted durably beside the journal.
 
-A cursor is the next offset a named consumer wants. It is written to a temporary file, fsynced,
-renamed over the old one and the directory fsynced, so a crash leaves the old or the new value,
-never a torn one.
+A cursor is the next offset a named consumer wants. Readers report theirs after they commit
+(the network read API, ``PUT /api/journal/cursors/<name>``); with ``[journal] retain_unread``
+retention keeps what a registered cursor has not passed. A cursor is written to a temporary
+file, fsynced, renamed over the old one and the directory fsynced, so a crash leaves the old or
+the new value, never a torn one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 import re
 
 import orjson
+
+from .segments import fsync_dir
 
 __all__ = ["CursorStore"]
 
@@ -44,11 +48,21 @@ class CursorStore:
         finally:
             os.close(fd)
         os.replace(tmp, final)
-        dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        fsync_dir(self.path)
+
+    def delete(self, name: str) -> bool:
+        """Forget a cursor (a reader that is gone for good); False if there was none."""
         try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+            os.unlink(self._file(name))
+        except FileNotFoundError:
+            return False
+        fsync_dir(self.path)
+        return True
 
     def names(self) -> list[str]:
         return sorted(n[: -len(".cursor")] for n in os.listdir(self.path) if n.endswith(".cursor"))
+
+    def offsets(self) -> dict[str, int]:
+        """Every registered cursor and its offset (one deleted meanwhile is left out)."""
+        found = {name: self.load(name) for name in self.names()}
+        return {name: offset for name, offset in found.items() if offset is not None}

@@ -31,25 +31,28 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import DiskFull, JournalError, JournalFailed
+from ..errors import DiskFull, JournalError, JournalFailed, OffsetsDeleted
 from ..metrics import Metrics
 from ..records import EncodedBatch, Record
+from .identity import journal_id
 from .segments import (
     FRAME,
     SEGMENT_HEADER,
     Damage,
+    FrameInfo,
     cut_segment,
     encode_frame_header,
+    fsync_dir,
     read_segment_header,
     records_in_range,
     scan_segment,
     segment_base,
     segment_bases,
-    segment_batches,
+    segment_frames,
     segment_header,
     segment_name,
     walk_frames,
@@ -73,14 +76,6 @@ class SegmentInfo:
     size: int
     end_offset: int  # offset after its last record (the next segment's base once sealed)
     index: list[tuple[int, int]] | None = None  # sparse (base offset, position), built lazily
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -138,7 +133,14 @@ class Journal:
         self._m_deleted = self.metrics.counter(
             "journal", "retention_deleted", "segments", "Sealed segments deleted by retention"
         )
+        self._m_unread_deleted = self.metrics.counter(
+            "journal",
+            "unread_deleted",
+            "events",
+            "Events retention deleted before a registered cursor passed them (cap reached)",
+        )
         os.makedirs(self.path, exist_ok=True)
+        self.id = journal_id(self.path)  # created now for a journal made before identities
         self._recover()
         self.metrics.gauge_fn(
             "journal", "segments", "count", "Segments on disk", lambda: len(self._segments)
@@ -176,7 +178,7 @@ class Journal:
             log.warning("journal: removing segment %s with a torn header", segment_name(bases[-1]))
             self._m_truncated.inc(os.path.getsize(last))
             os.unlink(last)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             bases.pop()
         for base, next_base in itertools.pairwise(bases):
             path = os.path.join(self.path, segment_name(base))
@@ -266,7 +268,7 @@ class Journal:
             finally:
                 os.close(fd)
             os.replace(creating, path)
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(creating)
@@ -500,9 +502,21 @@ class Journal:
             self._synced_offset = self._next_offset
 
     def enforce_retention(
-        self, retention_bytes: int, retention_age_s: float, now: float | None = None
+        self,
+        retention_bytes: int,
+        retention_age_s: float,
+        now: float | None = None,
+        *,
+        unread: Mapping[str, int] | None = None,
+        unread_max_bytes: int = 0,
     ) -> int:
-        """Delete whole sealed segments over the byte or age bound; how many were deleted."""
+        """Delete whole sealed segments over the byte or age bound; how many were deleted.
+
+        ``unread`` (cursor name -> the next offset that reader wants) keeps every segment a
+        cursor has not passed while the journal holds at most ``unread_max_bytes``; past that
+        cap the oldest go anyway, and the events deleted unread are logged with the cursors
+        that lose them and counted (``taproom_journal_unread_deleted_events_total``).
+        """
         now = time.time() if now is None else now
         deleted = 0
         while len(self._segments) > 1:
@@ -516,6 +530,21 @@ class Journal:
             if not (over_size or over_age):
                 break
             name = os.path.basename(oldest.path)
+            behind = {c: o for c, o in (unread or {}).items() if o < oldest.end_offset}
+            if behind:
+                if self.total_bytes <= unread_max_bytes:
+                    break  # a registered reader has not passed it yet
+                first_unread = max(oldest.base_offset, min(behind.values()))
+                self._m_unread_deleted.inc(oldest.end_offset - first_unread)
+                log.error(
+                    "journal: retention deleted %s before %s read it: offsets %d-%d lost to "
+                    "them (the journal reached retain_unread_max_bytes, %d bytes)",
+                    name,
+                    ", ".join(sorted(behind)),
+                    first_unread,
+                    oldest.end_offset - 1,
+                    unread_max_bytes,
+                )
             with self._lock:
                 self._segments.pop(0)
                 for key in [k for k in self._damage if k[0] == name]:
@@ -528,7 +557,7 @@ class Journal:
             self._m_deleted.inc()
             log.info("journal: retention deleted %s", name)
         if deleted:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
         return deleted
 
     def close(self) -> None:
@@ -562,15 +591,17 @@ class Journal:
             seg.index = index
         return seg.index
 
-    def read_batches(
-        self, from_offset: int = 0, end_offset: int | None = None
-    ) -> Iterator[tuple[int, int, bytes]]:
-        """Committed batches as ``(base offset, count, body)``, from the one holding
-        ``from_offset`` up to ``end_offset`` (default: the end when called).
+    def read_frames(
+        self, from_offset: int = 0, end_offset: int | None = None, *, skip_deleted: bool = True
+    ) -> Iterator[FrameInfo]:
+        """Committed frames, verified (``body`` read, CRC checked, ``header`` as stored), from
+        the one holding ``from_offset`` up to ``end_offset`` (default: the end when called).
 
-        The first batch may start before ``from_offset``; use :meth:`read` for records.
-        Quarantined damage is skipped (and reported, see :meth:`damage`): its offsets are a gap
-        between the batches yielded.
+        The first frame may start before ``from_offset``. Quarantined damage is skipped (and
+        reported, see :meth:`damage`): its offsets are a gap between the frames yielded. A
+        segment that retention deletes before the walk reaches it is skipped too, unless
+        ``skip_deleted`` is False: then :class:`OffsetsDeleted` is raised instead (a reader
+        that must never skip silently, such as the network read API).
         """
         end = self._durable_offset if end_offset is None else min(end_offset, self._durable_offset)
         segments = self.segments()
@@ -583,14 +614,21 @@ class Journal:
             try:
                 fd = os.open(seg.path, os.O_RDONLY)
             except FileNotFoundError:
-                continue  # deleted by retention while we read: move on to newer data
+                if skip_deleted:
+                    continue  # deleted by retention while we read: move on to newer data
+                raise OffsetsDeleted(
+                    f"segment {os.path.basename(seg.path)} was deleted by retention while "
+                    "being read",
+                    requested=max(from_offset, seg.base_offset),
+                    first_offset=self.first_offset,
+                ) from None
             try:
                 index = self._segment_index(seg, fd, end)
                 start = (seg.base_offset, SEGMENT_HEADER.size)
                 k = bisect.bisect_right(index, (from_offset, float("inf"))) - 1
                 if k >= 0:
                     start = index[k]
-                yield from segment_batches(
+                yield from segment_frames(
                     fd,
                     seg.path,
                     start,
@@ -601,6 +639,14 @@ class Journal:
                 )
             finally:
                 os.close(fd)
+
+    def read_batches(
+        self, from_offset: int = 0, end_offset: int | None = None
+    ) -> Iterator[tuple[int, int, bytes]]:
+        """:meth:`read_frames` as ``(base offset, count, body)``; use :meth:`read` for records."""
+        for frame in self.read_frames(from_offset, end_offset):
+            assert frame.body is not None
+            yield frame.base_offset, frame.count, frame.body
 
     def read(self, from_offset: int = 0, end_offset: int | None = None) -> Iterator[Record]:
         """Committed records with ``from_offset <= offset < end_offset``."""
@@ -617,6 +663,7 @@ class Journal:
             "first_offset": segments[0].base_offset,
             "next_offset": self._next_offset,
             "events": self._next_offset - segments[0].base_offset,
+            "id": self.id,
             "fsync": self.fsync_policy,
             "damaged_regions": len(self._damage),
         }

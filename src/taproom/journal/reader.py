@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from ..errors import JournalError
 from ..records import Record
+from .identity import read_journal_id
 from .segments import (
     SEGMENT_HEADER,
     Damage,
@@ -39,6 +40,8 @@ class JournalReader:
         self.path = str(path)
         if not os.path.isdir(self.path):
             raise JournalError(f"{self.path}: no journal directory here")
+        # None for a journal no hub has opened since identities exist (a reader never writes).
+        self.id = read_journal_id(self.path)
         self.damage: dict[tuple[str, int], Damage] = {}  # found so far, by (segment, position)
 
     def segment_bases(self) -> list[int]:

@@ -42,6 +42,7 @@ __all__ = [
     "crc_of",
     "cut_segment",
     "encode_frame_header",
+    "fsync_dir",
     "header_damage",
     "read_segment_header",
     "records_in_range",
@@ -49,6 +50,7 @@ __all__ = [
     "segment_base",
     "segment_bases",
     "segment_batches",
+    "segment_frames",
     "segment_header",
     "segment_name",
     "walk_frames",
@@ -96,6 +98,15 @@ def segment_header(base_offset: int) -> bytes:
     return SEGMENT_HEADER.pack(SEGMENT_MAGIC, base_offset)
 
 
+def fsync_dir(path: str) -> None:
+    """fsync a directory: makes a file created, renamed or deleted in it durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def cut_segment(path: str, size: int) -> None:
     """Truncate a segment file to ``size`` bytes, durably (cutting a torn tail)."""
     fd = os.open(path, os.O_RDWR)
@@ -131,6 +142,12 @@ class FrameInfo:
     count: int
     body_length: int
     body: bytes | None = None  # read and CRC-checked when walked with ``verify``
+    crc: int = 0  # as stored: the frame header is FRAME.pack(body_length, crc, base, count)
+
+    @property
+    def header(self) -> bytes:
+        """The frame header exactly as stored (the network read API sends frames as stored)."""
+        return FRAME.pack(self.body_length, self.crc, self.base_offset, self.count)
 
     @property
     def end_position(self) -> int:
@@ -181,7 +198,7 @@ def _frame_problem(
     if file_size - pos < FRAME.size:
         return FrameInfo(pos, expected, 0, 0), "torn frame header", "frame_header"
     length, crc, base, count = FRAME.unpack(os.pread(fd, FRAME.size, pos))
-    info = FrameInfo(pos, base, count, length)
+    info = FrameInfo(pos, base, count, length, crc=crc)
     if length > MAX_BATCH_BODY or pos + FRAME.size + length > file_size:
         return info, "frame runs past end of file", "frame_header"
     if count == 0 or base != expected:
@@ -226,7 +243,7 @@ def _resync(
                 continue
             body = os.pread(fd, length, at + FRAME.size)
             if len(body) == length and crc_of(base, count, body) == crc:
-                return FrameInfo(at, base, count, length, body)
+                return FrameInfo(at, base, count, length, body, crc)
         pos += starts
     return None
 
@@ -290,7 +307,7 @@ def header_damage(fd: int, name: str, base: int, file_size: int) -> Damage | Non
     return Damage(name, 0, nbytes, base, base, "segment_header", detail)
 
 
-def segment_batches(
+def segment_frames(
     fd: int,
     path: str,
     start: tuple[int, int],
@@ -299,8 +316,8 @@ def segment_batches(
     *,
     sealed_end: int | None,
     on_damage: Callable[[Damage], None],
-) -> Iterator[tuple[int, int, bytes]]:
-    """Verified ``(base, count, body)`` of one open segment overlapping the offset range.
+) -> Iterator[FrameInfo]:
+    """Verified frames (body read, CRC checked) of one open segment overlapping the range.
 
     ``start`` is a (base offset, file position) to begin the walk at (from a sparse index, or
     the base and the header size); ``sealed_end`` is the next segment's base, None for the last
@@ -328,6 +345,23 @@ def segment_batches(
             return
         if item.end_offset <= from_offset:
             continue
+        yield item
+
+
+def segment_batches(
+    fd: int,
+    path: str,
+    start: tuple[int, int],
+    from_offset: int,
+    end_offset: int | None,
+    *,
+    sealed_end: int | None,
+    on_damage: Callable[[Damage], None],
+) -> Iterator[tuple[int, int, bytes]]:
+    """:func:`segment_frames` as ``(base, count, body)``."""
+    for item in segment_frames(
+        fd, path, start, from_offset, end_offset, sealed_end=sealed_end, on_damage=on_damage
+    ):
         assert item.body is not None
         yield item.base_offset, item.count, item.body
 

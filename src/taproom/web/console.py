@@ -115,6 +115,7 @@ class Console:
                 "listeners": dict(self.server.addresses),
                 "services": sorted(self.server.services),
                 "journal": {
+                    "id": journal.id,
                     "first_offset": journal.first_offset,
                     "end_offset": journal.end_offset,
                 },

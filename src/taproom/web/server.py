@@ -36,7 +36,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from ..config import ConsoleConfig, WebConfig
 from ..hub import Hub
-from . import auth, ops
+from . import auth, journalapi, ops
 
 __all__ = ["SECURITY_HEADERS", "STATIC_DIR", "WebServer"]
 
@@ -194,6 +194,7 @@ class WebServer:
         from . import console  # the pages and /api/: a module of their own
 
         console.add_routes(app, self)
+        journalapi.add_routes(app, self)
         return app
 
     async def start(self) -> dict[str, str]:
