@@ -9,11 +9,16 @@ from typing import Any
 
 import pytest
 
-from taproom.spark.segcache import journal_segments, parsed_events
+from taproom.spark.segcache import parsed_events
+from taproom.spark.sources import LocalSource, Segment
 
 from .generate import GeneratedEvent, write_journal
 
 pytestmark = pytest.mark.spark
+
+
+def journal_segments(journal: str) -> list[Segment]:
+    return LocalSource(journal).segments()
 
 
 def _rows(df: Any) -> list[str]:

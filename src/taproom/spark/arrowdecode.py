@@ -41,7 +41,9 @@ __all__ = [
     "ARROW_SCHEMA",
     "FrameRef",
     "decode_records",
+    "iter_batches",
     "iter_chunks",
+    "join_batches",
     "journal_start",
     "scan_frames",
     "segment_bases",
@@ -348,28 +350,20 @@ def verified_end(path: str, frames: list[FrameRef]) -> int:
     return end
 
 
-def iter_chunks(
-    path: str, start: FrameRef, hi: int, chunk_bytes: int = 16 << 20
-) -> Iterator[tuple[bytes, int]]:
-    """Verified batch bodies from frame ``start`` on, joined into chunks of about
-    ``chunk_bytes``: yields ``(joined bodies, offset of their first record)`` until ``hi``.
-
-    Record encoding is self-delimiting and consecutive frames continue each other's offsets,
-    so bodies can be decoded as one long body; a chunk never spans a gap (damage the walk
-    skipped, or offsets between segments).
-    """
+def iter_batches(path: str, start: FrameRef, hi: int) -> Iterator[tuple[int, int, bytes]]:
+    """Verified ``(base, count, body)`` of a journal directory from frame ``start`` on, until
+    ``hi``: the local counterpart of :meth:`taproom.journal.remote.HubJournal.read_batches`.
+    Damage the walk skips is a gap (the next frame's base does not follow)."""
     bases = segment_bases(path)
     if start.segment not in bases:
         raise CorruptSegment(f"segment {start.segment} vanished", segment=path)
-    parts: list[bytes] = []
-    size = 0
-    first = expected = start.base_offset
+    expected = start.base_offset
     position = start.position
     for i in range(bases.index(start.segment), len(bases)):
         base = bases[i]
         nxt = bases[i + 1] if i + 1 < len(bases) else None
         if base >= hi:
-            break
+            return
         walk_from = (position, expected) if position else (SEGMENT_HEADER.size, base)
         fd = os.open(_segment_path(path, base), os.O_RDONLY)
         try:
@@ -378,27 +372,55 @@ def iter_chunks(
                 fd, segment_name(base), *walk_from, file_size, verify=True, end_bound=nxt
             ):
                 if isinstance(item, Damage):
-                    continue  # a gap: the next frame's offset does not follow, flushed below
+                    continue
                 if item.base_offset >= hi:
-                    break
-                if item.base_offset != expected and parts:
-                    yield b"".join(parts), first
-                    parts, size = [], 0
-                if not parts:
-                    first = item.base_offset
+                    return
                 assert item.body is not None
-                parts.append(item.body)
-                size += len(item.body)
+                yield item.base_offset, item.count, item.body
                 expected = item.end_offset
-                if size >= chunk_bytes:
-                    yield b"".join(parts), first
-                    parts, size = [], 0
                 if expected >= hi:
-                    break
+                    return
         finally:
             os.close(fd)
+        position = 0
+
+
+def join_batches(
+    batches: Iterator[tuple[int, int, bytes]], hi: int, chunk_bytes: int = 16 << 20
+) -> Iterator[tuple[bytes, int]]:
+    """Consecutive batch bodies joined into chunks of about ``chunk_bytes``: yields
+    ``(joined bodies, offset of their first record)`` until ``hi``.
+
+    Record encoding is self-delimiting and consecutive frames continue each other's offsets,
+    so bodies can be decoded as one long body; a chunk never spans a gap (damage the walk
+    skipped, or offsets between segments).
+    """
+    parts: list[bytes] = []
+    size = 0
+    first = expected = -1
+    for base, count, body in batches:
+        if base >= hi:
+            break
+        if parts and base != expected:
+            yield b"".join(parts), first
+            parts, size = [], 0
+        if not parts:
+            first = base
+        parts.append(body)
+        size += len(body)
+        expected = base + count
+        if size >= chunk_bytes:
+            yield b"".join(parts), first
+            parts, size = [], 0
         if expected >= hi:
             break
-        position = 0
     if parts:
         yield b"".join(parts), first
+
+
+def iter_chunks(
+    path: str, start: FrameRef, hi: int, chunk_bytes: int = 16 << 20
+) -> Iterator[tuple[bytes, int]]:
+    """Verified batch bodies of a journal directory from frame ``start`` on, joined into
+    chunks (:func:`join_batches`)."""
+    return join_batches(iter_batches(path, start, hi), hi, chunk_bytes)

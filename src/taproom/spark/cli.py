@@ -33,15 +33,25 @@ def _session(args: argparse.Namespace, name: str, shuffle_partitions: int = 0) -
     return get_session(f"taproom-{name}", args.master, shuffle_partitions)
 
 
+def _journals(args: argparse.Namespace, required: bool = True) -> Any:
+    """The --journal directories and --hub addresses (token: TAPROOM_HUB_TOKEN) as a spec."""
+    from .sources import SourceSpec
+
+    if required and not (args.journal or args.hub):
+        raise SystemExit("taproom spark: give --journal DIR or --hub ADDR (or several)")
+    return SourceSpec(tuple(args.journal or ()), tuple(args.hub or ()))
+
+
 def cmd_rollup(args: argparse.Namespace) -> int:
     from .jobs.rollup import run_rollup
 
+    journals = _journals(args)
     spark = _session(args, "rollup")
     started = time.monotonic()
     cache: str | bool = False if args.no_cache else (args.cache or True)
     stats = run_rollup(
         spark,
-        args.journal,
+        journals,
         args.out,
         args.since,
         args.until,
@@ -60,10 +70,11 @@ def cmd_rollup(args: argparse.Namespace) -> int:
 def cmd_stream(args: argparse.Namespace) -> int:
     from .jobs.stream import run_stream
 
+    journals = _journals(args)
     spark = _session(args, "stream", args.shuffle_partitions)
     return run_stream(
         spark,
-        args.journal,
+        journals,
         args.out,
         args.checkpoint,
         watermark=args.watermark,
@@ -71,6 +82,8 @@ def cmd_stream(args: argparse.Namespace) -> int:
         available_now=args.available_now,
         max_records=args.max_records_per_trigger,
         tables=tuple(t for t in args.tables.split(",") if t),
+        cursor=args.cursor or None,
+        retry_seconds=args.retry_seconds,
     )
 
 
@@ -86,8 +99,11 @@ def cmd_kegs(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .jobs.report import report_text
 
+    journals = _journals(args, required=False)
+    if bool(args.source) == bool(journals.journals or journals.hubs):
+        raise SystemExit("taproom spark report: give --in DIR, or --journal/--hub to read events")
     spark = _session(args, "report")
-    print(report_text(spark, args.source, args.top))
+    print(report_text(spark, args.source or journals, args.top))
     return 0
 
 
@@ -100,8 +116,20 @@ def register_commands(subparsers: Any) -> None:
             "--master", metavar="URL", help="Spark master (default local[2]; spark-submit's)"
         )
 
+    def journals(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--journal", action="append", metavar="DIR", help="journal directory (repeatable)"
+        )
+        p.add_argument(
+            "--hub",
+            action="append",
+            metavar="ADDR",
+            help="hub web listener host:port, read over the network (repeatable; its [web] "
+            "token from $TAPROOM_HUB_TOKEN)",
+        )
+
     p = sub.add_parser("rollup", help="batch rollups of journals to Parquet (by date)")
-    p.add_argument("--journal", action="append", required=True, metavar="DIR")
+    journals(p)
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--since", type=_when, metavar="T", help="ISO time; widened to the UTC day")
     p.add_argument("--until", type=_when, metavar="T", help="ISO time; widened to the UTC day")
@@ -116,7 +144,7 @@ def register_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_rollup)
 
     p = sub.add_parser("stream", help="the rollups as an exactly-once streaming query")
-    p.add_argument("--journal", action="append", required=True, metavar="DIR")
+    journals(p)
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--checkpoint", required=True, metavar="DIR")
     p.add_argument("--watermark", default="10 minutes", help="event-time lateness allowed")
@@ -135,6 +163,19 @@ def register_commands(subparsers: Any) -> None:
         metavar="N",
         help="state partitions, fixed by the first run of a checkpoint (default: Spark's)",
     )
+    p.add_argument(
+        "--cursor",
+        default="taproom-stream",
+        metavar="NAME",
+        help="report committed offsets to each journal's cursor NAME-<table> ('' for none)",
+    )
+    p.add_argument(
+        "--retry-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="restart a query that failed because a hub was down after this long",
+    )
     common(p)
     p.set_defaults(func=cmd_stream)
 
@@ -146,7 +187,8 @@ def register_commands(subparsers: Any) -> None:
     p.set_defaults(func=cmd_kegs)
 
     p = sub.add_parser("report", help="top slow actions, error rates and apdex per app")
-    p.add_argument("--in", dest="source", required=True, metavar="DIR")
+    p.add_argument("--in", dest="source", metavar="DIR", help="rollup tables (rollup --out)")
+    journals(p)
     p.add_argument("--top", type=int, default=10)
     common(p)
     p.set_defaults(func=cmd_report)

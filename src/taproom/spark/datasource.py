@@ -1,26 +1,35 @@
 """PySpark Python data sources: ``taproom`` (journals) and ``keg`` (Lager *.lgr files).
 
-``taproom`` reads one or more journal directories, in batch and as a Structured Streaming
-source, and yields Arrow record batches built column-wise by :mod:`.arrowdecode` (never rows
-one by one). Partitions are ranges of whole journal frames planned from frame headers alone,
-balanced by bytes so both cores of ``local[2]`` (or all executors of a cluster) share the read.
+``taproom`` reads journals, in batch and as a Structured Streaming source: journal directories
+(shared storage every executor mounts) and hubs by address (their network read API), in any
+mix (:mod:`.sources`). It yields Arrow record batches built column-wise by :mod:`.arrowdecode`
+(never rows one by one). Partitions are offset ranges of about ``partitionBytes``, so all cores
+of ``local[2]`` (or all executors of a cluster) share a read.
 
-Streaming offsets are ``{journal path: next offset}``. A micro-batch is the offset range
-between two such maps, and Spark checkpoints both ends before it runs, so replaying a batch
-after a crash reads exactly the same records: no duplicates, no gaps. Read limits
-(``maxRecordsPerTrigger``) and ``Trigger.AvailableNow`` are honoured.
+Streaming offsets are ``{journal id: next offset}`` (the identity in each journal's directory,
+so a hub reached at another address, or a directory mounted elsewhere, is the same journal).
+A micro-batch is the offset range between two such maps, and Spark checkpoints both ends before
+it runs, so replaying a batch after a crash reads exactly the same records: no duplicates, no
+gaps. Read limits (``maxRecordsPerTrigger``) and ``Trigger.AvailableNow`` are honoured. With
+``cursor`` set, each committed end is reported to the journal's named cursor (the hub's
+retention keeps what it has not passed, with ``[journal] retain_unread``). A hub that cannot be
+reached fails the micro-batch with an error naming it; the query resumes from its checkpoint.
 
 Options (``spark.read.format("taproom").option(...)``):
 
 * ``path`` / ``paths`` (what ``load()`` passes) or ``journals``: journal directories,
   comma-separated in ``journals``;
+* ``hubs``: hub web listeners, ``host:port,host:port``; ``token``: their ``[web] token``
+  (default: the ``TAPROOM_HUB_TOKEN`` environment variable of the driver);
 * ``partitionBytes``: target bytes per partition (default 64 MiB);
 * ``columns``: comma-separated event columns to read (default all): the others are never
   decoded nor sent to the JVM;
-* ``ranges`` (batch only): JSON ``{journal: [[lo, hi], ...]}``, read only these offset
-  ranges (``hi`` null: to the end); journals missing from it are not read;
+* ``ranges`` (batch only): JSON ``{journal: [[lo, hi], ...]}`` (journal: its id, directory
+  or hub address), read only these offset ranges (``hi`` null: to the end); journals missing
+  from it are not read;
 * ``maxRecordsPerTrigger``: streaming read limit per micro-batch (default: none);
-* ``startingOffsets``: ``earliest`` (default), ``latest`` or a JSON ``{path: offset}``.
+* ``startingOffsets``: ``earliest`` (default), ``latest`` or a JSON ``{journal: offset}``;
+* ``cursor``: streaming: the cursor name under which committed offsets are reported.
 
 Register both sources with :func:`register`.
 """
@@ -28,9 +37,9 @@ Register both sources with :func:`register`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from pyspark.sql.datasource import (
@@ -47,77 +56,29 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from ..errors import JournalError
 from .schemas import EVENT_SCHEMA
+from .sources import HubSlice, JournalSource, SourceSpec, read_partition
 
 __all__ = ["JournalDataSource", "KegDataSource", "register"]
+
+log = logging.getLogger("taproom.spark")
 
 _DEFAULT_PARTITION_BYTES = 64 << 20
 
 
-def _journal_paths(options: Any) -> list[str]:
-    raw: list[str] = []
-    if options.get("journals"):
-        raw += [p for p in str(options["journals"]).split(",") if p]
-    if options.get("paths"):
-        value = options["paths"]
-        raw += json.loads(value) if isinstance(value, str) else list(value)
-    if options.get("path"):
-        raw += [p for p in str(options["path"]).split(",") if p]
-    if not raw:
-        raise ValueError("taproom source: give journal directories with load(path) or journals=")
-    seen: dict[str, None] = {}
-    for path in raw:
-        if not os.path.isdir(path):
-            # A mistyped path must not read as an empty journal (and write empty rollups).
-            raise ValueError(f"taproom source: {path}: no journal directory here")
-        seen[os.path.abspath(path)] = None
-    return list(seen)
+def _list(options: Any, key: str) -> list[str]:
+    value = options.get(key)
+    if not value:
+        return []
+    if key == "paths":
+        return list(json.loads(value) if isinstance(value, str) else value)
+    return [p.strip() for p in str(value).split(",") if p.strip()]
 
 
-@dataclass(frozen=True)
-class JournalSlice(InputPartition):
-    """Records ``[lo, hi)`` of one journal, starting at a known frame (no scanning)."""
-
-    journal: str
-    segment: int
-    position: int
-    base_offset: int
-    lo: int
-    hi: int
-
-
-def _plan(journal: str, lo: int, hi: int | None, target_bytes: int) -> list[JournalSlice]:
-    """Split the frames overlapping ``[lo, hi)`` into slices of about ``target_bytes``."""
-    from .arrowdecode import scan_frames
-
-    frames = scan_frames(journal, lo, hi)
-    slices: list[JournalSlice] = []
-    if not frames:
-        return slices
-    end = hi if hi is not None else frames[-1].base_offset + frames[-1].count
-    start = frames[0]
-    size = 0
-    for i, frame in enumerate(frames):
-        size += frame.length
-        last = i == len(frames) - 1
-        if size >= target_bytes or last:
-            slice_hi = end if last else frame.base_offset + frame.count
-            slice_lo = max(lo, start.base_offset)
-            if slice_hi > slice_lo:
-                slices.append(
-                    JournalSlice(
-                        journal,
-                        start.segment,
-                        start.position,
-                        start.base_offset,
-                        slice_lo,
-                        slice_hi,
-                    )
-                )
-            if not last:
-                start = frames[i + 1]
-                size = 0
-    return slices
+def _spec(options: Any) -> SourceSpec:
+    journals = _list(options, "journals") + _list(options, "paths") + _list(options, "path")
+    return SourceSpec(tuple(journals), tuple(_list(options, "hubs")), options.get("token"))
 
 
 def _columns(options: Any) -> list[str] | None:
@@ -133,65 +94,53 @@ def _columns(options: Any) -> list[str] | None:
     return [name for name in EVENT_SCHEMA.fieldNames() if name in wanted]
 
 
-def _read_slice(part: JournalSlice, columns: list[str] | None) -> Iterator[Any]:
-    from .arrowdecode import FrameRef, decode_records, iter_chunks
+def _keyed(given: dict[str, Any], source: JournalSource) -> Any:
+    """The value ``given`` holds for ``source`` under its id, its name, or (checkpoints and
+    options from before journal ids) its absolute path."""
+    for key, value in given.items():
+        if source.knows(key) or (os.path.isabs(key) and source.knows(os.path.abspath(key))):
+            return value
+    return None
 
-    start = FrameRef(part.segment, part.position, part.base_offset, 0, 0)
-    for body, first in iter_chunks(part.journal, start, part.hi):
-        batch = decode_records(body, first, part.lo, part.hi, part.journal, columns)
-        if batch is not None and batch.num_rows:
-            yield batch
 
-
-def _ranges(options: Any) -> dict[str, list[tuple[int, int | None]]] | None:
-    raw = options.get("ranges")
-    if not raw:
-        return None
-    given = json.loads(str(raw))
-    return {
-        os.path.abspath(j): [(int(lo), None if hi is None else int(hi)) for lo, hi in spans]
-        for j, spans in given.items()
-    }
+def _ranges(options: Any, sources: list[JournalSource]) -> dict[str, list[tuple[int, int | None]]]:
+    given = json.loads(str(options["ranges"]))
+    out = {}
+    for source in sources:
+        spans = _keyed(given, source)
+        if spans:
+            out[source.id] = [(int(lo), None if hi is None else int(hi)) for lo, hi in spans]
+    return out
 
 
 class _JournalBatchReader(DataSourceReader):
-    def __init__(
-        self,
-        journals: list[str],
-        target_bytes: int,
-        columns: list[str] | None,
-        ranges: dict[str, list[tuple[int, int | None]]] | None = None,
-    ) -> None:
-        self.journals = journals
-        self.target_bytes = target_bytes
-        self.columns = columns
-        self.ranges = ranges
+    def __init__(self, options: Any) -> None:
+        self.sources = _spec(options).open()
+        self.target_bytes = int(options.get("partitionBytes", _DEFAULT_PARTITION_BYTES))
+        self.columns = _columns(options)
+        self.ranges = _ranges(options, self.sources) if options.get("ranges") else None
 
     def partitions(self) -> Sequence[InputPartition]:
-        from .arrowdecode import journal_start
-
         slices: list[InputPartition] = []
-        for journal in self.journals:
+        for source in self.sources:
             if self.ranges is None:
-                slices += _plan(journal, journal_start(journal), None, self.target_bytes)
+                slices += source.plan(source.first_offset(), None, self.target_bytes)
                 continue
-            for lo, hi in self.ranges.get(journal, []):
-                slices += _plan(journal, lo, hi, self.target_bytes)
+            for lo, hi in self.ranges.get(source.id, []):
+                slices += source.plan(lo, hi, self.target_bytes)
         # Spark needs at least one partition; an empty slice reads nothing.
-        return slices or [JournalSlice(self.journals[0], 0, 0, 0, 0, 0)]
+        first = self.sources[0]
+        return slices or [HubSlice(first.name, first.id, 0, 0, 0, None)]
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        assert isinstance(partition, JournalSlice)
-        if partition.hi <= partition.lo:
-            return iter(())
-        return _read_slice(partition, self.columns)
+        return read_partition(partition, self.columns)
 
 
 class _JournalStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
-    """Offsets ``{journal: next offset}``; one instance lives in the driver's planner."""
+    """Offsets ``{journal id: next offset}``; one instance lives in the driver's planner."""
 
-    def __init__(self, journals: list[str], options: Any) -> None:
-        self.journals = journals
+    def __init__(self, options: Any) -> None:
+        self.sources = _spec(options).open()
         self.target_bytes = int(options.get("partitionBytes", _DEFAULT_PARTITION_BYTES))
         limit = options.get("maxRecordsPerTrigger")
         self.max_records = int(limit) if limit else None
@@ -199,31 +148,29 @@ class _JournalStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             raise ValueError("maxRecordsPerTrigger must be at least 1")
         self.starting = str(options.get("startingOffsets", "earliest"))
         self.columns = _columns(options)
+        self.cursor = options.get("cursor") or None
         self.target: dict[str, int] | None = None  # set by Trigger.AvailableNow
-        # Verified end per journal: (end offset, frames already checked up to it).
-        self._verified: dict[str, int] = {}
+        self._latest: dict[str, int] = {}
 
-    def _available(self, journal: str) -> int:
-        """End of the records whose frames verify: what a micro-batch may promise."""
-        from .arrowdecode import journal_start, scan_frames, verified_end
-
-        known = self._verified.get(journal, journal_start(journal))
-        frames = scan_frames(journal, known)
-        end = verified_end(journal, frames)
-        if end < 0:
-            end = known
-        self._verified[journal] = end
+    def _available(self, source: JournalSource) -> int:
+        end = source.available_end()
+        self._latest[source.id] = end
         return end
 
     def initialOffset(self) -> dict:
-        from .arrowdecode import journal_start
-
         if self.starting == "earliest":
-            return {j: journal_start(j) for j in self.journals}
-        if self.starting == "latest":
-            return {j: self._available(j) for j in self.journals}
-        given = json.loads(self.starting)
-        return {j: int(given.get(j, journal_start(j))) for j in self.journals}
+            offsets = {s.id: s.first_offset() for s in self.sources}
+        elif self.starting == "latest":
+            offsets = {s.id: self._available(s) for s in self.sources}
+        else:
+            given = json.loads(self.starting)
+            offsets = {}
+            for s in self.sources:
+                value = _keyed(given, s)
+                offsets[s.id] = s.first_offset() if value is None else int(value)
+        # Register the cursor from the start: retention keeps what this query has not read.
+        self._report(offsets)
+        return offsets
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_records is None:
@@ -231,61 +178,77 @@ class _JournalStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.max_records)
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self.target = {j: self._available(j) for j in self.journals}
+        self.target = {s.id: self._available(s) for s in self.sources}
 
-    def _start_of(self, start: dict, journal: str) -> int:
-        from .arrowdecode import journal_start
-
-        # A journal added since the checkpoint starts at its beginning.
-        return int(start[journal]) if journal in start else journal_start(journal)
+    def _start_of(self, start: dict, source: JournalSource) -> int:
+        value = _keyed(start, source)
+        # A journal added since the checkpoint starts at its first retained offset.
+        return source.first_offset() if value is None else int(value)
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         ends: dict[str, int] = {}
-        for journal in self.journals:
-            begin = self._start_of(start, journal)
-            end = self.target[journal] if self.target is not None else self._available(journal)
-            ends[journal] = max(begin, end)
+        begins = {s.id: self._start_of(start, s) for s in self.sources}
+        for source in self.sources:
+            end = self.target[source.id] if self.target is not None else self._available(source)
+            ends[source.id] = max(begins[source.id], end)
         if isinstance(limit, ReadMaxRows):
-            ends = self._limit(start, ends, int(limit.max_rows))
-        # Keep journals the checkpoint knows but that are no longer configured, unchanged.
-        for journal, offset in start.items():
-            ends.setdefault(journal, int(offset))
+            ends = self._limit(begins, ends, int(limit.max_rows))
+        # Keep journals the checkpoint knows but that are no longer configured, unchanged
+        # (keys of configured journals from before ids were path keys: now under their id).
+        for key, offset in start.items():
+            if not any(s.knows(key) or s.knows(os.path.abspath(key)) for s in self.sources):
+                ends.setdefault(key, int(offset))
         return ends
 
-    def _limit(self, start: dict, ends: dict[str, int], budget: int) -> dict[str, int]:
+    @staticmethod
+    def _limit(begins: dict[str, int], ends: dict[str, int], budget: int) -> dict[str, int]:
         """At most ``budget`` records in all: an equal share each, the rest to whoever has more."""
-        backlog = {j: ends[j] - self._start_of(start, j) for j in ends}
+        backlog = {j: ends[j] - begins[j] for j in ends}
         take = {j: 0 for j in ends}
         share = max(1, budget // max(1, len(ends)))
         for j in ends:
             take[j] = min(backlog[j], share, budget - sum(take.values()))
         for j in ends:
             take[j] += min(backlog[j] - take[j], budget - sum(take.values()))
-        return {j: self._start_of(start, j) + take[j] for j in ends}
+        return {j: begins[j] + take[j] for j in ends}
 
     def reportLatestOffset(self) -> dict | None:
-        return {j: self._verified.get(j, 0) for j in self.journals}
+        return dict(self._latest)
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         slices: list[InputPartition] = []
-        for journal in self.journals:
-            lo = self._start_of(start, journal)
-            hi = int(end.get(journal, lo))
+        for source in self.sources:
+            lo = self._start_of(start, source)
+            hi = int(end.get(source.id, lo))
             if hi > lo:
-                slices += _plan(journal, lo, hi, self.target_bytes)
+                slices += source.plan(lo, hi, self.target_bytes)
         return slices
 
     def read(self, partition: InputPartition) -> Iterator[Any]:
-        assert isinstance(partition, JournalSlice)
-        return _read_slice(partition, self.columns)
+        return read_partition(partition, self.columns)
 
     def commit(self, end: dict) -> None:
-        # Nothing to release: journals are read-only here and retention belongs to the hub.
-        return None
+        self._report({s.id: int(end[s.id]) for s in self.sources if s.id in end})
+
+    def _report(self, offsets: dict[str, int]) -> None:
+        """Report committed offsets to each journal's cursor. The checkpoint is the truth: a
+        hub that is down now hears of it at the next commit, and a loss shows as a failed
+        read, so a failed report is only logged."""
+        if self.cursor is None:
+            return
+        for source in self.sources:
+            if source.id in offsets:
+                try:
+                    source.report_cursor(self.cursor, offsets[source.id])
+                except (OSError, JournalError) as exc:
+                    log.warning(
+                        "taproom source: cursor %s of %s: %s", self.cursor, source.name, exc
+                    )
 
 
 class JournalDataSource(DataSource):
-    """``spark.read.format("taproom").load("/var/taproom/journal")``."""
+    """``spark.read.format("taproom").load("/var/taproom/journal")``, or
+    ``.option("hubs", "h1:8686,h2:8686").load()``."""
 
     @classmethod
     def name(cls) -> str:
@@ -298,13 +261,10 @@ class JournalDataSource(DataSource):
         return StructType([f for f in EVENT_SCHEMA.fields if f.name in columns])
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        target = int(self.options.get("partitionBytes", _DEFAULT_PARTITION_BYTES))
-        return _JournalBatchReader(
-            _journal_paths(self.options), target, _columns(self.options), _ranges(self.options)
-        )
+        return _JournalBatchReader(self.options)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
-        return _JournalStreamReader(_journal_paths(self.options), self.options)
+        return _JournalStreamReader(self.options)
 
 
 def register(spark: Any) -> None:

@@ -9,57 +9,42 @@ reader instead of decoding and parsing again. The last segment of each journal i
 read live through the ``taproom`` source.
 
 Layout: ``<cache>/v<CACHE_VERSION>/<journal id>/<first offset>-<end offset>-<bytes>/``, where
-the journal id is a hash of the journal's absolute path (its ``JOURNAL`` file names it) and
-the entry name pins the segment's offsets and size: a segment cut back by ``journal check
---repair`` gets a new entry. An entry is built in a temporary directory and renamed into
+the journal id is the journal's identity (its ``JOURNAL`` file names the directory or hub it
+was read from) and the entry name pins the segment's offsets and size: a segment cut back by
+``journal check --repair`` gets a new entry. An entry is built in a temporary directory and renamed into
 place, so a run killed half-way leaves no half entry; entries of segments that retention
 deleted are removed. Builders take an exclusive lock on ``<cache>/.lock``, so two jobs never
 build the same entries. Bump :data:`CACHE_VERSION` whenever ``parse_events`` or the parsed
 schema changes: old entries are then ignored (and can be deleted).
 
+Journals read from hubs are cached the same way: a hub's read API lists its segments, sealed
+ones with their end offset and size, so a remote sealed segment is parsed once too.
+
 The cache is plain files: the directory must be a local path or a POSIX mount every executor
-can read (like the journals themselves, see docs/spark.md).
+(and the driver) can read.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arrowdecode import segment_bases
 from .schemas import PARSED_EVENT_SCHEMA
+from .sources import JournalSource, Segment, SourceSpec
 
-__all__ = ["CACHE_VERSION", "CacheStats", "Segment", "journal_segments", "parsed_events"]
+__all__ = ["CACHE_VERSION", "CacheStats", "parsed_events"]
 
-CACHE_VERSION = 2  # 2: parsed rows carry the request's resources
+# 2: parsed rows carry the request's resources; 3: keyed by journal id, `journal` is the id
+CACHE_VERSION = 3
 # What parse_events needs from the source: producer, seq and event_id are never decoded.
 PARSE_COLUMNS = "journal,offset,received,ts,protocol,stream,topic,content_type,payload,attrs"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One segment file of a journal: offsets ``[base, end)``; ``end`` None for the last."""
-
-    journal: str
-    base: int
-    end: int | None
-    size: int
-
-    @property
-    def sealed(self) -> bool:
-        return self.end is not None
-
-    @property
-    def entry(self) -> str:
-        return f"{self.base:020d}-{self.end:020d}-{self.size}"
 
 
 @dataclass
@@ -78,22 +63,8 @@ class CacheStats:
         self.persisted.clear()
 
 
-def journal_segments(journal: str) -> list[Segment]:
-    bases = segment_bases(journal)
-    out = []
-    for i, base in enumerate(bases):
-        end = bases[i + 1] if i + 1 < len(bases) else None
-        try:
-            size = os.stat(os.path.join(journal, f"{base:020d}.seg")).st_size
-        except FileNotFoundError:  # retention got there first
-            continue
-        out.append(Segment(journal, base, end, size))
-    return out
-
-
-def _journal_dir(root: str, journal: str) -> str:
-    digest = hashlib.sha256(os.path.abspath(journal).encode()).hexdigest()[:16]
-    return os.path.join(root, f"v{CACHE_VERSION}", digest)
+def _journal_dir(root: str, source: JournalSource) -> str:
+    return os.path.join(root, f"v{CACHE_VERSION}", source.id)
 
 
 @contextmanager
@@ -107,47 +78,43 @@ def _locked(root: str) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def _source(spark: Any, journals: list[str], ranges: dict[str, list[list[int | None]]]) -> Any:
+def _source(spark: Any, spec: SourceSpec, ranges: dict[str, list[list[int | None]]] | None) -> Any:
+    """Parsed rows of the journals of ``spec`` (only ``ranges``, keyed by journal id, if given)."""
     from .transforms import parse_events
 
-    return (
-        spark.read.format("taproom")
-        .option("journals", ",".join(journals))
-        .option("columns", PARSE_COLUMNS)
-        .option("ranges", json.dumps(ranges))
-        .load()
-        .transform(parse_events)
-    )
+    reader = spark.read.format("taproom").options(**spec.options())
+    if ranges is not None:
+        reader = reader.option("ranges", json.dumps(ranges))
+    return reader.option("columns", PARSE_COLUMNS).load().transform(parse_events)
 
 
-def _build(spark: Any, root: str, missing: list[Segment]) -> None:
+def _build(
+    spark: Any, root: str, spec: SourceSpec, missing: list[tuple[JournalSource, Segment]]
+) -> None:
     """Parse ``missing`` sealed segments in one Spark job and move each into its entry."""
     from pyspark.sql import functions as F
 
-    journals = sorted({s.journal for s in missing})
     # Partition value of each segment's rows: "<journal id>.<entry>", unique across journals.
-    names = {
-        seg: f"{os.path.basename(_journal_dir(root, seg.journal))}.{seg.entry}" for seg in missing
-    }
+    names = {(src.id, seg): f"{src.id}.{seg.entry}" for src, seg in missing}
     ranges: dict[str, list[list[int | None]]] = {}
     entry = F.lit(None).cast("string")
-    for seg in missing:
-        ranges.setdefault(seg.journal, []).append([seg.base, seg.end])
-        where = (F.col("journal") == seg.journal) & F.col("offset").between(
+    for src, seg in missing:
+        ranges.setdefault(src.id, []).append([seg.base, seg.end])
+        where = (F.col("journal") == src.id) & F.col("offset").between(
             seg.base, int(seg.end or 0) - 1
         )
-        entry = F.when(where, F.lit(names[seg])).otherwise(entry)
+        entry = F.when(where, F.lit(names[src.id, seg])).otherwise(entry)
     tmp = os.path.join(root, f".tmp-{uuid.uuid4().hex}")
     try:
         (
-            _source(spark, journals, ranges)
+            _source(spark, spec, ranges)
             .select(*PARSED_EVENT_SCHEMA.fieldNames(), entry.alias("entry"))
             .write.partitionBy("entry")
             .parquet(tmp)
         )
-        for seg in missing:
-            final = os.path.join(_journal_dir(root, seg.journal), seg.entry)
-            built = os.path.join(tmp, f"entry={names[seg]}")
+        for src, seg in missing:
+            final = os.path.join(_journal_dir(root, src), seg.entry)
+            built = os.path.join(tmp, f"entry={names[src.id, seg]}")
             if not os.path.isdir(built):  # a segment with no records
                 os.makedirs(built)
             os.rename(built, final)
@@ -156,9 +123,14 @@ def _build(spark: Any, root: str, missing: list[Segment]) -> None:
 
 
 def parsed_events(
-    spark: Any, journals: list[str], cache: str | None, *, persist_live: bool = False
+    spark: Any,
+    journals: SourceSpec | Sequence[str],
+    cache: str | None,
+    *,
+    persist_live: bool = False,
 ) -> tuple[Any, CacheStats]:
-    """Parsed rows (:data:`PARSED_EVENT_SCHEMA`) of every event in ``journals``.
+    """Parsed rows (:data:`PARSED_EVENT_SCHEMA`) of every event in ``journals`` (a
+    :class:`~taproom.spark.sources.SourceSpec`, or journal directories).
 
     With ``cache`` None every segment is read and parsed through the source. Otherwise
     sealed segments come from the cache (built first where missing) and only the last
@@ -175,12 +147,12 @@ def parsed_events(
             stats.persisted.append(frame)
         return frame
 
-    journals = [os.path.abspath(j) for j in journals]
+    spec = SourceSpec.of(journals)
+    sources = spec.open()
     stats = CacheStats()
     if cache is None:
-        stats.live = sum(len(journal_segments(j)) for j in journals)
-        ranges = {j: [[0, None]] for j in journals}
-        return parsed_live(_source(spark, journals, ranges)), stats
+        stats.live = sum(len(s.segments()) for s in sources)
+        return parsed_live(_source(spark, spec, None)), stats
     root = os.path.abspath(cache)
     entries: list[str] = []
     live: dict[str, list[list[int | None]]] = {}
@@ -188,13 +160,13 @@ def parsed_events(
         for name in os.listdir(root):
             if name.startswith(".tmp-"):  # left by a job that died while building
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        missing: list[Segment] = []
-        for journal in journals:
-            jdir = _journal_dir(root, journal)
+        missing: list[tuple[JournalSource, Segment]] = []
+        for source in sources:
+            jdir = _journal_dir(root, source)
             os.makedirs(jdir, exist_ok=True)
             with open(os.path.join(jdir, "JOURNAL"), "w") as f:
-                f.write(journal + "\n")
-            segments = journal_segments(journal)
+                f.write(source.name + "\n")
+            segments = source.segments()
             wanted = {s.entry for s in segments if s.sealed}
             for name in os.listdir(jdir):
                 if name != "JOURNAL" and name not in wanted:
@@ -202,22 +174,21 @@ def parsed_events(
                     stats.removed += 1
             for seg in segments:
                 if not seg.sealed:
-                    live.setdefault(journal, []).append([seg.base, None])
+                    live.setdefault(source.id, []).append([seg.base, None])
                     stats.live += 1
                 elif os.path.isdir(os.path.join(jdir, seg.entry)):
                     stats.cached += 1
                 else:
-                    missing.append(seg)
+                    missing.append((source, seg))
             entries += [os.path.join(jdir, s.entry) for s in segments if s.sealed]
         if missing:
-            _build(spark, root, missing)
+            _build(spark, root, spec, missing)
             stats.built = len(missing)
     frames = []
     if entries:
         frames.append(spark.read.schema(PARSED_EVENT_SCHEMA).parquet(*entries))
     if live or not frames:
-        live_journals = sorted(live) or journals
-        frames.append(_source(spark, live_journals, live).select(*PARSED_EVENT_SCHEMA.fieldNames()))
+        frames.append(parsed_live(_source(spark, spec, live or None)))
     out = frames[0]
     for frame in frames[1:]:
         out = out.unionByName(frame)

@@ -10,13 +10,24 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..sources import SourceSpec
+
 __all__ = ["report_text"]
 
 
-def report_text(spark: Any, source: str, top: int = 10) -> str:
+def report_text(spark: Any, source: str | SourceSpec, top: int = 10) -> str:
+    """The report from the rollup tables in directory ``source``, or computed on the fly from
+    the events of the journals of a :class:`~taproom.spark.sources.SourceSpec` (nothing is
+    written)."""
     from pyspark.sql import functions as F
 
-    requests = spark.read.parquet(os.path.join(source, "requests"))
+    if isinstance(source, SourceSpec):
+        from .rollup import ROLLUP_COLUMNS, read_events, rollup_tables
+
+        events = read_events(spark, source, columns=ROLLUP_COLUMNS)
+        requests = rollup_tables(events)["requests"]
+    else:
+        requests = spark.read.parquet(os.path.join(source, "requests"))
     per_app = (
         requests.groupBy("app", "env")
         .agg(

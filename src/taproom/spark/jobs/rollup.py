@@ -18,12 +18,13 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import transforms as T
 from ..segcache import PARSE_COLUMNS, CacheStats, parsed_events
+from ..sources import SourceSpec
 
 __all__ = [
     "ROLLUP_COLUMNS",
@@ -40,11 +41,14 @@ TABLES = ("requests", "exceptions", "logs")
 ROLLUP_COLUMNS = PARSE_COLUMNS
 
 
-def read_events(spark: Any, journals: list[str], **options: str) -> Any:
-    reader = spark.read.format("taproom").option("journals", ",".join(journals))
-    for key, value in options.items():
-        reader = reader.option(key, value)
-    return reader.load()
+def read_events(spark: Any, journals: SourceSpec | Sequence[str], **options: str) -> Any:
+    """The ``taproom`` source over ``journals`` (a spec, or journal directories)."""
+    return (
+        spark.read.format("taproom")
+        .options(**SourceSpec.of(journals).options())
+        .options(**options)
+        .load()
+    )
 
 
 def day_range(
@@ -134,7 +138,7 @@ def default_cache(out: str) -> str | None:
 
 def run_rollup(
     spark: Any,
-    journals: list[str],
+    journals: SourceSpec | Sequence[str],
     out: str,
     since: dt.datetime | None = None,
     until: dt.datetime | None = None,
@@ -143,7 +147,8 @@ def run_rollup(
     tables: tuple[str, ...] = TABLES,
     cache: str | bool | None = True,
 ) -> CacheStats:
-    """Write the rollup tables for ``journals`` to ``out/<table>/date=YYYY-MM-DD/``.
+    """Write the rollup tables for ``journals`` (a :class:`~taproom.spark.sources.SourceSpec`:
+    directories and hubs, or journal directories) to ``out/<table>/date=YYYY-MM-DD/``.
 
     ``cache``: True for :func:`default_cache`, a directory, or False/None for none.
     """

@@ -9,36 +9,55 @@ killed half-way through writing one (its files are left out of the log and ignor
 Append mode with a watermark on the minute: a minute's row is written once the watermark
 (latest event time seen minus ``watermark``) has passed it, and then never changes. After a
 stop, SIGKILL or restart, the finalized minutes equal the batch job's rows.
+
+Journals are directories or hubs (:class:`~taproom.spark.sources.SourceSpec`). Each query
+reports its committed offsets to the journals' cursor ``<cursor>-<table>`` (the hub's
+retention, with ``retain_unread``, keeps what it has not read). A query that fails because a
+hub is down is started again from its checkpoint until the hub is back: nothing is read twice
+or skipped, because the checkpoint holds both ends of the micro-batch that failed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import threading
+import time
+from collections.abc import Sequence
 from typing import Any
 
 from .. import transforms as T
+from ..sources import SourceSpec
 
-__all__ = ["run_stream", "start_stream"]
+__all__ = ["TABLES", "run_stream", "start_query", "start_stream"]
+
+TABLES = ("requests", "exceptions", "logs")
+# What marks a query that failed because a hub could not be reached (the error's class name
+# is in the Python traceback Spark carries over): such a query is restarted from its checkpoint.
+_HUB_DOWN = "HubUnavailable"
 
 
-def _events(spark: Any, journals: list[str], max_records: int | None) -> Any:
+def _events(spark: Any, spec: SourceSpec, max_records: int | None, cursor: str | None) -> Any:
     from .rollup import ROLLUP_COLUMNS
 
     reader = (
         spark.readStream.format("taproom")
-        .option("journals", ",".join(journals))
+        .options(**spec.options())
         .option("columns", ROLLUP_COLUMNS)
     )
     if max_records:
         reader = reader.option("maxRecordsPerTrigger", str(max_records))
+    if cursor:
+        reader = reader.option("cursor", cursor)
     return reader.load()
 
 
-def start_stream(
+def start_query(
     spark: Any,
-    journals: list[str],
+    journals: SourceSpec | Sequence[str],
+    table: str,
     out: str,
     checkpoint: str,
     *,
@@ -46,9 +65,10 @@ def start_stream(
     trigger_seconds: float = 10.0,
     available_now: bool = False,
     max_records: int | None = None,
-    tables: tuple[str, ...] = ("requests", "exceptions", "logs"),
-) -> list[Any]:
-    """Start one query per table in ``tables`` and return them (running)."""
+    cursor: str | None = "taproom-stream",
+) -> Any:
+    """Start the query of one table (its checkpoint is ``checkpoint/<table>``); it reports
+    its committed offsets to the cursor ``<cursor>-<table>`` of each journal."""
     builders = {
         "requests": lambda ev: ev.transform(T.logjam_requests).transform(
             T.request_rollup, watermark
@@ -58,33 +78,63 @@ def start_stream(
         ),
         "logs": lambda ev: ev.transform(T.log_rollup, watermark),
     }
-    queries = []
-    unknown = set(tables) - set(builders)
+    if table not in builders:
+        raise ValueError(f"unknown table {table!r}; known: {sorted(builders)}")
+    events = _events(
+        spark, SourceSpec.of(journals), max_records, f"{cursor}-{table}" if cursor else None
+    )
+    writer = (
+        builders[table](events)
+        .writeStream.format("parquet")
+        .outputMode("append")
+        .partitionBy("date")
+        .option("path", os.path.join(out, table))
+        .option("checkpointLocation", os.path.join(checkpoint, table))
+        .queryName(f"taproom_{table}")
+    )
+    if available_now:
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{trigger_seconds} seconds")
+    return writer.start()
+
+
+def start_stream(
+    spark: Any,
+    journals: SourceSpec | Sequence[str],
+    out: str,
+    checkpoint: str,
+    *,
+    tables: tuple[str, ...] = TABLES,
+    **options: Any,
+) -> list[Any]:
+    """Start one query per table in ``tables`` and return them (running)."""
+    unknown = set(tables) - set(TABLES)
     if unknown:
-        raise ValueError(f"unknown tables {sorted(unknown)}; known: {sorted(builders)}")
-    for name in tables:
-        build = builders[name]
-        writer = (
-            build(_events(spark, journals, max_records))
-            .writeStream.format("parquet")
-            .outputMode("append")
-            .partitionBy("date")
-            .option("path", os.path.join(out, name))
-            .option("checkpointLocation", os.path.join(checkpoint, name))
-            .queryName(f"taproom_{name}")
-        )
-        if available_now:
-            writer = writer.trigger(availableNow=True)
-        else:
-            writer = writer.trigger(processingTime=f"{trigger_seconds} seconds")
-        queries.append(writer.start())
-    return queries
+        raise ValueError(f"unknown tables {sorted(unknown)}; known: {sorted(TABLES)}")
+    return [start_query(spark, journals, t, out, checkpoint, **options) for t in tables]
 
 
-def run_stream(spark: Any, journals: list[str], out: str, checkpoint: str, **kwargs: Any) -> int:
+def run_stream(
+    spark: Any,
+    journals: SourceSpec | Sequence[str],
+    out: str,
+    checkpoint: str,
+    *,
+    tables: tuple[str, ...] = TABLES,
+    retry_seconds: float = 10.0,
+    **options: Any,
+) -> int:
     """Run until stopped (SIGTERM/SIGINT stop cleanly), or until caught up with
-    ``available_now``. Returns 0, or 1 when a query failed."""
-    queries = start_stream(spark, journals, out, checkpoint, **kwargs)
+    ``available_now``. A query that failed because a hub could not be reached is started
+    again from its checkpoint every ``retry_seconds`` (not with ``available_now``: that run
+    ends, failed). Returns 0, or 1 when a query failed otherwise."""
+    from pyspark.errors import StreamingQueryException
+
+    queries = dict(zip(tables, start_stream(spark, journals, out, checkpoint, tables=tables,
+                                             **options), strict=True))  # fmt: skip
+    retry_at: dict[str, float] = {}  # queries that failed on a hub, and when to restart them
+    running = set(tables)  # queries not finished for good
     stopping = threading.Event()
 
     def stop(signum: int, frame: Any) -> None:
@@ -93,17 +143,60 @@ def run_stream(spark: Any, journals: list[str], out: str, checkpoint: str, **kwa
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     failed = False
     try:
-        while any(q.isActive for q in queries) and not stopping.is_set():
-            for q in queries:
+        while not stopping.is_set() and running:
+            for table in sorted(running):
+                q = queries[table]
                 if q.isActive:
-                    q.awaitTermination(0.5)
-        for q in queries:
+                    with contextlib.suppress(StreamingQueryException):  # looked at below
+                        q.awaitTermination(0.5)
+                    continue
+                if table in retry_at:
+                    if time.monotonic() >= retry_at[table]:
+                        del retry_at[table]
+                        try:
+                            queries[table] = start_query(spark, journals, table, out,
+                                                         checkpoint, **options)  # fmt: skip
+                        except Exception as exc:  # the hub may still be down: try again later
+                            if _HUB_DOWN not in str(exc):
+                                raise
+                            retry_at[table] = time.monotonic() + retry_seconds
+                    continue
+                error = q.exception()
+                if error is None and not options.get("available_now"):
+                    time.sleep(0.2)  # a query that just ended may not show its error yet
+                    error = q.exception()
+                if (
+                    error is not None
+                    and _HUB_DOWN in str(error)
+                    and not options.get("available_now")
+                ):
+                    print(
+                        f"stream {q.name}: a hub is unavailable; restarting from the checkpoint "
+                        f"in {retry_seconds:g}s: {_first_line(error)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    retry_at[table] = time.monotonic() + retry_seconds
+                    continue
+                running.discard(table)  # finished (available_now), or failed for good
+                if error is not None:
+                    failed = True
+                    print(f"stream {q.name}: {error}", flush=True)
+            if running and not any(queries[t].isActive for t in running):
+                time.sleep(0.5)
+        for q in queries.values():
             if q.isActive:
                 q.stop()
-            if q.exception() is not None:
-                failed = True
-                print(f"stream {q.name}: {q.exception()}", flush=True)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     return 1 if failed else 0
+
+
+def _first_line(error: Any) -> str:
+    """The line of a Spark error that names the hub (the rest is JVM and Python stacks)."""
+    text = str(error)
+    for line in text.splitlines():
+        if _HUB_DOWN in line:
+            return line.strip()
+    return text.splitlines()[0] if text else ""
