@@ -143,6 +143,7 @@ class TestConfig:
             load_config(text='[eventbus]\nrole = "primary"\npeer = "nohost"\n', env={})
 
 
+@pytest.mark.usefixtures("zmq_path")  # the collector and broadcast on both burst paths
 class TestCollector:
     """Seed "Client-to-Server Updates": validation, commit before BROADCAST, dedup by UUID."""
 
@@ -280,6 +281,7 @@ class TestLimits:
     """Issue 19 item 10: the hashmap and the PUBLISHER's subscriptions are bounded; refusals
     are counted and never cost accepted data."""
 
+    @pytest.mark.usefixtures("zmq_path")
     async def test_hashmap_entries_and_bytes_are_bounded(
         self, tmp_path: Path, ctx: zmq.asyncio.Context
     ) -> None:
@@ -320,6 +322,7 @@ class TestLimits:
             assert sum(1 for size in sizes.values() if size > 1000) == 2  # /k/1 and /k/2
             assert _metric(app, "taproom_eventbus_hashmap_bytes") <= 1024 * 1024
 
+    @pytest.mark.usefixtures("zmq_path")
     def test_a_flood_of_large_values_stays_within_the_memory_goal(self, tmp_path: Path) -> None:
         """Issue 19's goal with the default settings: 300 topics of 1 MiB (1.63 GB of RSS
         before) keep the hub's peak RSS within 2 x max_pending_bytes + 100 MB, and an honest
@@ -914,6 +917,7 @@ class TestFailover:
             backup.kill()
             primary.kill()
 
+    @pytest.mark.usefixtures("zmq_path")
     async def test_a_passive_server_holds_updates_and_applies_them_at_takeover(
         self, tmp_path: Path, ctx: zmq.asyncio.Context
     ) -> None:

@@ -59,6 +59,7 @@ def _chp(collector: str, **more: object) -> dict[str, object]:
 class TestCloneFlows:
     """clonecli5 (PUSH) and clonecli6 (PUB) against one taproom bus, with seed clients on it."""
 
+    @pytest.mark.usefixtures("zmq_path")
     @pytest.mark.parametrize(("collector", "model"), [("pull", 5), ("sub", 6)])
     async def test_snapshot_subtree_and_updates_both_ways(
         self, tmp_path: Path, collector: str, model: int
@@ -104,6 +105,7 @@ class TestCloneFlows:
                 ("/client/2", 5, "raw"),
             ]
 
+    @pytest.mark.usefixtures("zmq_path")
     async def test_empty_body_deletes_and_ttl_expires(self, tmp_path: Path) -> None:
         settings = _chp("pull", ttl_check_ms=100)
         async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
@@ -136,6 +138,7 @@ class TestCloneFlows:
             ]
             assert deletes == [("/t/gone", True), ("/t/brief", True)]
 
+    @pytest.mark.usefixtures("zmq_path")
     async def test_malformed_kvmsg_is_counted_by_reason_and_never_broadcast(
         self, tmp_path: Path, ctx: zmq.asyncio.Context
     ) -> None:

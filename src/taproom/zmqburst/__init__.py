@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from itertools import accumulate
 from typing import Any, Protocol
 
 import zmq
@@ -325,10 +326,7 @@ def _ext_send(sock: zmq.Socket[bytes], messages: Sequence[Sequence[bytes]]) -> i
         return 0
     frames = [frame for message in messages for frame in message]
     data = b"".join(frames)
-    ends, end = [], 0
-    for frame in frames:
-        end += len(frame)
-        ends.append(end)
+    ends = list(accumulate(map(len, frames)))
     return int(
         _LIB.tb_send(
             handle(sock),

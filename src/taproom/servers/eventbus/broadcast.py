@@ -12,11 +12,12 @@ import time
 import zmq
 import zmq.asyncio
 
+from ... import zmqburst
 from ...protocols.eventbus import BStarState, replicated_frames
 from .base import Burst
 from .bstar import BinaryStarPeer
 from .state import Entry, kv_frames
-from .wire import rearm, send_event, send_kvmsg
+from .wire import LEND_BYTES, rearm, send_event, send_kvmsg
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -53,6 +54,10 @@ class Broadcaster(BinaryStarPeer):
         sent = 0
         broadcast_seq = self._broadcast_seq
         new_entry = Entry._make
+        # BROADCASTs (and kvmsgs) go out a burst per call (taproom.zmqburst); a large value
+        # is sent on its own, lent to ZeroMQ rather than copied into the burst (send_event).
+        out: list[tuple[bytes, ...]] = []
+        kv_out: list[tuple[bytes, ...]] = []
         for entry in burst.entries:
             seq, frames, chp, expires_ms, kv = entry
             if chp_pub is not None and kv is None:
@@ -70,11 +75,18 @@ class Broadcaster(BinaryStarPeer):
             # A server never broadcasts a sequence at or below one it has broadcast (the seed:
             # "strictly incremental"); copied events it had already passed are only stored.
             if broadcast and seq > broadcast_seq:
-                send_event(pub, frames)
-                if chp_pub is not None and kv is not None:
-                    send_kvmsg(chp_pub, kv)
+                if len(frames[5]) < LEND_BYTES:
+                    out.append(frames)
+                    if chp_pub is not None and kv is not None:
+                        kv_out.append(kv)
+                else:
+                    self._flush(pub, out, chp_pub, kv_out)
+                    send_event(pub, frames)
+                    if chp_pub is not None and kv is not None:
+                        send_kvmsg(chp_pub, kv)
                 broadcast_seq = seq
                 sent += 1
+        self._flush(pub, out, chp_pub, kv_out)
         self._broadcast_seq = broadcast_seq
         if sent:
             self._m_broadcast.inc(sent)
@@ -86,6 +98,21 @@ class Broadcaster(BinaryStarPeer):
                     [burst.reply_to, *replicated_frames(self.last_seq)], zmq.NOBLOCK
                 )
             rearm(self._collector)
+
+    @staticmethod
+    def _flush(
+        pub: zmq.Socket[bytes],
+        out: list[tuple[bytes, ...]],
+        chp_pub: zmq.Socket[bytes] | None,
+        kv_out: list[tuple[bytes, ...]],
+    ) -> None:
+        """Send the BROADCASTs and kvmsgs gathered so far, in order, and clear the lists."""
+        if out:
+            zmqburst.send_messages(pub, out)
+            out.clear()
+        if kv_out and chp_pub is not None:
+            zmqburst.send_messages(chp_pub, kv_out)
+            kv_out.clear()
 
     # --- heartbeat -------------------------------------------------------------------------
 

@@ -14,12 +14,9 @@ import heapq
 import time
 import uuid as uuid_mod
 
-import zmq
-import zmq.asyncio
-
+from ... import zmqburst
 from ...errors import HubStopped
 from ...protocols.eventbus import Event, EventBusError, kvmsg
-from ...zmqframes import recv_frames
 from .collector import Collector
 from .state import chp_data
 from .wire import MAX_FRAMES, now_iso
@@ -29,31 +26,27 @@ class ChpDialect(Collector):
     """Reads kvmsg updates from the CHP collector; deletes expired keys."""
 
     async def _chp_collector_loop(self) -> None:
+        reader = zmqburst.reader(self._chp_collector_raw, MAX_FRAMES)
         while True:
             await self._chp_collector.poll()
             await self.hub.wait_capacity()
             try:
-                self._drain_chp_collector()
+                self._drain_chp_collector(reader)
             except HubStopped:
                 return
 
-    def _drain_chp_collector(self) -> None:
-        raw = self._chp_collector_raw
+    def _drain_chp_collector(self, reader: zmqburst.Reader) -> None:
+        """One burst of kvmsg updates, bounded as the seed's PUBs are (_drain_collector)."""
+        cfg = self.config
+        burst = reader.recv(cfg.max_burst, cfg.max_burst_bytes)
         limits = self.limits
         received = now_iso()
         received_ns = time.time_ns()
         now_ms = received_ns // 1_000_000
         active = self.fsm.active
         events: list[Event] = []
-        burst_bytes = 0
-        for _ in range(self.config.max_burst):
-            if burst_bytes >= self.config.max_burst_bytes:
-                break  # the rest waits for the hub's capacity check (wait_capacity)
-            try:
-                msg = recv_frames(raw, MAX_FRAMES)
-            except zmq.Again:
-                break
-            if msg is None:
+        for count, msg in burst.messages():
+            if count > MAX_FRAMES:
                 self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
                 continue
             try:
@@ -72,7 +65,6 @@ class ChpDialect(Collector):
                 (update.properties, update.body),
                 now_ms + update.ttl_ms if update.ttl_ms else 0,
             )
-            burst_bytes += len(update.body)
             if active:
                 events.append(event)
             else:

@@ -3,13 +3,10 @@ journaled (and REPLICATE from the active peer, on a passive server)."""
 
 from __future__ import annotations
 
-import zmq
-import zmq.asyncio
-
+from ... import zmqburst
 from ...errors import HubStopped
 from ...protocols.eventbus import SEQUENCE, Command, Event, EventBusError, parse_pub
 from ...records import BatchBuilder
-from ...zmqframes import recv_frames
 from .broadcast import Broadcaster
 from .state import ENTRY_OVERHEAD, Entry, journal_event
 from .wire import MAX_FRAMES
@@ -19,18 +16,23 @@ class Collector(Broadcaster):
     """Turns PUB commands into journal batches (bursts) for the broadcaster."""
 
     async def _collector_loop(self) -> None:
+        # a burst per call (taproom.zmqburst: compiled, or pyzmq per frame)
+        reader = zmqburst.reader(self._collector_raw, MAX_FRAMES)
         while True:
             await self._collector.poll()
             await self.hub.wait_capacity()
             try:
-                self._drain_collector()
+                self._drain_collector(reader)
             except HubStopped:
                 return
 
-    def _drain_collector(self) -> None:
+    def _drain_collector(self, reader: zmqburst.Reader) -> None:
         """The seed's hot path: the frames received are the BROADCAST's frames but for the
-        sequence and the (normalised) uuid and data."""
-        raw = self._collector_raw
+        sequence and the (normalised) uuid and data. One burst: at most ``max_burst``
+        commands, and the burst stops once ``max_burst_bytes`` are received (the rest waits
+        in ZeroMQ for the hub's capacity check, wait_capacity)."""
+        cfg = self.config
+        burst = reader.recv(cfg.max_burst, cfg.max_burst_bytes)
         limits = self.limits
         dedup = self.dedup
         builder: BatchBuilder | None = None
@@ -43,14 +45,8 @@ class Collector(Broadcaster):
         known = dedup.seqs
         admit = self._admit
         new_entry = Entry._make
-        burst_bytes = 0
-        max_burst_bytes = self.config.max_burst_bytes
-        for _ in range(self.config.max_burst):
-            try:
-                msg = recv_frames(raw, MAX_FRAMES)
-            except zmq.Again:
-                break
-            if msg is None:
+        for count, msg in burst.messages():
+            if count > MAX_FRAMES:
                 self._reject("frame_count", f"COLLECTOR: message over {MAX_FRAMES} frames")
                 continue
             if len(msg) == 3 and msg[1] == Command.REPLICATE.value:
@@ -80,9 +76,6 @@ class Collector(Broadcaster):
                 builder = BatchBuilder()
             journal_event(builder, event, seq, msg[4])
             entries.append(new_entry((seq, frames, None, 0, None)))
-            burst_bytes += size
-            if burst_bytes >= max_burst_bytes:
-                break  # the rest waits for the hub's capacity check (wait_capacity)
             if paired:
                 events.append(event._replace(sequence=seq))
         if builder is not None:
