@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -24,6 +26,7 @@ import msgpack
 import zmq
 from tests.hubprocess import HubProcess
 
+from . import zmqloops
 from .common import Figure, cpu_seconds_of_pid, percentile
 
 # The Cython send/recv without pyzmq's Python wrappers: the load generator must not be the
@@ -85,6 +88,14 @@ def _publisher(
     dealer.connect(endpoint)
     if kvmsg:
         _kvmsg_updates(dealer, n, topics, ready, go)
+        ctx.term()
+        return
+    if not rate and not stamp:  # as fast as possible: the C loop, not pyzmq per frame
+        ready.set()
+        go.wait()
+        zmqloops.bus_publisher(dealer, n, topics, random.getrandbits(32), b"bench", TS, DATA)
+        time.sleep(1.0)  # let ZeroMQ flush before the context goes
+        dealer.close(linger=5000)
         ctx.term()
         return
     keys = [str(uuid.uuid4()).encode() for _ in range(n)]
@@ -166,6 +177,15 @@ def _run_load(
     latencies: list[float] = []
     go.set()
     started = time.perf_counter()
+    if not stamp:  # counted by the C loop: a Python subscriber would be the bottleneck
+        sub.setsockopt(zmq.RCVTIMEO, 30_000)
+        received = zmqloops.count(sub, n)
+        elapsed = time.perf_counter() - started
+        child.join(30)
+        ctx.destroy(0)
+        if received < n:
+            raise RuntimeError(f"only {received} of {n} broadcasts arrived")
+        return elapsed, []
     received = 0
     poller = zmq.Poller()
     poller.register(sub, zmq.POLLIN)
@@ -185,6 +205,42 @@ def _run_load(
     child.join(30)
     ctx.destroy(0)
     return elapsed, sorted(latencies)
+
+
+def _raw_relay(n: int, topics: int) -> float:
+    """The raw ceiling of the same shape: the publisher child's PUB commands into a ROUTER,
+    relayed by a C loop onto a PUB as numbered BROADCASTs, counted by a C loop on a SUB (no
+    validation, no journal): seconds for n."""
+    ctx = zmq.Context()
+    router, pub, sub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB), ctx.socket(zmq.SUB)
+    router.setsockopt(zmq.RCVTIMEO, 30_000)
+    pub.setsockopt(zmq.SNDHWM, 100_000)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.RCVTIMEO, 30_000)
+    sub.setsockopt(zmq.SUBSCRIBE, b"/")
+    collector = router.bind_to_random_port("tcp://127.0.0.1")
+    sub.connect(f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}")
+    time.sleep(0.3)
+    ready, go = _CTX.Event(), _CTX.Event()
+    child = _CTX.Process(
+        target=_publisher,
+        args=(f"tcp://127.0.0.1:{collector}", n, topics, 0.0, False, ready, go),
+    )
+    child.start()
+    if not ready.wait(120):
+        raise RuntimeError("publisher did not start")
+    relay = threading.Thread(target=zmqloops.bus_relay, args=(router, pub, n))
+    relay.start()
+    go.set()
+    started = time.perf_counter()
+    received = zmqloops.count(sub, n)
+    elapsed = time.perf_counter() - started
+    relay.join()
+    child.join(30)
+    ctx.destroy(0)
+    if received < n:
+        raise RuntimeError(f"raw ceiling: only {received} of {n} broadcasts arrived")
+    return elapsed
 
 
 def _snapshot_seconds(serve: _Serve) -> tuple[float, int]:
@@ -242,7 +298,7 @@ def run(quick: bool) -> list[Figure]:
                     "PUB -> commit (fsync=always) -> BROADCAST, 200 B msgpack",
                     rate,
                     "events/s",
-                    ">= 50000",
+                    ">= 150000",
                 )
             )
             # Hub, publisher and counting subscriber share 2 cores here, so the hub never has
@@ -250,6 +306,11 @@ def run(quick: bool) -> list[Figure]:
             figures.append(
                 Figure("  events per hub CPU-second (load-independent)", n / hub_cpu, "events/s")
             )
+            raw = n / _raw_relay(n, topics=1000)
+            figures.append(
+                Figure("  raw ceiling: C relay ROUTER -> PUB, same clients", raw, "events/s")
+            )
+            figures.append(Figure("  taproom / raw ceiling", rate / raw, "x", ">= 0.5"))
             keys = 10_000 if quick else 100_000
             _run_load(serve, keys, topics=keys * 2)  # `keys` distinct topics
             seconds, sent = _snapshot_seconds(serve)

@@ -4,6 +4,8 @@
  * before this file for tb_bind and the resolved libzmq functions.
  */
 
+#include <stdio.h>
+
 static void bl_meta(unsigned char *m, uint32_t device, uint64_t created, uint64_t seq) {
     m[0] = 0xCA; /* META_TAG 0xCABD, no compression, version 1: the 24-byte meta */
     m[1] = 0xBD;
@@ -109,4 +111,62 @@ long bl_publisher(void *sock, long n, const char *app, size_t la, const char *to
             return -1;
     }
     return n;
+}
+
+/* Event BUS PUB commands out of a DEALER: topic "/bench/<i mod topics>", an 8-byte zero
+ * sequence, producer, timestamp, a distinct v4 UUID (``salt`` keeps runs apart: the bus
+ * drops a UUID it has seen), and the data. Returns n or -1. */
+long bl_bus_publisher(void *sock, long n, long topics, uint32_t salt, const char *producer,
+                      size_t lp, const char *ts, size_t lts, const char *data, size_t ld) {
+    static const unsigned char zero[8] = {0};
+    char topic[32], uuid[40];
+    for (long i = 0; i < n; i++) {
+        int lt = snprintf(topic, sizeof topic, "/bench/%ld", i % topics);
+        snprintf(uuid, sizeof uuid, "%08x-%04x-4%03x-8%03x-%012lx", salt,
+                 (unsigned)((i >> 48) & 0xffff), (unsigned)((i >> 36) & 0xfff),
+                 (unsigned)((i >> 24) & 0xfff), (unsigned long)(i & 0xffffffffffffUL));
+        if (z_send(sock, topic, (size_t)lt, TB_SNDMORE) < 0 ||
+            z_send(sock, zero, 8, TB_SNDMORE) < 0 || z_send(sock, producer, lp, TB_SNDMORE) < 0 ||
+            z_send(sock, ts, lts, TB_SNDMORE) < 0 || z_send(sock, uuid, 36, TB_SNDMORE) < 0 ||
+            z_send(sock, data, ld, 0) < 0)
+            return -1;
+    }
+    return n;
+}
+
+/* Count n whole messages (a SUB's BROADCASTs); fewer when ZMQ_RCVTIMEO runs out. */
+long bl_count(void *sock, long n) {
+    long got = 0;
+    while (got < n && bl_drop_message(sock, NULL, 0) >= 0)
+        got++;
+    return got;
+}
+
+/* The Event BUS's raw ceiling: n PUB commands in on a ROUTER (routing id + 6 frames), each
+ * out on a PUB as a BROADCAST numbered from 1 (its sequence frame replaced), nothing else
+ * done. Returns the commands relayed (fewer: ZMQ_RCVTIMEO ran out). */
+long bl_bus_relay(void *router, void *pub, long n) {
+    long got = 0;
+    while (got < n) {
+        tb_zmq_msg f[7];
+        int count = bl_drop_message(router, f, 7);
+        if (count < 0)
+            break;
+        int kept = count < 7 ? count : 7;
+        if (count == 7) {
+            unsigned char seq[8];
+            uint64_t s = (uint64_t)got + 1;
+            for (int k = 0; k < 8; k++)
+                seq[k] = (unsigned char)(s >> (8 * (7 - k)));
+            for (int k = 1; k < 7; k++) {
+                const void *d = k == 2 ? (const void *)seq : z_msg_data(&f[k]);
+                size_t len = k == 2 ? 8 : z_msg_size(&f[k]);
+                z_send(pub, d, len, k < 6 ? TB_SNDMORE : 0);
+            }
+        }
+        for (int k = 0; k < kept; k++)
+            z_msg_close(&f[k]);
+        got++;
+    }
+    return got;
 }

@@ -28,6 +28,10 @@ long bl_agent(void *sock, long n, int dealer, const char *app, size_t la, const 
 long bl_receiver(void *sock, long n, int reply);
 long bl_publisher(void *sock, long n, const char *app, size_t la, const char *topic, size_t lt,
                   const char *body, size_t lb);
+long bl_bus_publisher(void *sock, long n, long topics, uint32_t salt, const char *producer,
+                      size_t lp, const char *ts, size_t lts, const char *data, size_t ld);
+long bl_count(void *sock, long n);
+long bl_bus_relay(void *router, void *pub, long n);
 """
 
 _lib: Any = None
@@ -93,3 +97,28 @@ def publisher(sock: zmq.Socket[bytes], n: int, app: bytes, topic: bytes, body: b
     return int(
         loops.bl_publisher(_handle(sock), n, app, len(app), topic, len(topic), body, len(body))
     )
+
+
+def bus_publisher(
+    sock: zmq.Socket[bytes], n: int, topics: int, salt: int, producer: bytes, ts: bytes, data: bytes
+) -> int:
+    """n Event BUS PUB commands out of a DEALER, each with a distinct UUID (``salt``: 32 bits
+    that keep one run's UUIDs apart from another's)."""
+    loops = lib()
+    return int(
+        loops.bl_bus_publisher(
+            _handle(sock), n, topics, salt, producer, len(producer), ts, len(ts), data, len(data)
+        )
+    )
+
+
+def count(sock: zmq.Socket[bytes], n: int) -> int:
+    """Receive and count n whole messages (fewer when ``ZMQ_RCVTIMEO`` runs out)."""
+    loops = lib()
+    return int(loops.bl_count(_handle(sock), n))
+
+
+def bus_relay(router: zmq.Socket[bytes], pub: zmq.Socket[bytes], n: int) -> int:
+    """The Event BUS ceiling: n PUB commands in on ``router``, each out on ``pub`` numbered."""
+    loops = lib()
+    return int(loops.bl_bus_relay(_handle(router), _handle(pub), n))
