@@ -60,6 +60,8 @@ class _Serve:
             "[lumberjack]\nenabled = false\n[logtk]\nenabled = false\n"
             "[logjam]\nenabled = false\n[lager]\nenabled = false\n"
             "[eventbus]\nenabled = true\nport = 0\n"
+            # room for the 100,000-key snapshot beside the rate runs' 1,000 topics
+            "max_keys = 200000\nmax_hashmap_bytes = 268435456\n"
             + ('chp = true\nchp_port = 0\nchp_collector = "pull"\n' if chp else "")
         )
         self.hub = HubProcess(cfg).start()

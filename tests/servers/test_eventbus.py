@@ -143,6 +143,31 @@ class TestConfig:
             load_config(text='[eventbus]\nrole = "primary"\npeer = "nohost"\n', env={})
 
 
+def test_the_collectors_inline_record_is_journal_events_record():
+    """The collector writes a seed PUB's journal record itself (seed_record); its bytes are
+    those of the general encoder, journal_event through BatchBuilder."""
+    from taproom.protocols.eventbus import parse_pub
+    from taproom.records import BatchBuilder
+    from taproom.servers.eventbus.state import journal_event, seed_record
+
+    for topic, producer, ts in [
+        ("/orders/eu/1", "raw-producer", TS),
+        ("/", "p", "2026-11-22T08:00:00.123456"),
+        ("/ünï/cödé", "prödücer ✓", "2026-11-22 08:00:00Z"),
+        ("//x", "p", TS),
+    ]:
+        frames = _pub(topic, {"v": "x" * 300}, str(uuid.uuid4()).upper())
+        frames[2], frames[3] = producer.encode(), ts.encode()
+        event = parse_pub(frames)
+        builder = BatchBuilder(received_ns=123)
+        journal_event(builder, event, 77, frames[3])
+        expected = builder.build().body
+        parts = seed_record(
+            frames[0], frames[2], frames[3], event.uuid.encode(), event.data, 77, event.ts_ns, 123
+        )
+        assert b"".join(parts) == expected, topic
+
+
 @pytest.mark.usefixtures("zmq_path")  # the collector and broadcast on both burst paths
 class TestCollector:
     """Seed "Client-to-Server Updates": validation, commit before BROADCAST, dedup by UUID."""

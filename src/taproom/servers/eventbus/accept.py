@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import zmq
 
 from ...protocols.eventbus import SEQUENCE, Event, replicate_frames
-from ...records import BatchBuilder
+from ...records import BatchBuilder, EncodedBatch
 from .base import Burst, BusBase
 from .state import PROTOCOL, Entry, entry_bytes, journal_event, kv_frames
 from .wire import rearm
@@ -84,9 +84,8 @@ class Acceptor(BusBase):
             if len(self._dup_acks) > MAX_DUP_ACKS:
                 del self._dup_acks[next(iter(self._dup_acks))]
 
-    def _submit(self, builder: BatchBuilder, entries: list[Entry], events: list[Event]) -> None:
+    def _submit(self, batch: EncodedBatch, entries: list[Entry], events: list[Event]) -> None:
         """Journal a burst and queue it for the broadcaster (after replicating it)."""
-        batch = builder.build()
         future = self.hub.submit(batch)
         self.assigned_seq = entries[-1].seq
         self.hub.metrics.accepted(PROTOCOL, len(entries), len(batch.body))
@@ -155,7 +154,7 @@ class Acceptor(BusBase):
                 replicas.append(event._replace(sequence=seq))
         if builder is None:
             return 0
-        self._submit(builder, entries, replicas)
+        self._submit(builder.build(), entries, replicas)
         return len(entries)
 
     # --- a passive server's held updates (issue 16 defect 1; clonesrv6's pending list) ---------

@@ -3,12 +3,14 @@ journaled (and REPLICATE from the active peer, on a passive server)."""
 
 from __future__ import annotations
 
+import time
+
 from ... import zmqburst
 from ...errors import HubStopped
 from ...protocols.eventbus import SEQUENCE, Command, Event, EventBusError, parse_pub
-from ...records import BatchBuilder
+from ...records import EncodedBatch
 from .broadcast import Broadcaster
-from .state import ENTRY_OVERHEAD, Entry, journal_event
+from .state import ENTRY_OVERHEAD, Entry, seed_record
 from .wire import MAX_FRAMES
 
 
@@ -35,7 +37,8 @@ class Collector(Broadcaster):
         burst = reader.recv(cfg.max_burst, cfg.max_burst_bytes)
         limits = self.limits
         dedup = self.dedup
-        builder: BatchBuilder | None = None
+        parts: list[bytes] = []
+        received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
         entries: list[Entry] = []
         events: list[Event] = []
         active = self.fsm.active
@@ -72,11 +75,11 @@ class Collector(Broadcaster):
                 seq -= 1
                 continue
             dedup.add(event.uuid, seq)
-            if builder is None:
-                builder = BatchBuilder()
-            journal_event(builder, event, seq, msg[4])
+            parts += seed_record(
+                topic, msg[3], msg[4], frames[4], event.data, seq, event.ts_ns, received_ns
+            )
             entries.append(new_entry((seq, frames, None, 0, None)))
             if paired:
                 events.append(event._replace(sequence=seq))
-        if builder is not None:
-            self._submit(builder, entries, events)
+        if entries:
+            self._submit(EncodedBatch(len(entries), b"".join(parts)), entries, events)
