@@ -97,7 +97,7 @@ def _publisher(
         go.wait()
         zmqloops.bus_publisher(dealer, n, topics, random.getrandbits(32), b"bench", TS, DATA)
         time.sleep(1.0)  # let ZeroMQ flush before the context goes
-        dealer.close(linger=5000)
+        dealer.close(linger=120_000)  # until the hub has read all of it
         ctx.term()
         return
     keys = [str(uuid.uuid4()).encode() for _ in range(n)]
@@ -119,7 +119,7 @@ def _publisher(
         _send(dealer, keys[i], more)
         _send(dealer, msgpack.packb((time.monotonic_ns(), "x" * 180)) if stamp else DATA, 0)
     time.sleep(1.0)  # let ZeroMQ flush before the context goes
-    dealer.close(linger=5000)
+    dealer.close(linger=120_000)  # until the hub has read all of it
     ctx.term()
 
 
@@ -138,7 +138,7 @@ def _kvmsg_updates(push: zmq.Socket[bytes], n: int, topics: int, ready: Any, go:
         _send(push, b"", more)
         _send(push, DATA, 0)
     time.sleep(1.0)  # let ZeroMQ flush before the context goes
-    push.close(linger=5000)
+    push.close(linger=120_000)
 
 
 def _run_load(

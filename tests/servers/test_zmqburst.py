@@ -89,6 +89,22 @@ def test_reader_budgets_end_a_burst_and_the_rest_comes_next(ctx):
 
 
 @pytest.mark.usefixtures("zmq_path")
+def test_drain_reads_bursts_while_ready_within_its_budgets(ctx):
+    """zmqburst.drain: one batch from several bursts (here each 600 KB message is a burst of
+    its own), stopped by the count and byte budgets across bursts, empty when none is ready."""
+    push, pull = pair(ctx)
+    big = [[os.urandom(600_000), b"%d" % k] for k in range(4)]
+    small = [[b"a" * 100, b"%03d" % k] for k in range(20)]  # 103 bytes each
+    for message in big + small:
+        push.send_multipart(message)
+    reader = zmqburst.reader(pull, 4)
+    assert list(zmqburst.drain(reader, 5, 1 << 30)) == [(2, m) for m in big + small[:1]]
+    assert list(zmqburst.drain(reader, 100, 350)) == [(2, m) for m in small[1:5]]
+    assert list(zmqburst.drain(reader, 100, 1 << 30)) == [(2, m) for m in small[5:]]
+    assert list(zmqburst.drain(reader, 100, 1 << 30)) == []
+
+
+@pytest.mark.usefixtures("zmq_path")
 def test_reader_takes_messages_bigger_than_its_buffer_in_order(ctx):
     """A message over the reader's buffer (1 MiB to start) grows it for that burst; one that
     does not fit behind others waits for the next call, never lost or reordered."""

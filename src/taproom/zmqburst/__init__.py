@@ -30,6 +30,7 @@ __all__ = [
     "Burst",
     "Reader",
     "active",
+    "drain",
     "ext_status",
     "ffi_lib",
     "reader",
@@ -124,6 +125,20 @@ def reader(sock: zmq.Socket[bytes], max_frames: int) -> Reader:
     if _use_ext:
         return _ExtReader(sock, max_frames)
     return _PyReader(sock, max_frames)
+
+
+def drain(reader: Reader, max_messages: int, max_bytes: int) -> Iterator[tuple[int, list[bytes]]]:
+    """(true frame count, kept frames) of bursts read one after another while messages are
+    ready, up to ``max_messages`` and ``max_bytes`` in all. A socket with a small receive HWM
+    holds few messages at a time, and libzmq's I/O thread refills it while the last burst is
+    handled: one journal batch then spans several bursts rather than one small one."""
+    while max_messages > 0 and max_bytes > 0:
+        burst = reader.recv(max_messages, max_bytes)
+        if not burst.n:
+            return
+        max_messages -= burst.n
+        max_bytes -= burst.size
+        yield from burst.messages()
 
 
 def send_messages(sock: zmq.Socket[bytes], messages: Sequence[Sequence[bytes]]) -> int:

@@ -38,14 +38,13 @@ class ChpDialect(Collector):
     def _drain_chp_collector(self, reader: zmqburst.Reader) -> None:
         """One burst of kvmsg updates, bounded as the seed's PUBs are (_drain_collector)."""
         cfg = self.config
-        burst = reader.recv(cfg.max_burst, cfg.max_burst_bytes)
         limits = self.limits
         received = now_iso()
         received_ns = time.time_ns()
         now_ms = received_ns // 1_000_000
         active = self.fsm.active
         events: list[Event] = []
-        for count, msg in burst.messages():
+        for count, msg in zmqburst.drain(reader, cfg.max_burst, cfg.max_burst_bytes):
             if count > MAX_FRAMES:
                 self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
                 continue

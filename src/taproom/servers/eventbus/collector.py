@@ -30,11 +30,10 @@ class Collector(Broadcaster):
 
     def _drain_collector(self, reader: zmqburst.Reader) -> None:
         """The seed's hot path: the frames received are the BROADCAST's frames but for the
-        sequence and the (normalised) uuid and data. One burst: at most ``max_burst``
-        commands, and the burst stops once ``max_burst_bytes`` are received (the rest waits
-        in ZeroMQ for the hub's capacity check, wait_capacity)."""
+        sequence and the (normalised) uuid and data. One journal batch: at most ``max_burst``
+        commands, read until ``max_burst_bytes`` are received (the rest waits in ZeroMQ for
+        the hub's capacity check, wait_capacity)."""
         cfg = self.config
-        burst = reader.recv(cfg.max_burst, cfg.max_burst_bytes)
         limits = self.limits
         dedup = self.dedup
         parts: list[bytes] = []
@@ -48,7 +47,7 @@ class Collector(Broadcaster):
         known = dedup.seqs
         admit = self._admit
         new_entry = Entry._make
-        for count, msg in burst.messages():
+        for count, msg in zmqburst.drain(reader, cfg.max_burst, cfg.max_burst_bytes):
             if count > MAX_FRAMES:
                 self._reject("frame_count", f"COLLECTOR: message over {MAX_FRAMES} frames")
                 continue
