@@ -448,7 +448,7 @@ def _frames_from_blob(blob: bytes) -> list[bytes]:
     return [prefix, *rest[1:].split(b"\x00")]
 
 
-@settings(max_examples=fuzz_examples(20_000, 1_000_000))
+@settings(max_examples=fuzz_examples(20_000, 200_000))
 @given(frames=st.binary(max_size=160).map(_frames_from_blob))
 def test_random_frames_give_a_command_or_a_documented_error(frames: list[bytes]) -> None:
     for parse in (parse_pub, parse_broadcast, parse_syncstart, parse_snapshot_reply):

@@ -506,7 +506,7 @@ def _frames_from(data: bytes) -> list[bytes]:
 _PARSER = lj.IngestParser(max_body=4096, max_decompressed=4096)
 
 
-@settings(max_examples=fuzz_examples(20_000, 1_000_000), database=None)
+@settings(max_examples=fuzz_examples(20_000, 200_000), database=None)
 @given(st.binary(max_size=120))
 def test_fuzz_frame_decoder_never_crashes(data):
     """Random frames give a message or a documented LogjamError; the server's hot path

@@ -615,7 +615,7 @@ def test_fuzz_round_trip_any_split(items, cut):
 
 
 @settings(
-    max_examples=fuzz_examples(20_000, 1_000_000),
+    max_examples=fuzz_examples(20_000, 200_000),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -450,13 +450,13 @@ class TestFuzz:
     """
 
     @given(st.binary(min_size=3, max_size=24))
-    @settings(max_examples=fuzz_examples(20_000, 1_000_000), deadline=None)
+    @settings(max_examples=fuzz_examples(20_000, 200_000), deadline=None)
     def test_decoder(self, choice: bytes) -> None:
         _fuzz_choice(choice)
 
     @pytest.mark.soak
     @given(st.binary(min_size=3, max_size=24))
-    @settings(max_examples=fuzz_examples(20_000, 1_000_000), deadline=None)
+    @settings(max_examples=fuzz_examples(20_000, 200_000), deadline=None)
     def test_decoder_soak(self, choice: bytes) -> None:
         _fuzz_choice(choice)
 

@@ -185,7 +185,7 @@ class TestDataMessage:
 _frame = st.binary(max_size=40) | st.sampled_from([U1, bytes(8), b"/a/b/", XML.encode(), b""])
 
 
-@settings(max_examples=fuzz_examples(4_000, 1_000_000))
+@settings(max_examples=fuzz_examples(4_000, 200_000))
 @given(st.lists(_frame, max_size=7))
 def test_fuzz_decoders_raise_only_protocol_errors(frames: list[bytes]) -> None:
     for decode in (parse_registration, parse_data_message, parse_update):
