@@ -7,6 +7,7 @@ test stops what it starts.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -32,6 +33,7 @@ __all__ = [
     "fuzz_examples",
     "needs_mount",
     "running_app",
+    "slow_commits",
     "small_tmpfs",
     "write_config",
 ]
@@ -173,3 +175,17 @@ async def running_app(
         yield app
     finally:
         await app.stop()
+
+
+def slow_commits(hub: Any, delay: float) -> None:
+    """A slow disk: every commit is reported durable ``delay`` s after it really is."""
+    real_submit = hub.submit
+
+    def slow_submit(batch: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        delayed: asyncio.Future[Any] = loop.create_future()
+        real = real_submit(batch)
+        real.add_done_callback(lambda f: loop.call_later(delay, delayed.set_result, f.result()))
+        return delayed
+
+    hub.submit = slow_submit

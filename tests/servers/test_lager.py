@@ -30,7 +30,7 @@ from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.messages import parse_data_message
 from taproom.servers.lager import HELLO_PREFIX, MARK_PREFIX, LagerConfig
 from tests.protocols.lager.nasa_peer import NasaChpClient
-from tests.support import HubProcess, fuzz_examples, running_app, write_config
+from tests.support import HubProcess, fuzz_examples, running_app, slow_commits, write_config
 
 # Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
 pytestmark = pytest.mark.usefixtures("zmq_path")
@@ -464,10 +464,14 @@ class TestForwarder:
         sync = [u, b"BEERR01", b"\x00", (0).to_bytes(8, "big"), ROW[:4], ROW[4:]]
         while not await peer.plain_out.poll(200):  # until the plain subscription is in place
             await peer.data_in.send_multipart(sync)
-        while await peer.plain_out.poll(300):
-            await peer.plain_out.recv_multipart()
-        while await peer.data_out.poll(300):
-            await peer.data_out.recv_multipart()
+        # Both outputs read up to a fence row. (Not "until quiet": marks repeat on the counted
+        # output for mark_repeat HUGZ rounds, 12 s here, and a tap silent that long is gone,
+        # so the unknown uuid's fitting row below would rightly take its key over.)
+        fence = [u, b"BEERR01", b"\x00", (2).to_bytes(8, "big"), ROW[:4], ROW[4:]]
+        await peer.data_in.send_multipart(fence)
+        for out in (peer.plain_out, peer.data_out):
+            while await asyncio.wait_for(out.recv_multipart(), 5) != fence:
+                pass
         bad = {
             "frame_count": [[u], [u, b"BEERR01", b"\x00", ts] + [b"\x01"] * 1997],
             "unknown_tap": [[uuid.uuid4().bytes, b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:]]],
@@ -482,15 +486,47 @@ class TestForwarder:
         good = [u, b"BEERR01", b"\x00", (7).to_bytes(8, "big"), ROW[:4], ROW[4:]]
         await peer.data_in.send_multipart(good)
         assert await asyncio.wait_for(peer.plain_out.recv_multipart(), 5) == good
-        assert await asyncio.wait_for(peer.data_out.recv_multipart(), 5) == good
+        while (frames := await asyncio.wait_for(peer.data_out.recv_multipart(), 5)) != good:
+            assert frames[0].startswith(MARK_PREFIX)  # loss marks only, before the good row
+        # The unknown uuid's row is held (unknown_tap_hold_s), then refused: after that
+        # nothing more can reach an output.
+        await until_rejected(app, "unknown_tap", before["unknown_tap"] + 1)
         assert not await peer.plain_out.poll(300)
         while await peer.data_out.poll(10):  # the counted output: loss marks only
             assert (await peer.data_out.recv_multipart())[0].startswith(MARK_PREFIX)
-        await until_rejected(app, "unknown_tap", before["unknown_tap"] + 1)
         for reason, messages in bad.items():
             assert rejected(app, reason) - before[reason] == len(messages), reason
         journaled = [r.ts_ns for r in app.hub.journal.read(0) if r.content_type == "lager"]
         assert 1 not in journaled and journaled[-1] == 7
+
+    async def test_a_live_tap_keeps_its_key_while_commits_are_slow(self, tmp_path: Path) -> None:
+        """A tap is alive when its rows arrive, not when the disk has them: with commits
+        slower than takeover_after_s, a fresh uuid's rows of the same format must not take the
+        key of a tap that sends a row every 50 ms (they are refused when the hold ends)."""
+        lager = {"takeover_after_s": 1.0, "unknown_tap_hold_s": 2.0, "hugz_interval_s": 0.2}
+        async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
+            peer = Peer(app.addresses)
+            u, impostor = uuid.uuid4().bytes, uuid.uuid4().bytes
+            try:
+                await peer.settle()
+                await register(peer, "/Live/", u)
+                slow_commits(app.hub, 2.0)
+
+                def row(tap: bytes, i: int) -> list[bytes]:
+                    return [tap, b"BEERR01", b"\x00", i.to_bytes(8, "big"), ROW[:4], ROW[4:]]
+
+                await peer.data_in.send_multipart(row(impostor, 0))
+                deadline = time.monotonic() + 20
+                for i in itertools.count(1):
+                    await peer.data_in.send_multipart(row(u, i))
+                    await asyncio.sleep(0.05)
+                    if rejected(app, "unknown_tap") or time.monotonic() > deadline:
+                        break
+                snap = await peer.snapshot()
+            finally:
+                peer.close()
+        assert rejected(app, "unknown_tap") == 1
+        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Live/", u)]
 
 
 class TestFuzz:

@@ -35,7 +35,7 @@ from taproom.protocols.lumberjack import (
     Version,
     WindowSizeFrame,
 )
-from tests.support import HubProcess, load, running_app, write_config
+from tests.support import HubProcess, load, running_app, slow_commits, write_config
 from tests.tlsutil import make_tls
 
 PEERS = Path(__file__).resolve().parents[1] / "peers"
@@ -335,20 +335,6 @@ async def _until(condition: Any, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def _slow_commits(hub: Any, delay: float) -> None:
-    """A slow disk: every commit is reported durable ``delay`` s after it really is."""
-    real_submit = hub.submit
-
-    def slow_submit(batch: Any) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        delayed: asyncio.Future[Any] = loop.create_future()
-        real = real_submit(batch)
-        real.add_done_callback(lambda f: loop.call_later(delay, delayed.set_result, f.result()))
-        return delayed
-
-    hub.submit = slow_submit
-
-
 class TestAcks:
     async def test_pipelined_windows_acked_in_order(self, tmp_path: Path) -> None:
         async with running_app(tmp_path, enable=["lumberjack"]) as app:
@@ -392,7 +378,7 @@ class TestAcks:
             tmp_path, enable=["lumberjack"], lumberjack={"keepalive_s": 0.2}
         ) as app:
             host, port = addr(app)
-            _slow_commits(app.hub, 1.2)
+            slow_commits(app.hub, 1.2)
 
             def run(v: Version) -> list[bytes]:
                 frame = J(1, {"a": 1}, v)
@@ -419,7 +405,7 @@ class TestAcks:
             tmp_path, enable=["lumberjack"], lumberjack={"keepalive_s": keepalive}
         ) as app:
             host, port = addr(app)
-            _slow_commits(app.hub, 3 * keepalive)
+            slow_commits(app.hub, 3 * keepalive)
 
             def first_keepalive_after(stagger: float) -> float:
                 time.sleep(stagger)  # different phases against any shared tick

@@ -343,12 +343,18 @@ class Forwarder:
             if forwards:
                 batch = EncodedBatch(len(forwards), b"".join(parts))
                 hub.metrics.accepted("lager", len(forwards), len(batch.body))
+                # A tap is alive when its rows arrive, not when our disk has them: touched
+                # after the commit, a live tap looked gone for as long as commits took.
+                per_tap = Counter(map(itemgetter(0), forwards))
+                self._touch(per_tap, time.monotonic())
                 try:
                     future = hub.submit(batch)
                 except HubStopped:
                     return
                 self.inflight.add(future)
-                future.add_done_callback(functools.partial(self._forward, forwards, reframe))
+                future.add_done_callback(
+                    functools.partial(self._forward, forwards, reframe, per_tap)
+                )
             # Yield after every burst, even one that was all rejected: a flood of bad messages
             # must not starve the registrar, the commit callbacks or the forwards.
             await asyncio.sleep(0)
@@ -386,6 +392,7 @@ class Forwarder:
         self,
         forwards: list[list[bytes]],
         reframe: list[tuple[int, list[tuple[int, int]]]],
+        per_tap: Counter[bytes],
         future: asyncio.Future[Any],
     ) -> None:
         """Runs once the batch is durable: fan out to mugs (committed data only), then one
@@ -413,8 +420,6 @@ class Forwarder:
         counts = self._forwarded_by_tap
         rounds = self._mark_rounds
         repeat = self.config.mark_repeat
-        per_tap = Counter(map(itemgetter(0), forwards))
-        self._touch(per_tap, time.monotonic())
         # A batch from a few busy taps gets its marks at once; one spread over many taps
         # (a fleet at low rates: a mark per row or so) leaves them to the next HUGZ round.
         now = len(per_tap) <= _BATCH_MARKS and bool(self._counted_topics)
