@@ -35,19 +35,26 @@ from tests.support import SOAK, HubProcess, free_port, fuzz_examples, write_conf
 from .cluster import SparkCluster, kill_tree
 from .feed import LOGJAM, logjam_requests, send_logjam_events
 
-pytestmark = pytest.mark.spark
+# A dozen JVMs and Pythons on a shared 2-core machine: minutes under load, past the suite's
+# per-test timeout (the waits inside have deadlines of their own).
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
 
 HUBS = 3
 STREAM_TABLES = ("requests", "logs")
 # Longer than the events' span (15 minutes): while one hub is down the others run ahead, and
 # no event may arrive behind the watermark (Spark would drop it, and rightly).
 WATERMARK_MIN = 20
+# Cores an application takes: one executor on each of the two workers (the master spreads
+# an application's executors over the workers).
+APP_CORES = 2
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
-    # Started now, waited for later: the JVMs start while the hubs are fed.
-    with SparkCluster(tmp_path_factory.mktemp("cluster")) as running:
+    # Started now, waited for later: the JVMs start while the hubs are fed. Two cores a worker
+    # (each application takes one on each): the batch rollup runs beside the stream, as
+    # applications share a real cluster's workers.
+    with SparkCluster(tmp_path_factory.mktemp("cluster"), cores=APP_CORES) as running:
         yield running
 
 
@@ -177,12 +184,14 @@ def test_fleet_on_a_standalone_cluster(spark: Any, cluster: SparkCluster, tmp_pa
              for i in range(rounds + 1)]  # fmt: skip
     out, ckpt, log = tmp_path / "out", tmp_path / "ckpt", tmp_path / "stream.log"
     driver: subprocess.Popen[bytes] | None = None
+    rollup: subprocess.Popen[bytes] | None = None
     try:
         for hub in hubs:
             hub.start()
-        _feed(hubs, parts[0])
         cluster.wait_ready()
-        driver = cluster.submit(_stream_args(hubs, out, ckpt), log)
+        # The driver and its executors start while the hubs are fed (the stream waits for data).
+        driver = cluster.submit(_stream_args(hubs, out, ckpt), log, cores=APP_CORES)
+        _feed(hubs, parts[0])
         _wait("first micro-batch", _committed_past(ckpt, 0), 300, driver, log)
         for part in parts[1:]:
             # SIGKILL one hub in the middle of the run; the others go on taking events.
@@ -202,10 +211,21 @@ def test_fleet_on_a_standalone_cluster(spark: Any, cluster: SparkCluster, tmp_pa
             )
             # SIGKILL the driver (and its JVM) mid-run; a new one resumes from the checkpoint.
             assert kill_tree(driver, signal.SIGKILL) == -signal.SIGKILL
-            driver = cluster.submit(_stream_args(hubs, out, ckpt), log)
+            driver = cluster.submit(_stream_args(hubs, out, ckpt), log, cores=APP_CORES)
         assert "hub unavailable" in log.read_text(errors="replace")
+        # The flush goes in only when the stream has read everything else: it moves the
+        # watermark, and what a later micro-batch read from the other hubs would be dropped.
         _wait("caught up", _caught_up(ckpt, _ends(hubs)), 300, driver, log)
         send_logjam_events(hubs[0].addresses["logjam_router"], flush)
+        # Every event is in: the batch rollup on the cluster over the hubs, and the local batch
+        # job over the same journals read from their directories, while the stream catches up.
+        batch_log = tmp_path / "rollup.log"
+        args = ["rollup", "--out", str(tmp_path / "cluster-rollup"), "--quiet"]
+        for hub in hubs:
+            args += ["--hub", hub.addresses["web"]]
+        rollup = cluster.submit(args, batch_log, cores=APP_CORES)
+        journals = [str(tmp_path / f"journal{i}") for i in range(HUBS)]
+        run_rollup(spark, journals, str(tmp_path / "local"), progress=False)
         _wait("flushed", _caught_up(ckpt, _ends(hubs), batches=2), 300, driver, log)
         assert kill_tree(driver, signal.SIGTERM) == 0
         driver = None
@@ -215,23 +235,15 @@ def test_fleet_on_a_standalone_cluster(spark: Any, cluster: SparkCluster, tmp_pa
             assert {c["name"]: c["offset"] for c in listed} == {
                 f"taproom-stream-{t}": ends[hub.journal_id] for t in STREAM_TABLES
             }
-
-        # The batch rollup on the cluster, over the hubs.
-        batch_log = tmp_path / "rollup.log"
-        args = ["rollup", "--out", str(tmp_path / "cluster-rollup"), "--quiet"]
-        for hub in hubs:
-            args += ["--hub", hub.addresses["web"]]
-        rollup = cluster.submit(args, batch_log)
         assert rollup.wait(600) == 0, batch_log.read_text(errors="replace")[-4000:]
     finally:
         if driver is not None:
             kill_tree(driver, signal.SIGKILL)
+        if rollup is not None and rollup.poll() is None:
+            kill_tree(rollup, signal.SIGKILL)
         for hub in hubs:
             hub.kill()
 
-    # The local batch job over the same journals, read from their directories.
-    journals = [str(tmp_path / f"journal{i}") for i in range(HUBS)]
-    run_rollup(spark, journals, str(tmp_path / "local"), progress=False)
     flush_minute = dt.datetime.fromtimestamp(flush_ns // 10**9, dt.UTC).replace(second=0)
     for table in TABLES:
         local = _rows(spark, tmp_path / "local" / table)
