@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any, Protocol
 
 import zmq
@@ -256,9 +256,11 @@ class _ExtBurst:
     def messages(self) -> Iterator[tuple[int, list[bytes]]]:
         starts, ends = self._index()
         data = _FFI.buffer(self.buf, self.size)[:]
-        counts = self.counts()
-        for i in range(self.n):
-            yield counts[i], [data[ends[j] : ends[j + 1]] for j in range(starts[i], starts[i + 1])]
+        # every frame in one pass, then a list slice a message (not a comprehension each)
+        frames = [data[a:b] for a, b in pairwise(ends)]
+        return zip(
+            self.counts(), map(frames.__getitem__, map(slice, starts, starts[1:])), strict=False
+        )
 
 
 def handle(sock: zmq.Socket[bytes]) -> Any:
