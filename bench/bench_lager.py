@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -30,6 +31,7 @@ from taproom.protocols.lager.formats import parse_format_xml
 from taproom.protocols.lager.keg import KegFileWriter, read_keg
 from taproom.zmqframes import recv_frames
 
+from . import zmqloops
 from .common import Figure, cpu_seconds_of_pid
 
 # 32-byte row: 4 doubles.
@@ -175,7 +177,7 @@ def _pipeline(tmp: Path, n: int, seed_framing: bool = False) -> list[Figure]:
         ]  # fmt: skip
     return [
         Figure("tap -> bartender (fsync=always) -> mug, 32 B rows (8 frames)", rate, "rows/s",
-               ">= 200000"),
+               ">= 250000"),
         Figure("  bartender: rows per hub CPU-second", forwarded / hub_cpu if hub_cpu else 0.0,
                "rows/cpu-s", ">= 200000"),
         Figure("  bartender CPU per row", hub_cpu / max(forwarded, 1) * 1e6, "us"),
@@ -250,6 +252,50 @@ def _ceiling(n: int) -> list[Figure]:
                got / (last - first) if last > first else 0.0, "msgs/s"),
         Figure("  receiver CPU per message", cpu / max(got, 1) * 1e6, "us"),
     ]  # fmt: skip
+
+
+def _c_tap(address: str, n: int) -> None:
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.SNDHWM, 1_000_000)
+    pub.setsockopt(zmq.XPUB_NODROP, 1)
+    pub.connect(address)
+    zmqloops.lager_tap(pub, n, uuid.uuid4().bytes, 4)
+    pub.close(linger=60_000)
+    ctx.term()
+
+
+def _c_ceiling(n: int) -> float:
+    """The raw C ceiling of the pipeline's shape: a C tap's 8-frame rows (XPUB) -> a C loop
+    forwarding each message as it is (SUB -> XPUB, as the bartender's sockets) -> a C loop
+    counting them on a SUB. No journal, no checks: rows/s from the first row to the last."""
+    ctx = zmq.Context()
+    sub_in, out, mug = ctx.socket(zmq.SUB), ctx.socket(zmq.XPUB), ctx.socket(zmq.SUB)
+    for sock in (sub_in, mug):
+        sock.setsockopt(zmq.RCVHWM, 1_000_000)
+        sock.setsockopt(zmq.RCVTIMEO, 30_000)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    out.setsockopt(zmq.SNDHWM, 1_000_000)
+    out.setsockopt(zmq.XPUB_NODROP, 1)
+    sub_in.bind("tcp://127.0.0.1:*")
+    out.bind("tcp://127.0.0.1:*")
+    mug.connect(out.getsockopt(zmq.LAST_ENDPOINT).decode())  # type: ignore[union-attr]
+    time.sleep(0.3)
+    address = sub_in.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[union-attr]
+    proc = _CTX.Process(target=_c_tap, args=(address, n))
+    proc.start()
+    relay = threading.Thread(target=zmqloops.forward, args=(sub_in, out, n))
+    relay.start()
+    got = zmqloops.count(mug, 1)  # the first row: the spawned tap is up
+    first = time.perf_counter()
+    got += zmqloops.count(mug, n - 1)
+    elapsed = time.perf_counter() - first
+    relay.join()
+    proc.join(60)
+    ctx.destroy(linger=0)
+    if got < n:
+        raise RuntimeError(f"raw C ceiling: only {got} of {n} rows arrived")
+    return (n - 1) / elapsed
 
 
 def _keg(tmp: Path, n: int) -> list[Figure]:
@@ -380,6 +426,13 @@ def run(quick: bool) -> list[Figure]:
             sub.mkdir()
             figures += fn(sub, arg)
         cpu = {f.name.strip(): f.value for f in figures}
+        raw_c = _c_ceiling(100_000 if quick else 1_000_000)
+        figures.append(Figure("raw C ceiling: C tap -> C forward (SUB -> XPUB) -> C count",
+                              raw_c, "rows/s"))  # fmt: skip
+        pipe = cpu.get("tap -> bartender (fsync=always) -> mug, 32 B rows (8 frames)")
+        if pipe:
+            figures.append(Figure("  taproom pipeline / raw C ceiling, wall", pipe / raw_c,
+                                  "ratio", ">= 0.5"))  # fmt: skip
         hub, raw = cpu.get("bartender CPU per row"), cpu.get("receiver CPU per message")
         if hub and raw:  # both measured in this run, on this (shared) machine
             figures.append(Figure("bartender CPU per row / raw pyzmq receive CPU per message",

@@ -170,3 +170,51 @@ long bl_bus_relay(void *router, void *pub, long n) {
     }
     return got;
 }
+
+/* nasa/lager data rows out of an XPUB, as the bench's Tap sends them: uuid (16 bytes),
+ * version, flags, an 8-byte timestamp, then `items` 8-byte items, one frame each. Waits for
+ * the first subscription (the path is up) first. Returns n or -1. */
+long bl_lager_tap(void *sock, long n, const char *uuid16, int items) {
+    static const unsigned char zero[8] = {0};
+    unsigned char ts[8];
+    tb_zmq_msg sub;
+    z_msg_init(&sub);
+    int rc = z_msg_recv(&sub, sock, 0);
+    z_msg_close(&sub);
+    if (rc < 0)
+        return -1;
+    for (long i = 0; i < n; i++) {
+        for (int k = 0; k < 8; k++)
+            ts[k] = (unsigned char)((uint64_t)i >> (8 * (7 - k)));
+        if (z_send(sock, uuid16, 16, TB_SNDMORE) < 0 ||
+            z_send(sock, "BEERR01", 7, TB_SNDMORE) < 0 || z_send(sock, zero, 1, TB_SNDMORE) < 0 ||
+            z_send(sock, ts, 8, TB_SNDMORE) < 0)
+            return -1;
+        for (int k = 0; k < items; k++)
+            if (z_send(sock, zero, 8, k + 1 < items ? TB_SNDMORE : 0) < 0)
+                return -1;
+    }
+    return n;
+}
+
+/* The forwarder with no work: whole messages from `in` to `out` as they are. Returns n, or
+ * fewer when ZMQ_RCVTIMEO runs out. */
+long bl_forward(void *in, void *out, long n) {
+    long got = 0;
+    while (got < n) {
+        int more = 1;
+        while (more) {
+            tb_zmq_msg m;
+            z_msg_init(&m);
+            if (z_msg_recv(&m, in, 0) < 0) {
+                z_msg_close(&m);
+                return got;
+            }
+            more = z_msg_more(&m);
+            z_send(out, z_msg_data(&m), z_msg_size(&m), more ? TB_SNDMORE : 0);
+            z_msg_close(&m);
+        }
+        got++;
+    }
+    return got;
+}

@@ -32,6 +32,8 @@ long bl_bus_publisher(void *sock, long n, long topics, uint32_t salt, const char
                       size_t lp, const char *ts, size_t lts, const char *data, size_t ld);
 long bl_count(void *sock, long n);
 long bl_bus_relay(void *router, void *pub, long n);
+long bl_lager_tap(void *sock, long n, const char *uuid16, int items);
+long bl_forward(void *in, void *out, long n);
 """
 
 _lib: Any = None
@@ -122,3 +124,15 @@ def bus_relay(router: zmq.Socket[bytes], pub: zmq.Socket[bytes], n: int) -> int:
     """The Event BUS ceiling: n PUB commands in on ``router``, each out on ``pub`` numbered."""
     loops = lib()
     return int(loops.bl_bus_relay(_handle(router), _handle(pub), n))
+
+
+def lager_tap(sock: zmq.Socket[bytes], n: int, uuid16: bytes, items: int) -> int:
+    """n nasa/lager rows of ``items`` 8-byte items out of an XPUB, after its first subscription."""
+    loops = lib()
+    return int(loops.bl_lager_tap(_handle(sock), n, uuid16, items))
+
+
+def forward(sock_in: zmq.Socket[bytes], sock_out: zmq.Socket[bytes], n: int) -> int:
+    """n whole messages from ``sock_in`` to ``sock_out`` as they are (a forwarder with no work)."""
+    loops = lib()
+    return int(loops.bl_forward(_handle(sock_in), _handle(sock_out), n))
