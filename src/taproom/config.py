@@ -205,10 +205,17 @@ class WebConfig:
         max=65536,
     )
     listen_backlog: int = setting(
+        4096,
+        "the kernel's accept queue (capped by net.core.somaxconn): a full queue drops SYNs, "
+        "retried after 1 s, so /health was late during a flood of this port with 100",
+        min=1,
+        max=65535,
+    )
+    accept_batch: int = setting(
         100,
-        "accept queue, and how many asyncio accepts at once (how far a burst may pass "
-        "max_connections for a moment); larger cost the loop more under a connect flood than "
-        "the 1 s SYN retries they save (measured with 10,000 connect/RST cycles)",
+        "connections accepted per loop wakeup, and how far a burst may pass max_connections "
+        "for a moment; larger batches let reset connections pile up unread under a connect "
+        "flood (1024: refusals and late /health over 10,000 connect/RST cycles)",
         min=1,
         max=65535,
     )

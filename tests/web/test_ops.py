@@ -115,7 +115,7 @@ async def test_connections_without_a_request_make_room_for_a_client(tmp_path):
     """At max_connections, idle connections (a connect flood) must not lock out a client:
     the client is served and the oldest connection without a request is evicted."""
     async with running_app(
-        tmp_path, web={"max_connections": 2, "listen_backlog": 10, "head_timeout_s": 60}
+        tmp_path, web={"max_connections": 2, "accept_batch": 10, "head_timeout_s": 60}
     ) as app:
         host, port = app.addresses["web"].rsplit(":", 1)
         held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
@@ -138,9 +138,9 @@ async def test_connections_without_a_request_make_room_for_a_client(tmp_path):
 
 
 async def test_hard_connection_limit(tmp_path):
-    """max_connections + listen_backlog connections that all sent requests: one more is
+    """max_connections + accept_batch connections that all sent requests: one more is
     closed at once."""
-    async with running_app(tmp_path, web={"max_connections": 1, "listen_backlog": 1}) as app:
+    async with running_app(tmp_path, web={"max_connections": 1, "accept_batch": 1}) as app:
         host, port = app.addresses["web"].rsplit(":", 1)
         kept = []
         for _ in range(2):  # keep-alive connections that were answered stay open

@@ -5,9 +5,14 @@ by reason, in ``taproom_web_requests_calls_total``:
 
 * connections: ``[web] max_connections`` open. Past it, a moment later (so that reset
   connections of a burst are gone and requests already sent are read), the oldest connections
-  that have not sent a whole request head are closed (``evicted``): a flood of idle or reset
-  connections cannot lock clients out. ``max_connections + listen_backlog`` is the hard
-  limit: past it a new connection is closed at once (``too_many_connections``);
+  that have not sent a whole request head for ``EVICT_AFTER_S`` are closed (``evicted``): a
+  flood of idle or reset connections cannot lock clients out. ``max_connections +
+  accept_batch`` is the hard limit: past it a new connection is closed at once
+  (``too_many_connections``). Under a connect/RST flood of this port /health still answers
+  within 1 s: the kernel's accept queue (``listen_backlog``, 4096) holds a burst instead of
+  dropping SYNs (a 1 s retry), asyncio accepts ``accept_batch`` (100) a wakeup so resets and
+  requests are read between batches, and a connection costs an aiohttp handler only once it
+  sends bytes (:class:`_Slot`);
 * request heads: a line or header field longer than ``[web] max_header_bytes``, or more than
   ``max_headers`` fields, gets 431 (``head_too_large``); other unparsable heads get 400
   (``bad_request``);
@@ -58,6 +63,10 @@ SECURITY_HEADERS = {
 # Time between passing max_connections and evicting: enough for reset connections of a burst
 # to be noticed and for a client's request, already sent, to be read.
 ENFORCE_AFTER_S = 0.05
+# Only a connection open this long without a whole request head is evicted: under a connect
+# flood the loop accepts a burst at once and reads a client's head (sent with its connect) some
+# iterations later; evicting young connections cut /health off (seen in the probe).
+EVICT_AFTER_S = 0.5
 # The login form carries one token; nothing else has a body.
 MAX_BODY_BYTES = 4096
 
@@ -71,54 +80,76 @@ class _Refused(asyncio.Protocol):
         transport.close()
 
 
-class _Connection(web.RequestHandler):
-    """aiohttp's request handler with taproom's head timeout, limit and 431 mapping."""
+class _Slot(asyncio.Protocol):
+    """One open connection, counted in ``owner.open_connections`` from made to lost.
 
-    def __init__(self, owner: WebServer, manager: web.Server, **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
+    Until its first bytes it is only this: no aiohttp handler, no task, no timer of its own,
+    so a connect/RST flood costs the loop little and a reset connection frees its slot as soon
+    as the loop sees the reset. The first bytes hand the transport to a :class:`_Connection`.
+    Until its first request head is whole it is in ``owner.waiting`` (head timeout, eviction).
+    """
+
+    __slots__ = ("handler", "owner", "transport")
+
+    def __init__(self, owner: WebServer) -> None:
         self.owner = owner
-        self.answered = False  # a request head was complete (see mark_answered)
-        self._counted = False  # in owner.open_connections
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._transport: asyncio.Transport | None = None
+        self.transport: asyncio.Transport | None = None
+        self.handler: _Connection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.owner.open_connections += 1
-        self._counted = True
-        self.owner.waiting[self] = None
-        self._transport = transport  # type: ignore[assignment]
-        self._head_timer = asyncio.get_running_loop().call_later(
-            self.owner.config.head_timeout_s, self._head_timeout
-        )
-        super().connection_made(transport)
+        self.transport = transport  # type: ignore[assignment]
+        self.owner.admit(self)
+
+    def data_received(self, data: bytes) -> None:
+        assert self.transport is not None
+        handler = self.handler = self.owner.make_handler(self)
+        self.transport.set_protocol(handler)
+        handler.connection_made(self.transport)
+        handler.data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._uncount()
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-        super().connection_lost(exc)
+        self.owner.release(self)
 
-    def _uncount(self) -> None:
+    def head_complete(self) -> None:
         self.owner.waiting.pop(self, None)
-        if self._counted:
-            self._counted = False
-            self.owner.open_connections -= 1
+
+    def close(self, reason: str) -> None:
+        """Evicted or timed out: counted, slot freed now, connection aborted."""
+        self.owner.count(reason)
+        self.owner.release(self)
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class _Connection(web.RequestHandler):
+    """aiohttp's request handler for a :class:`_Slot` that sent bytes: taproom's head
+    tracking and 431 mapping."""
+
+    def __init__(self, slot: _Slot, manager: web.Server, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.slot = slot
+        self.answered = False  # a request head was complete
+        self._tail = b""  # the last bytes before a whole head (its end may straddle reads)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.answered:
+            # A whole head is in: no longer evicted or timed out, even before the handler
+            # task gets to it (that can be many loop iterations later under a flood).
+            seen = self._tail + data
+            if b"\r\n\r\n" in seen:
+                self.mark_answered()
+            else:
+                self._tail = seen[-3:]
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.slot.owner.release(self.slot)
+        super().connection_lost(exc)
 
     def mark_answered(self) -> None:
         if not self.answered:
             self.answered = True
-            self.owner.waiting.pop(self, None)
-
-    def evict(self) -> None:
-        """Make room for a new connection: this one has not sent a whole request yet."""
-        self._uncount()
-        if self._transport is not None:
-            self._transport.abort()
-
-    def _head_timeout(self) -> None:
-        if not self.answered and self._transport is not None:
-            self.owner.count("timeout")
-            self._transport.abort()
+            self.slot.head_complete()
 
     def handle_error(
         self,
@@ -128,6 +159,7 @@ class _Connection(web.RequestHandler):
         message: str | None = None,
     ) -> web.StreamResponse:
         """Parse errors: 431 for oversized heads, 400 for the rest; counted, not logged."""
+        owner = self.slot.owner
         if isinstance(exc, BadHttpMessage):
             too_large = isinstance(exc, LineTooLong) or "Too many headers" in str(exc)
             reason, status, text = (
@@ -135,11 +167,11 @@ class _Connection(web.RequestHandler):
                 if too_large
                 else ("bad_request", 400, "bad request\n")
             )
-            self.owner.count(reason)
+            owner.count(reason)
             resp = web.Response(status=status, text=text, headers=SECURITY_HEADERS)
             resp.force_close()
             return resp
-        self.owner.count("internal_error")
+        owner.count("internal_error")
         return super().handle_error(request, status, exc, message)
 
 
@@ -168,9 +200,14 @@ class WebServer:
         self.addresses: Mapping[str, str] = addresses if addresses is not None else {}
         self.static_dir = STATIC_DIR
         self.open_connections = 0
-        # Open connections without a complete request head yet, oldest first.
-        self.waiting: dict[_Connection, None] = {}
+        self._open: set[_Slot] = set()
+        # Open connections without a whole request head yet, oldest first: when each was made
+        # (loop time). One timer for all of them (head timeout, eviction), not one each.
+        self.waiting: dict[_Slot, float] = {}
         self._enforce: asyncio.TimerHandle | None = None
+        self._sweep: asyncio.TimerHandle | None = None
+        self._limits: dict[str, Any] = {}
+        self._manager: web.Server | None = None
         self._m_requests = hub.metrics.counter(
             "web", "requests", "calls", "HTTP requests by outcome", ("reason",)
         )
@@ -203,7 +240,8 @@ class WebServer:
         manager = self._runner.server
         assert manager is not None
         loop = asyncio.get_running_loop()
-        limits = {
+        self._manager = manager
+        self._limits = {
             "loop": loop,
             "keepalive_timeout": self.config.keepalive_timeout_s,
             "max_line_size": self.config.max_header_bytes,
@@ -214,41 +252,89 @@ class WebServer:
 
         def connection() -> asyncio.Protocol:
             limit = self.config.max_connections
-            if self.open_connections >= limit + self.config.listen_backlog:
+            if self.open_connections >= limit + self.config.accept_batch:
                 self.count("too_many_connections")
                 return _Refused()
             if self.open_connections >= limit and self._enforce is None:
                 self._enforce = loop.call_later(ENFORCE_AFTER_S, self._enforce_limit)
-            return _Connection(self, manager, **limits)
+            return _Slot(self)
 
         self._server = await loop.create_server(
             connection,
             self.config.host,
             self.config.port,
             reuse_address=True,
-            backlog=self.config.listen_backlog,
+            backlog=self.config.accept_batch,
         )
+        for listening in self._server.sockets:
+            # asyncio listens with, and accepts at most, ``backlog`` connections a wakeup; the
+            # kernel's accept queue is made larger afterwards (listen again, on a duplicate
+            # descriptor of the same socket): a full queue drops SYNs, retried after 1 s.
+            with socket.fromfd(listening.fileno(), listening.family, listening.type) as dup:
+                dup.listen(self.config.listen_backlog)
         sock = self._server.sockets[0]
         host, port = sock.getsockname()[:2]
         if sock.family == socket.AF_INET6:
             host = f"[{host}]"
         return {"web": f"{host}:{port}"}
 
+    def admit(self, slot: _Slot) -> None:
+        self.open_connections += 1
+        self._open.add(slot)
+        self.waiting[slot] = asyncio.get_running_loop().time()
+        if self._sweep is None:
+            self._arm_sweep()
+
+    def release(self, slot: _Slot) -> None:
+        """Idempotent: a slot is freed once, whichever of lost, evicted, timed out comes first."""
+        if slot in self._open:
+            self._open.discard(slot)
+            self.open_connections -= 1
+            self.waiting.pop(slot, None)
+
+    def make_handler(self, slot: _Slot) -> _Connection:
+        assert self._manager is not None
+        return _Connection(slot, self._manager, **self._limits)
+
+    def _arm_sweep(self) -> None:
+        if self.waiting:
+            made = next(iter(self.waiting.values()))
+            loop = asyncio.get_running_loop()
+            self._sweep = loop.call_at(made + self.config.head_timeout_s, self._timeouts)
+        else:
+            self._sweep = None
+
+    def _timeouts(self) -> None:
+        """Connections that have not sent a whole request head in ``head_timeout_s`` go."""
+        deadline = asyncio.get_running_loop().time() - self.config.head_timeout_s
+        while self.waiting:
+            slot, made = next(iter(self.waiting.items()))
+            if made > deadline:
+                break
+            slot.close("timeout")
+        self._arm_sweep()
+
     def _enforce_limit(self) -> None:
-        """Back to ``max_connections``: the oldest connections without a request go.
+        """Back to ``max_connections``: the oldest connections without a request go, once
+        they have been open ``EVICT_AFTER_S`` (if none has yet, this runs again then).
 
         Run a moment after the limit was passed, not while accepting: asyncio accepts a
         whole burst at once, and connections that were reset (a connect flood) are still
         counted then; by now they are gone, and a client that sent its request is served.
         """
         self._enforce = None
+        loop = asyncio.get_running_loop()
         while self.open_connections > self.config.max_connections and self.waiting:
-            self.count("evicted")
-            next(iter(self.waiting)).evict()
+            slot, made = next(iter(self.waiting.items()))
+            if loop.time() - made < EVICT_AFTER_S:
+                self._enforce = loop.call_at(made + EVICT_AFTER_S, self._enforce_limit)
+                return
+            slot.close("evicted")
 
     async def stop(self) -> None:
-        if self._enforce is not None:
-            self._enforce.cancel()
+        for timer in (self._enforce, self._sweep):
+            if timer is not None:
+                timer.cancel()
         if self._server is not None:
             self._server.close()
         for fn in self._on_stop:
@@ -264,7 +350,7 @@ class WebServer:
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         protocol = request.protocol
         if isinstance(protocol, _Connection):
-            protocol.mark_answered()
+            protocol.mark_answered()  # a head whose end data_received did not see (bare LFs)
         try:
             response = auth.check(self, request) or await handler(request)
         except web.HTTPException as exc:
