@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import random
 import shutil
 import socket
 import struct
@@ -26,9 +27,11 @@ from taproom.journal import JournalReader
 from taproom.protocols.eventbus import (
     BStarState,
     Event,
+    EventBusError,
     Heartbeat,
     SyncEnd,
     parse_broadcast,
+    parse_pub,
     parse_snapshot_reply,
     syncstart_frames,
 )
@@ -146,7 +149,6 @@ class TestConfig:
 def test_the_collectors_inline_record_is_journal_events_record():
     """The collector writes a seed PUB's journal record itself (seed_record); its bytes are
     those of the general encoder, journal_event through BatchBuilder."""
-    from taproom.protocols.eventbus import parse_pub
     from taproom.records import BatchBuilder
     from taproom.servers.eventbus.state import journal_event, seed_record
 
@@ -205,6 +207,60 @@ class TestCollector:
             # committed before it was broadcast
             stored = list(app.hub.journal.read(0))
             assert [(r.topic, r.seq, r.protocol) for r in stored] == [("/a/ok", 1, "eventbus")]
+
+    async def test_fuzzed_bursts_keep_exactly_what_parse_pub_accepts(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
+        """Mutated PUBs (frames dropped, repeated, cut, flipped, a run of extra frames) sent
+        back to back, so the COLLECTOR reads them in bursts: the server journals and broadcasts
+        exactly the ones the protocol's parse_pub accepts, in order, and counts every other one
+        under parse_pub's reason (on both burst paths)."""
+        rng = random.Random(15)
+        sent: list[list[bytes]] = []
+        for i in range(fuzz_examples(300, 20_000)):
+            frames = _pub(f"/fz/{i % 7}", {"i": i})
+            kind = rng.randrange(8)
+            if kind == 1:
+                del frames[rng.randrange(6)]
+            elif kind == 2:
+                frames.insert(rng.randrange(6), frames[rng.randrange(6)])
+            elif kind == 3:
+                j = rng.randrange(6)
+                frames[j] = frames[j][: rng.randrange(len(frames[j]) + 1)]
+            elif kind == 4:
+                j = rng.randrange(6)
+                if frames[j]:
+                    flipped = bytearray(frames[j])
+                    flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+                    frames[j] = bytes(flipped)
+            elif kind == 5:
+                frames += [b"x"] * rng.randrange(1, 20)
+            sent.append(frames)
+        expected: list[tuple[str, str]] = []
+        reasons: dict[str, int] = {}
+        for frames in sent:
+            try:
+                event = parse_pub(frames)
+            except EventBusError as exc:
+                reasons[exc.reason] = reasons.get(exc.reason, 0) + 1
+            else:
+                expected.append((event.topic, event.uuid))
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + app.addresses["eventbus_collector"])
+            for frames in sent:
+                await dealer.send_multipart(frames)
+            await dealer.send_multipart(_pub("/fz/fence", 0))
+            journal = app.hub.journal
+            await _until(
+                lambda: any(r.topic == "/fz/fence" for r in journal.read(0)), 30, "the fence"
+            )
+            stored = [(r.topic, r.event_id, r.seq) for r in journal.read(0)]
+            assert [(t, u) for t, u, _ in stored[:-1]] == expected
+            assert [seq for _, _, seq in stored] == list(range(1, len(expected) + 2))
+            for reason, count in reasons.items():
+                labels = {"protocol": "eventbus", "reason": reason}
+                assert _metric(app, "taproom_ingest_rejected_items_total", labels) == count
 
     async def test_oversized_data_is_refused_before_and_after_zeromq(
         self, tmp_path: Path, ctx: zmq.asyncio.Context
