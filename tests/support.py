@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import selectors
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ __all__ = [
     "free_port",
     "fuzz_examples",
     "needs_mount",
+    "queued_connects",
     "running_app",
     "slow_commits",
     "small_tmpfs",
@@ -189,3 +192,31 @@ def slow_commits(hub: Any, delay: float) -> None:
         return delayed
 
     hub.submit = slow_submit
+
+
+def queued_connects(address: tuple[str, int], count: int, wait: float = 0.5) -> int:
+    """Open ``count`` connections while the server accepts none (call it from the server's
+    own event loop thread, which it blocks): how many the kernel completed within ``wait`` s,
+    i.e. how deep the listener's accept queue is (a full queue drops SYNs)."""
+    selector = selectors.DefaultSelector()
+    socks = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(address)
+            selector.register(sock, selectors.EVENT_WRITE)
+            socks.append(sock)
+        completed = 0
+        deadline = time.monotonic() + wait
+        while selector.get_map() and (left := deadline - time.monotonic()) > 0:
+            for key, _ in selector.select(left):
+                selector.unregister(key.fileobj)
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                completed += sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+        return completed
+    finally:
+        selector.close()
+        for sock in socks:
+            sock.close()

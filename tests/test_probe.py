@@ -332,10 +332,10 @@ TCP_ATTACKS: dict[str, dict[str, tuple[bytes, tuple[str, ...] | None]]] = {
     },
     "logtk_ws": {
         "garbage": (GARBAGE, None),
-        # Closed with 1009 by websockets, but not counted by taproom today (reported).
+        # Closed with 1009 by websockets, counted by taproom.
         "absurd_length": (
             _ws_upgrade() + b"\x82\xff" + struct.pack(">Q", 1 << 62) + b"mask" + GARBAGE[:100],
-            None,
+            ("taproom_ingest_rejected_items_total", 'reason="ws_message_too_big"'),
         ),
         "truncated": (_ws_upgrade()[:60], None),
     },

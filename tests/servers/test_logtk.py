@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import logging
 
 import pytest
 from websockets.asyncio.client import connect
@@ -22,7 +24,7 @@ from taproom.protocols.logtk import (
 )
 from taproom.servers.logtk import DedupIndex, hash_token
 from taproom.servers.logtk.dedup import read_checkpoint, write_checkpoint
-from tests.support import HubProcess, running_app, write_config
+from tests.support import HubProcess, queued_connects, running_app, write_config
 
 TOKEN = bytes(range(64))
 OTHER = bytes(range(1, 65))
@@ -542,6 +544,43 @@ class TestPingsAndLimits:
             while rejected(app, "ws_message_too_big") == 0:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.05)
+
+    async def test_a_message_over_the_limit_with_the_upgrade_is_counted(self, tmp_path):
+        """A frame header over max_frame_bytes in the same packet as the upgrade request
+        fails the connection inside websockets' handshake (no handler ever runs): counted."""
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            reader, writer = await asyncio.open_connection(*addr(app, "logtk_ws"))
+            writer.write(
+                b"GET /logging/myapp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: logtk\r\n"
+                b"X-LogTK-Auth: " + base64.b64encode(TOKEN) + b"\r\n\r\n"
+                + b"\x82\xff" + (1 << 62).to_bytes(8, "big") + b"mask" + bytes(100)
+            )  # fmt: skip
+            with contextlib.suppress(ConnectionError):
+                await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            deadline = asyncio.get_running_loop().time() + 5
+            while rejected(app, "ws_message_too_big") == 0:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
+            assert rejected(app, "ws_message_too_big") == 1
+
+    @pytest.mark.parametrize("listener", ["logtk_ws", "logtk_tcp"])
+    async def test_accept_queue_holds_a_burst(self, tmp_path, listener):
+        """listen_backlog is the kernel's accept queue: 300 connects while the loop accepts
+        none all complete (asyncio's 100 dropped SYNs past it: clients retried after 1 s)."""
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            assert queued_connects(addr(app, listener), 300) == 300
+
+    async def test_websockets_logs_nothing_per_connection(self, tmp_path, caplog):
+        caplog.set_level(logging.INFO)
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            ws = await ws_open(app)
+            await ws.send(INIT)
+            await ws_frames(ws, 1)
+            await ws.close()
+        assert [r.getMessage() for r in caplog.records if r.name.startswith("websockets")] == []
 
 
 class TestIdleWebSocket:

@@ -15,7 +15,15 @@ import orjson
 import pytest
 
 from taproom.records import BatchBuilder
-from tests.support import HubProcess, fill, needs_mount, running_app, small_tmpfs, write_config
+from tests.support import (
+    HubProcess,
+    fill,
+    needs_mount,
+    queued_connects,
+    running_app,
+    small_tmpfs,
+    write_config,
+)
 
 
 async def http(address: str, request: bytes) -> tuple[int, bytes]:
@@ -135,6 +143,14 @@ async def test_connections_without_a_request_make_room_for_a_client(tmp_path):
         assert app.hub.metrics.registry.get_sample_value(sample, {"reason": "evicted"}) == 1
         for _, writer in held:
             writer.close()
+
+
+async def test_accept_queue_holds_a_burst(tmp_path):
+    """listen_backlog is the kernel's accept queue: 300 connects while the loop accepts none
+    all complete (with 100, SYNs past it were dropped: /health retried after 1 s)."""
+    async with running_app(tmp_path) as app:
+        host, port = app.addresses["web"].rsplit(":", 1)
+        assert queued_connects((host, int(port)), 300) == 300
 
 
 async def test_hard_connection_limit(tmp_path):

@@ -7,9 +7,15 @@ service and writes the addresses they report into the ready file.
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterable
 from typing import Protocol
 
-__all__ = ["SERVICE_MODULES", "Service"]
+__all__ = ["ACCEPT_BATCH", "SERVICE_MODULES", "Service", "deepen_accept_queue"]
+
+# asyncio's default backlog, which is also how many connections it accepts per wakeup: larger
+# batches let a connect/RST flood's reset connections pile up unread (and /health wait).
+ACCEPT_BATCH = 100
 
 # Section name -> module with ``create_service``; the order is the start order.
 SERVICE_MODULES = {
@@ -31,3 +37,28 @@ class Service(Protocol):
     async def stop(self) -> None:
         """Stop accepting, let in-flight commits finish and their acks go out, close."""
         ...
+
+
+class Listening(Protocol):
+    """A listening socket as asyncio's servers show it (``TransportSocket``)."""
+
+    @property
+    def family(self) -> int: ...
+
+    @property
+    def type(self) -> int: ...
+
+    def fileno(self) -> int: ...
+
+
+def deepen_accept_queue(sockets: Iterable[Listening], backlog: int) -> None:
+    """Give listening sockets a kernel accept queue of ``backlog`` (capped by
+    net.core.somaxconn) while asyncio keeps accepting the batch it was created with.
+
+    asyncio passes one ``backlog`` to both ``listen()`` and its accept loop; a full kernel queue
+    drops SYNs, which clients retry only after 1 s. Listening again on a duplicate descriptor
+    of the same socket changes the queue alone.
+    """
+    for listening in sockets:
+        with socket.fromfd(listening.fileno(), listening.family, listening.type) as dup:
+            dup.listen(backlog)

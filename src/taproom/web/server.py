@@ -41,6 +41,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from ..config import ConsoleConfig, WebConfig
 from ..hub import Hub
+from ..servers import deepen_accept_queue
 from . import auth, journalapi, ops
 
 __all__ = ["SECURITY_HEADERS", "STATIC_DIR", "WebServer"]
@@ -266,12 +267,7 @@ class WebServer:
             reuse_address=True,
             backlog=self.config.accept_batch,
         )
-        for listening in self._server.sockets:
-            # asyncio listens with, and accepts at most, ``backlog`` connections a wakeup; the
-            # kernel's accept queue is made larger afterwards (listen again, on a duplicate
-            # descriptor of the same socket): a full queue drops SYNs, retried after 1 s.
-            with socket.fromfd(listening.fileno(), listening.family, listening.type) as dup:
-                dup.listen(self.config.listen_backlog)
+        deepen_accept_queue(self._server.sockets, self.config.listen_backlog)
         sock = self._server.sockets[0]
         host, port = sock.getsockname()[:2]
         if sock.family == socket.AF_INET6:

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import functools
 import hashlib
 import hmac
 import http
@@ -13,16 +14,17 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed, InvalidHeader
-from websockets.frames import CloseCode as WSCloseCode
+from websockets.asyncio.server import ServerConnection as WSServerConnection
+from websockets.exceptions import ConnectionClosed, InvalidHeader, PayloadTooBig
 from websockets.headers import parse_subprotocol
 
 from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.logtk import CloseCode, ServerConnection
+from .. import ACCEPT_BATCH, deepen_accept_queue
 from .config import APP_NAME, LogTKConfig
 from .dedup import DedupIndex, rebuild, write_checkpoint
 from .session import Session
@@ -157,8 +159,11 @@ class LogTKService:
 
         c = self.config
         self._tcp_server = await asyncio.start_server(
-            self._on_tcp, c.host, c.tcp_port, limit=c.max_frame_bytes
+            self._on_tcp, c.host, c.tcp_port, limit=c.max_frame_bytes, backlog=ACCEPT_BATCH
         )
+        if logging.getLogger("websockets.server").level == logging.NOTSET:
+            # It logs INFO per connection opened and closed; taproom logs what matters.
+            logging.getLogger("websockets.server").setLevel(logging.WARNING)
         self._ws_server = await serve(
             self._on_ws,
             c.host,
@@ -171,7 +176,11 @@ class LogTKService:
             compression="deflate" if c.ws_compression else None,
             open_timeout=c.handshake_timeout_s,
             close_timeout=2,
+            backlog=ACCEPT_BATCH,
+            create_connection=_ws_connections(self._message_too_big),
         )
+        deepen_accept_queue(self._tcp_server.sockets, c.listen_backlog)
+        deepen_accept_queue(self._ws_server.sockets, c.listen_backlog)
         tcp = self._tcp_server.sockets[0].getsockname()
         ws = next(iter(self._ws_server.sockets)).getsockname()
         self._expire_task = asyncio.create_task(self._expire_loop())
@@ -309,6 +318,11 @@ class LogTKService:
 
     # --- WebSocket ------------------------------------------------------------------------
 
+    def _message_too_big(self, peer: str) -> None:
+        """websockets itself refused a message over max_frame_bytes (closed 1009)."""
+        self.hub.metrics.rejected("logtk", "ws_message_too_big")
+        log.warning("ws %s: a message over max_frame_bytes; closed 1009", peer)
+
     def _reject(self, connection: Any, status: http.HTTPStatus, reason: str) -> Any:
         self.hub.metrics.rejected("logtk", reason)
         return connection.respond(status, f"{status.phrase}\n")
@@ -390,12 +404,8 @@ class LogTKService:
                     break
                 try:
                     message = await ws.recv()
-                except ConnectionClosed as exc:
-                    if exc.sent is not None and exc.sent.code == WSCloseCode.MESSAGE_TOO_BIG:
-                        # Over max_frame_bytes the WebSocket layer itself refuses the message.
-                        self.hub.metrics.rejected("logtk", "ws_message_too_big")
-                        log.warning("ws %s: a message over max_frame_bytes; closed 1009", peer)
-                    break
+                except ConnectionClosed:
+                    break  # over max_frame_bytes: counted by _WSConnection
                 if isinstance(message, str):
                     # LogTK is binary; a text message cannot be a frame stream.
                     self.hub.metrics.rejected("logtk", "text_message")
@@ -420,6 +430,28 @@ class LogTKService:
             self.sessions.discard(session)
             session.finish()
             self._leave("logtk_ws")
+
+
+class _WSConnection(WSServerConnection):
+    """websockets' connection; reports a message it refused over ``max_size`` when the
+    connection ends. The handler cannot see them all: bytes that came with the upgrade request
+    in one read fail the connection during the handshake (websockets then sends neither the
+    101 nor a 1009 close frame, and never calls the handler)."""
+
+    def __init__(self, too_big: Callable[[str], None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._too_big = too_big
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if isinstance(self.protocol.parser_exc, PayloadTooBig):
+            remote = self.remote_address
+            self._too_big(f"{remote[0]}:{remote[1]}" if remote else "?")
+        super().connection_lost(exc)
+
+
+def _ws_connections(too_big: Callable[[str], None]) -> type[WSServerConnection]:
+    """``serve(create_connection=)`` takes a class: one that reports to ``too_big``."""
+    return functools.partial(_WSConnection, too_big)  # type: ignore[return-value]
 
 
 def create_service(hub: Hub, section: LogTKConfig) -> LogTKService:
