@@ -519,9 +519,7 @@ def register_tail(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
                 count += 1
         except KeyboardInterrupt:
             pass
-        except BrokenPipeError:
-            return 0
-        finally:
+        finally:  # a closed stdout (BrokenPipeError) goes on to cli.main's one handler
             consumer.close()
         if consumer.gaps or consumer.duplicates:
             print(
