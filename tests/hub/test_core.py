@@ -8,6 +8,7 @@ from taproom.config import load_config
 from taproom.hub import Hub
 from taproom.journal.segments import scan_segment, segment_name
 from taproom.records import BatchBuilder
+from taproom.web.stats import StatsRing
 
 
 def _config(tmp_path, **hub):
@@ -134,3 +135,17 @@ async def test_read_back_walks_past_quarantined_damage_and_counts_the_gap(tmp_pa
         assert gap == 5
         assert any("offsets 10-14 lost" in line for line in hub.degraded())
         assert hub.readiness() == []  # damage is reported, not a reason to stop serving
+
+
+async def test_outputs_are_public_and_the_console_reads_their_lag(tmp_path):
+    """The console's per-output lag comes from Hub.outputs(), not the hub's private set."""
+    async with Hub(_config(tmp_path)) as hub:
+        fast, slow = hub.subscribe("fast"), hub.subscribe("slow")
+        await hub.ingest(_batch(5))
+        await asyncio.wait_for(fast.__anext__(), 5)
+        assert sorted(sub.name for sub in hub.outputs()) == ["fast", "slow"]
+        row = StatsRing(hub, 10, dict).sample()
+        assert (row["lag/fast"], row["lag/slow"]) == (0, 5)
+        slow.close()
+        assert [sub.name for sub in hub.outputs()] == ["fast"]
+        assert "lag/slow" not in StatsRing(hub, 10, dict).sample()

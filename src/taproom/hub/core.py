@@ -491,6 +491,10 @@ class Hub:
         self._subscriptions.add(sub)
         return sub
 
+    def outputs(self) -> list[Subscription]:
+        """The outputs subscribed now (each with its ``name`` and ``next_offset``)."""
+        return list(self._subscriptions)
+
     # --- health ---------------------------------------------------------------------------
 
     def readiness(self) -> list[str]:

@@ -121,7 +121,7 @@ class StatsRing:
         row["commit_p50_ms"] = _quantile_ms(deltas, 0.5)
         row["commit_p99_ms"] = _quantile_ms(deltas, 0.99)
         end = self.hub.journal.end_offset
-        for sub in list(getattr(self.hub, "_subscriptions", ())):
+        for sub in self.hub.outputs():
             row[f"lag/{sub.name}"] = max(0, end - sub.next_offset)
         row.update(self.extra())
         self._totals, self._latency, self._last_at = totals, latency, now
