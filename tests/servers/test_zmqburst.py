@@ -98,10 +98,10 @@ def test_drain_reads_bursts_while_ready_within_its_budgets(ctx):
     for message in big + small:
         push.send_multipart(message)
     reader = zmqburst.reader(pull, 4)
-    assert list(zmqburst.drain(reader, 5, 1 << 30)) == [(2, m) for m in big + small[:1]]
-    assert list(zmqburst.drain(reader, 100, 350)) == [(2, m) for m in small[1:5]]
-    assert list(zmqburst.drain(reader, 100, 1 << 30)) == [(2, m) for m in small[5:]]
-    assert list(zmqburst.drain(reader, 100, 1 << 30)) == []
+    assert list(zmqburst.drain(reader, 5, 1 << 30, 60)) == [(2, m) for m in big + small[:1]]
+    assert list(zmqburst.drain(reader, 100, 350, 60)) == [(2, m) for m in small[1:5]]
+    assert list(zmqburst.drain(reader, 100, 1 << 30, 60)) == [(2, m) for m in small[5:]]
+    assert list(zmqburst.drain(reader, 100, 1 << 30, 60)) == []
 
 
 @pytest.mark.usefixtures("zmq_path")

@@ -18,6 +18,7 @@ counts, and their frames (at most ``max_frames`` kept per message, the rest read
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator, Sequence
 from itertools import accumulate, pairwise
 from typing import Any, Protocol
@@ -127,11 +128,16 @@ def reader(sock: zmq.Socket[bytes], max_frames: int) -> Reader:
     return _PyReader(sock, max_frames)
 
 
-def drain(reader: Reader, max_messages: int, max_bytes: int) -> Iterator[tuple[int, list[bytes]]]:
+def drain(
+    reader: Reader, max_messages: int, max_bytes: int, max_seconds: float
+) -> Iterator[tuple[int, list[bytes]]]:
     """(true frame count, kept frames) of bursts read one after another while messages are
-    ready, up to ``max_messages`` and ``max_bytes`` in all. A socket with a small receive HWM
-    holds few messages at a time, and libzmq's I/O thread refills it while the last burst is
-    handled: one journal batch then spans several bursts rather than one small one."""
+    ready, up to ``max_messages`` and ``max_bytes`` in all, and no new burst once
+    ``max_seconds`` have passed. A socket with a small receive HWM holds few messages at a
+    time, and libzmq's I/O thread refills it while the last burst is handled: one journal batch
+    then spans several bursts rather than one small one, but under a steady stream it would
+    go on to the budgets while its first message waits, hence the time bound."""
+    deadline = time.monotonic() + max_seconds
     while max_messages > 0 and max_bytes > 0:
         burst = reader.recv(max_messages, max_bytes)
         if not burst.n:
@@ -139,6 +145,8 @@ def drain(reader: Reader, max_messages: int, max_bytes: int) -> Iterator[tuple[i
         max_messages -= burst.n
         max_bytes -= burst.size
         yield from burst.messages()
+        if time.monotonic() >= deadline:
+            return
 
 
 def send_messages(sock: zmq.Socket[bytes], messages: Sequence[Sequence[bytes]]) -> int:

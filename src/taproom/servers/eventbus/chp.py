@@ -44,7 +44,9 @@ class ChpDialect(Collector):
         now_ms = received_ns // 1_000_000
         active = self.fsm.active
         events: list[Event] = []
-        for count, msg in zmqburst.drain(reader, cfg.max_burst, cfg.max_burst_bytes):
+        for count, msg in zmqburst.drain(
+            reader, cfg.max_burst, cfg.max_burst_bytes, cfg.burst_read_ms / 1000
+        ):
             if count > MAX_FRAMES:
                 self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
                 continue

@@ -47,7 +47,9 @@ class Collector(Broadcaster):
         known = dedup.seqs
         admit = self._admit
         new_entry = Entry._make
-        for count, msg in zmqburst.drain(reader, cfg.max_burst, cfg.max_burst_bytes):
+        for count, msg in zmqburst.drain(
+            reader, cfg.max_burst, cfg.max_burst_bytes, cfg.burst_read_ms / 1000
+        ):
             if count > MAX_FRAMES:
                 self._reject("frame_count", f"COLLECTOR: message over {MAX_FRAMES} frames")
                 continue

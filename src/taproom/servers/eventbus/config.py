@@ -117,6 +117,13 @@ class EventBusConfig:
         "bursts, so a burst of large values must not hold many of them at once",
         min=64 * 1024,
     )
+    burst_read_ms: float = setting(
+        2.0,
+        "how long one journal batch goes on reading commands that are ready: a longer batch "
+        "costs less per event, and its first event waits that much longer for its commit",
+        min=0.0,
+        max=1000.0,
+    )
     collector_hwm: int = setting(
         32,
         "PUB commands ZeroMQ queues per connected peer before it stops reading that peer: "
