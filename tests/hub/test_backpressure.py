@@ -9,6 +9,7 @@ when the journal must start a new segment.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from taproom.config import load_config
 from taproom.hub import Hub
@@ -96,4 +97,26 @@ async def test_a_batch_larger_than_the_bound_goes_in_alone(tmp_path):
         after = hub.submit(batch("after", 1_000))
         commits = await asyncio.wait_for(asyncio.gather(small, big, after), 30)
         assert [c.first_offset for c in commits] == [0, 1, 2]
+        assert hub.has_capacity
+
+
+async def test_committed_batches_count_until_their_acks_are_delivered(tmp_path):
+    """A committed batch's body is in memory until the loop has resolved its acks and fed the
+    outputs: its room under the bound is freed then, not when the commit thread is done."""
+    async with Hub(_config(tmp_path, max_pending_bytes=BOUND)) as hub:
+        first = hub.submit(batch("first", 40_000))
+        size = gauge(hub, "taproom_hub_pending_bytes")
+        # The loop is held here (no await): the commit thread commits, delivery must wait.
+        deadline = time.monotonic() + 20
+        while hub.journal.end_offset < 1:
+            assert time.monotonic() < deadline, "never committed"
+            time.sleep(0.01)
+        assert not first.done()
+        assert gauge(hub, "taproom_hub_pending_bytes") == size  # still in memory, counted
+        second = hub.submit(batch("second", 40_000))  # would pass the bound: it waits
+        assert gauge(hub, "taproom_hub_admission_waiting_bytes") > 0
+        assert not hub.has_capacity
+        commits = await asyncio.wait_for(asyncio.gather(first, second), 30)
+        assert [c.first_offset for c in commits] == [0, 1]
+        await until(lambda: gauge(hub, "taproom_hub_pending_bytes") == 0)
         assert hub.has_capacity

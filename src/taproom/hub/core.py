@@ -213,7 +213,7 @@ class Hub:
         )
         self.cursors = CursorStore(jc.dir)
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._pending_bytes = 0  # admitted to the commit queue, not yet committed
+        self._pending_bytes = 0  # admitted to the commit queue, not yet committed and acked
         self._pending_lock = threading.Lock()
         # Submitted while there was no room: admitted in order as commits free room (loop only).
         self._waiting: deque[_Pending] = deque()
@@ -238,7 +238,11 @@ class Hub:
             "hub", "commit_failures", "events", "Commit attempts that failed", ("reason",)
         )
         m.gauge_fn(
-            "hub", "pending", "bytes", "Accepted, not yet committed", lambda: self._pending_bytes
+            "hub",
+            "pending",
+            "bytes",
+            "Accepted, not yet committed and acked",
+            lambda: self._pending_bytes,
         )
         m.gauge_fn(
             "hub",
@@ -421,10 +425,12 @@ class Hub:
             for p in group:
                 self._m_latency.observe(now - p.submitted)
             with self._pending_lock:
-                self._pending_bytes -= nbytes
                 self.oldest_pending_since = None if self._queue.empty() else now
             assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._deliver, group, bases)
+            # The batches stay counted in pending bytes until _deliver: until then the loop
+            # still holds their bodies (acks and outputs), so room made here would let the
+            # loop admit more while they are in memory, past max_pending_bytes.
+            self._loop.call_soon_threadsafe(self._deliver, group, bases, nbytes)
             if time.monotonic() - last_retention > 10:
                 last_retention = self._housekeeping(last_retention)
 
@@ -459,11 +465,14 @@ class Hub:
                 log.warning("retention failed: %s", exc)
         return time.monotonic()
 
-    def _deliver(self, group: list[_Pending], bases: list[int]) -> None:
-        """On the loop: resolve futures first (acks), then feed outputs."""
+    def _deliver(self, group: list[_Pending], bases: list[int], nbytes: int) -> None:
+        """On the loop: resolve futures first (acks), then free the batches' room and feed
+        outputs."""
         for p, base in zip(group, bases, strict=True):
             if not p.future.done():
                 p.future.set_result(Commit(base, p.batch.count))
+        with self._pending_lock:
+            self._pending_bytes -= nbytes
         while self._waiting and self._admit(self._waiting[0]):
             self._waiting_bytes -= self._waiting.popleft().size
         self._update_capacity()
