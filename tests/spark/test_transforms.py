@@ -63,16 +63,25 @@ def test_request_rollup_matches_reference(events_df: Any, logjam_events: Any) ->
 
 
 def test_request_defaults_follow_the_importer(spark: Any) -> None:
-    """Missing fields take logjam's defaults; broken JSON still counts as one request."""
+    """Missing fields take logjam's defaults; broken JSON still counts as one request, but a
+    body the server stored as raw (not JSON, content type "raw") is not a request at all."""
     from pyspark.sql import functions as F
 
     from taproom.spark.schemas import EVENT_SCHEMA
 
     rows = [
-        ("j", 0, "app-env", "logs.app.env", b"{}"),
-        ("j", 1, "app-env", "logs.app.env", b"{not json"),
-        ("j", 2, "app-env", "frontend.page", b'{"total_time": 600, "lines": [[3, "t", "m"]]}'),
-        ("j", 3, "app-env", "events.app.env", b'{"total_time": 5}'),
+        ("j", 0, "app-env", "logs.app.env", b"{}", "json"),
+        ("j", 1, "app-env", "logs.app.env", b"{not json", "json"),
+        (
+            "j",
+            2,
+            "app-env",
+            "frontend.page",
+            b'{"total_time": 600, "lines": [[3, "t", "m"]]}',
+            "json",
+        ),
+        ("j", 3, "app-env", "events.app.env", b'{"total_time": 5}', "json"),
+        ("j", 4, "app-env", "logs.app.env", b"plain text, not a request", "raw"),
     ]
     df = spark.createDataFrame(
         [
@@ -87,11 +96,11 @@ def test_request_defaults_follow_the_importer(spark: Any) -> None:
                 0,
                 "",
                 None,
-                "json",
+                ct,
                 p,
                 {},
             )
-            for j, o, s, t, p in rows
+            for j, o, s, t, p, ct in rows
         ],
         EVENT_SCHEMA,
     )
@@ -110,7 +119,7 @@ def test_request_defaults_follow_the_importer(spark: Any) -> None:
         )
         .collect()
     }
-    assert set(out) == {0, 1, 2}  # events.* is not a request topic
+    assert set(out) == {0, 1, 2}  # events.* is not a request topic, a raw body no request
     for offset in (0, 1):
         r = out[offset]
         assert (r["action"], r["code"], r["total_time"], r["severity"], r["module"]) == (

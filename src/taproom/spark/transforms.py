@@ -91,7 +91,12 @@ def parse_events(events: DataFrame) -> DataFrame:
     """
     keep = [c for c in ("journal", "offset") if c in events.columns]  # passed through
     topic = F.col("topic")
-    is_request = (F.col("protocol") == "logjam") & _is_request_topic(topic)
+    # A body the logjam server stored raw (not JSON) is no request document: no defaulted row.
+    is_request = (
+        (F.col("protocol") == "logjam")
+        & (F.col("content_type") == "json")
+        & _is_request_topic(topic)
+    )
     # The parse gets a column of its own: Spark keeps a projection apart rather than copy an
     # expensive expression into each use, so every payload is parsed once (inlined into the
     # uses below, from_json ran up to three times per event).
