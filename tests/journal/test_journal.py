@@ -46,6 +46,23 @@ class TestAppendAndRead:
             offset=0,
         )
 
+    def test_a_commit_group_of_more_batches_than_writev_takes(self, tmp_path):
+        # Linux's writev takes at most IOV_MAX (1024) pieces; a group of 3000 small batches is
+        # 6000 (a header and a body each). It failed with EINVAL on every retry, acks stopped.
+        j = Journal(tmp_path)
+        assert os.sysconf("SC_IOV_MAX") < 6000
+        group = [batch(f"g{i}", 1, 8) for i in range(3000)]
+        assert j.commit(group) == list(range(3000))
+        assert j.failed is None
+        assert j.commit([batch("after", 2)]) == [3000]
+        reopened = Journal(tmp_path)
+        assert [r.offset for r in reopened.read(0)] == list(range(3002))
+        assert [r.payload[:6] for r in reopened.read(2998, 3001)] == [
+            b"g2998-",
+            b"g2999-",
+            b"after-",
+        ]
+
     def test_read_from_the_middle_of_a_batch(self, tmp_path):
         j = Journal(tmp_path)
         j.commit([batch("a", 5)])

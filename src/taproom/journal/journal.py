@@ -62,6 +62,11 @@ from .segments import (
 __all__ = ["FSYNC_POLICIES", "Journal", "SegmentInfo"]
 
 log = logging.getLogger("taproom.journal")
+
+try:
+    _IOV_MAX = max(16, os.sysconf("SC_IOV_MAX"))
+except (AttributeError, ValueError, OSError):  # no sysconf, or the name is unknown
+    _IOV_MAX = 1024
 FSYNC_POLICIES = ("always", "interval", "off")
 # A segment is created under this suffix and renamed into place once its header is on disk.
 _CREATING = ".tmp"
@@ -389,7 +394,7 @@ class Journal:
             events += batch.count
         start = self._written_pos
         try:
-            self._write_all(parts, nbytes)
+            self._write_all(parts)
         except OSError as exc:
             self._rollback_write(start, exc)
         self._written_pos = pos
@@ -416,13 +421,18 @@ class Journal:
         self._m_bytes.inc(nbytes)
         return bases
 
-    def _write_all(self, parts: list[bytes], nbytes: int) -> None:
-        written = os.writev(self._fd, parts)
-        if written != nbytes:  # short write: finish the rest from one buffer
-            rest = memoryview(b"".join(parts))[written:]
-            while rest:
-                n = os.write(self._fd, rest)
-                rest = rest[n:]
+    def _write_all(self, parts: list[bytes]) -> None:
+        # writev takes at most IOV_MAX pieces (1024 on Linux; more is EINVAL, which would
+        # fail the same commit group on every retry): a group of many small batches is
+        # written IOV_MAX pieces a call.
+        for first in range(0, len(parts), _IOV_MAX):
+            chunk = parts[first : first + _IOV_MAX]
+            written = os.writev(self._fd, chunk)
+            if written != sum(map(len, chunk)):  # short write: finish from one buffer
+                rest = memoryview(b"".join(chunk))[written:]
+                while rest:
+                    n = os.write(self._fd, rest)
+                    rest = rest[n:]
 
     def _rollback_write(self, start: int, exc: OSError) -> None:
         try:
