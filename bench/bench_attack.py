@@ -55,7 +55,6 @@ class Attack:
     attack: Callable[[Addresses, threading.Event], None]
     honest: Callable[[Addresses, threading.Event], int]
     settings: tuple[tuple[str, str, object], ...] = ()  # (section, key, value) beyond defaults
-    over_goal: str = ""  # why this row is known to exceed the goal today ("" = it must not)
 
 
 class AttackHub:
@@ -263,8 +262,6 @@ ATTACKS: list[Attack] = [
         "lumberjack",
         lumberjack_compressed_burst,
         lumberjack_honest,
-        over_goal="a window's inflated content, its batches and the previous window coexist "
-        "(~400 MiB); needs a decoder that pauses inside a C frame (docs/protocols/lumberjack.md)",
     ),
     Attack("lumberjack partial frames", "lumberjack", lumberjack_partial_frames, lumberjack_honest),
     Attack("lumberjack idle sockets", "lumberjack", lumberjack_idle_sockets, lumberjack_honest),

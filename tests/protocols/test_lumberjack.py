@@ -353,6 +353,27 @@ class TestInflateBounds:
         windows = receive_all(ServerConnection("p", limits=self.LIMITS), C(inner * 4))
         assert [w.ack_seq for w in windows] == [1, 1, 1, 1]
 
+    def test_a_large_compressed_frame_is_inflated_a_batch_per_call(self) -> None:
+        """Issue 19 (bench attack, compressed burst): a small C frame holding a window of four
+        5 MiB events is not inflated at once (20 MiB, then batches of it, then the next
+        window). Each call hands over one batch and stops inside the C frame, holding only the
+        compressed rest and the start of the next event; the window's ack comes with the last."""
+        events = [{"pad": "z" * (5 << 20), "n": n} for n in range(4)]
+        frame = W(4) + C(b"".join(J(n + 1, e) for n, e in enumerate(events)), level=9)
+        assert len(frame) < 100_000
+        conn = ServerConnection("p", limits=Limits(max_batch_bytes=1 << 20))
+        calls = [conn.receive_data(frame, 1)]
+        while conn.more_buffered:
+            assert conn.buffered_bytes < 9 << 20  # never the whole window's content
+            calls.append(conn.receive_data(b"", 1))
+        assert [[w.batch.count for w in call] for call in calls] == [[1], [1], [1], [1]]
+        assert [w.ack_seq for call in calls for w in call] == [None, None, None, 4]
+        payloads = [
+            r.payload for call in calls for w in call for r in decode_batch(w.batch.body, 0)
+        ]
+        assert [orjson.loads(p) for p in payloads] == events
+        assert conn.buffered_bytes == 0
+
     def test_one_compressed_frame_per_call_rest_left_buffered(self) -> None:
         # Five small C frames that inflate to 900 KiB each arrive in one read: the decoder
         # inflates one, returns its window and keeps the rest as received (compressed), so

@@ -116,6 +116,7 @@ class ServerConnection:
         "_parts",
         "_producer",
         "_received_ns",
+        "_stream",
         "_stream_keys",
         "_stream_paths",
         "_topic_keys",
@@ -144,6 +145,7 @@ class ServerConnection:
         self._more = False  # complete frames left in _buf for the next call
         self._inflated = False  # this call inflated a top-level C frame
         self._inflate_budget = 0  # bytes the current top-level C tree may still inflate to
+        self._stream: _Inflating | None = None  # a top-level C frame being inflated
         self._window_size = 0  # 0: no W seen yet, windows close at max_window or idle
         self._version = _VER2
         self._count = 0  # data frames in the open batch (not yet returned in a Window)
@@ -168,8 +170,11 @@ class ServerConnection:
 
     @property
     def buffered_bytes(self) -> int:
-        """Bytes held for a later call: an incomplete frame, or frames ``more_buffered`` left."""
-        return len(self._buf)
+        """Bytes held for a later call: an incomplete frame, frames ``more_buffered`` left, and
+        of a C frame paused inside, its compressed rest and inflated, unparsed bytes."""
+        stream = self._stream
+        held = len(stream.pending) + len(stream.tail) if stream is not None else 0
+        return len(self._buf) + held
 
     @property
     def incomplete_frame_bytes(self) -> int:
@@ -183,9 +188,11 @@ class ServerConnection:
     def more_buffered(self) -> bool:
         """Complete frames are buffered: call ``receive_data(b"", now_ns)`` for them.
 
-        One call inflates at most one top-level ``C`` frame (a window for real senders), so
-        what one read can produce is bounded by ``max_decompressed_bytes`` and the caller can
-        check the hub's capacity before the next one is inflated.
+        One call inflates at most one top-level ``C`` frame (a window for real senders), and
+        a call that completed a batch stops inside a ``C`` frame's content (the compressed rest
+        and the inflated start of the next frame are kept): what one call produces is about one
+        batch (``max_batch_bytes``, or one event larger than that), and the caller checks the
+        hub's capacity before the next piece is inflated.
         """
         return self._more
 
@@ -201,7 +208,15 @@ class ServerConnection:
         self._events = events
         self._more = self._inflated = False
         try:
-            if self._buf:
+            if self._stream is not None:  # inside a top-level C frame: go on inflating it
+                self._buf += data
+                self._inflated = True
+                if not self._pump():
+                    self._more = True
+                    return events
+                data = bytes(self._buf)
+                self._buf = bytearray()
+            elif self._buf:
                 buf = self._buf
                 buf += data
                 if len(buf) < self._need:
@@ -216,6 +231,7 @@ class ServerConnection:
         except (LumberjackError, LumberjackLimit) as exc:
             exc.windows = events
             self._buf = bytearray()
+            self._stream = None
             raise
         finally:
             self._events = []  # the caller owns the windows now: hold no batch past the call
@@ -402,6 +418,16 @@ class ServerConnection:
                     # The C frames nested in this one share its bound: eight inner frames of
                     # 63 MiB each must not make 504 MiB out of one small outer frame.
                     self._inflate_budget = limits.max_decompressed_bytes
+                    self._version = version
+                    # Inflated a piece at a time, parsed as frames complete; paused (the rest
+                    # of this read kept) once a batch is ready for the hub.
+                    self._stream = _Inflating(bytes(view[pos + 6 : fend]))
+                    pos = fend
+                    if not self._pump():
+                        self._more = True
+                        self._need = 0
+                        return pos
+                    continue
                 inner = _inflate(
                     memoryview(view)[pos + 6 : fend],
                     self._inflate_budget,
@@ -421,6 +447,63 @@ class ServerConnection:
                 raise LumberjackError(f"unknown frame type {ftype:#04x}", reason="bad_frame_type")
         self._need = 2
         return pos
+
+    def _pump(self) -> bool:
+        """Inflate and parse the top-level C frame in ``_stream`` until it ends (True) or a
+        batch is ready (False: paused, the stream kept for the next call).
+
+        A piece is ``_INFLATE_FIRST``, or what the frame being completed still needs (one large
+        event is inflated in one call, not grown a step at a time). Only the start of an
+        incomplete frame is kept between pieces. Windows inside a larger C frame are handed
+        over before its end (and zlib's checksum) is read, as go-lumber's streaming reader
+        does; the frame's refusal then closes the connection after them.
+        """
+        stream = self._stream
+        assert stream is not None
+        decomp = stream.decomp
+        while True:
+            tail = stream.tail
+            want = max(_INFLATE_FIRST, self._need - len(tail)) if tail else _INFLATE_FIRST
+            limit = min(want, self._inflate_budget + 1)
+            try:
+                piece = decomp.decompress(stream.pending, limit)
+            except zlib.error as exc:
+                raise LumberjackError(
+                    f"C payload is not zlib: {exc}", reason="bad_compressed"
+                ) from None
+            stream.pending = decomp.unconsumed_tail
+            produced = len(piece)
+            self._inflate_budget -= produced
+            if self._inflate_budget < 0:
+                raise LumberjackLimit(
+                    "C frame (with the C frames inside it) inflates past "
+                    f"{self._limits.max_decompressed_bytes} bytes",
+                    reason="decompressed_too_large",
+                )
+            # Checked before parsing: a C frame that fits in one piece (a real sender's
+            # window) is refused whole, nothing in it parsed, as when it was inflated at once.
+            if not decomp.eof and produced < limit and not stream.pending:
+                raise LumberjackError(
+                    "C payload is a truncated zlib stream", reason="bad_compressed"
+                )
+            if decomp.unused_data:
+                raise LumberjackError(
+                    "bytes after the zlib stream in a C frame", reason="bad_compressed"
+                )
+            content = tail + piece if tail else piece
+            del tail, piece
+            stop = self._parse(content, 0, len(content), 1)
+            stream.tail = content[stop:] if stop < len(content) else b""
+            del content
+            if decomp.eof:
+                if stream.tail:
+                    raise LumberjackError(
+                        "C content ends inside a frame", reason="truncated_compressed"
+                    )
+                self._stream = None
+                return True
+            if self._events:
+                return False
 
     def _data_frames(self, view: bytes | bytearray, pos: int, end: int, version: int) -> int:
         """A run of ``D`` frames of one version; returns where the run stops (the next other
@@ -572,6 +655,18 @@ class ServerConnection:
         window = Window(batch, ack, self._version)
         self._events.append(window)
         return window
+
+
+class _Inflating:
+    """A top-level C frame being inflated: its zlib state, the compressed bytes not yet fed
+    to it, and the inflated bytes not yet parsed (the start of an incomplete frame)."""
+
+    __slots__ = ("decomp", "pending", "tail")
+
+    def __init__(self, compressed: bytes) -> None:
+        self.decomp = zlib.decompressobj()
+        self.pending = compressed
+        self.tail = b""
 
 
 # A window of Filebeat's inflates to about 1 MiB: one zlib call returns it as bytes (the fast
