@@ -153,6 +153,21 @@ async def test_accept_queue_holds_a_burst(tmp_path):
         assert queued_connects((host, int(port)), 300) == 300
 
 
+async def test_connections_reach_the_loop_with_their_first_bytes(tmp_path):
+    """TCP_DEFER_ACCEPT: a connection that sent nothing yet (a connect/RST flood's) costs the
+    loop nothing; one that sends its request is served at once."""
+    async with running_app(tmp_path) as app:
+        host, port = app.addresses["web"].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        await asyncio.sleep(0.5)
+        assert app._web.open_connections == 0  # connected, silent: not accepted yet
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        writer.close()
+
+
 async def test_hard_connection_limit(tmp_path):
     """max_connections + accept_batch connections that all sent requests: one more is
     closed at once."""

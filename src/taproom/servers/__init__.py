@@ -11,7 +11,7 @@ import socket
 from collections.abc import Iterable
 from typing import Protocol
 
-__all__ = ["ACCEPT_BATCH", "SERVICE_MODULES", "Service", "deepen_accept_queue"]
+__all__ = ["ACCEPT_BATCH", "SERVICE_MODULES", "Service", "deepen_accept_queue", "defer_accept"]
 
 # asyncio's default backlog, which is also how many connections it accepts per wakeup: larger
 # batches let a connect/RST flood's reset connections pile up unread (and /health wait).
@@ -50,6 +50,8 @@ class Listening(Protocol):
 
     def fileno(self) -> int: ...
 
+    def setsockopt(self, level: int, optname: int, value: int, /) -> None: ...
+
 
 def deepen_accept_queue(sockets: Iterable[Listening], backlog: int) -> None:
     """Give listening sockets a kernel accept queue of ``backlog`` (capped by
@@ -62,3 +64,14 @@ def deepen_accept_queue(sockets: Iterable[Listening], backlog: int) -> None:
     for listening in sockets:
         with socket.fromfd(listening.fileno(), listening.family, listening.type) as dup:
             dup.listen(backlog)
+
+
+def defer_accept(sockets: Iterable[Listening], seconds: float) -> None:
+    """For protocols whose client speaks first: a connection is queued for accept only once
+    its first bytes arrived (TCP_DEFER_ACCEPT, nginx's "deferred"; Linux only), so a
+    connect/RST flood never reaches the event loop. A silent connection is queued after about
+    ``seconds`` and meets the server's own handshake timeout then."""
+    if not hasattr(socket, "TCP_DEFER_ACCEPT"):
+        return
+    for listening in sockets:
+        listening.setsockopt(socket.IPPROTO_TCP, socket.TCP_DEFER_ACCEPT, max(1, round(seconds)))

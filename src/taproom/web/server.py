@@ -10,9 +10,10 @@ by reason, in ``taproom_web_requests_calls_total``:
   accept_batch`` is the hard limit: past it a new connection is closed at once
   (``too_many_connections``). Under a connect/RST flood of this port /health still answers
   within 1 s: the kernel's accept queue (``listen_backlog``, 4096) holds a burst instead of
-  dropping SYNs (a 1 s retry), asyncio accepts ``accept_batch`` (100) a wakeup so resets and
-  requests are read between batches, and a connection costs an aiohttp handler only once it
-  sends bytes (:class:`_Slot`);
+  dropping SYNs (a 1 s retry), a connection reaches the loop only with its first bytes
+  (TCP_DEFER_ACCEPT: a reset one never does), asyncio accepts ``accept_batch`` (100) a wakeup
+  so resets and requests are read between batches, and a connection costs an aiohttp handler
+  only once it sends bytes (:class:`_Slot`);
 * request heads: a line or header field longer than ``[web] max_header_bytes``, or more than
   ``max_headers`` fields, gets 431 (``head_too_large``); other unparsable heads get 400
   (``bad_request``);
@@ -41,7 +42,7 @@ from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
 from ..config import ConsoleConfig, WebConfig
 from ..hub import Hub
-from ..servers import deepen_accept_queue
+from ..servers import deepen_accept_queue, defer_accept
 from . import auth, journalapi, ops
 
 __all__ = ["SECURITY_HEADERS", "STATIC_DIR", "WebServer"]
@@ -268,6 +269,7 @@ class WebServer:
             backlog=self.config.accept_batch,
         )
         deepen_accept_queue(self._server.sockets, self.config.listen_backlog)
+        defer_accept(self._server.sockets, self.config.head_timeout_s)
         sock = self._server.sockets[0]
         host, port = sock.getsockname()[:2]
         if sock.family == socket.AF_INET6:
