@@ -67,6 +67,17 @@ async def ws_open(app, path="/logging/myapp", token=TOKEN, **kw):
     )
 
 
+def raw_upgrade(key=True):
+    """The upgrade request as raw bytes (for what no WebSocket client library would send)."""
+    return (
+        b"GET /logging/myapp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        b"Connection: Upgrade\r\n"
+        + (b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n" if key else b"")
+        + b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: logtk\r\n"
+        b"X-LogTK-Auth: " + base64.b64encode(TOKEN) + b"\r\n\r\n"
+    )
+
+
 async def ws_frames(ws, n):
     decoder = FrameDecoder()
     frames = []
@@ -123,12 +134,7 @@ class TestWebSocketAuth:
                 assert rejected(app, reason) == 1
             # Right path, token and subprotocol, but no Sec-WebSocket-Key: the library's 400.
             reader, writer = await asyncio.open_connection(*addr(app, "logtk_ws"))
-            writer.write(
-                b"GET /logging/myapp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                b"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-                b"Sec-WebSocket-Protocol: logtk\r\n"
-                b"X-LogTK-Auth: " + base64.b64encode(TOKEN) + b"\r\n\r\n"
-            )
+            writer.write(raw_upgrade(key=False))
             status = await asyncio.wait_for(reader.readline(), 5)
             writer.close()
             assert status.startswith(b"HTTP/1.1 400")
@@ -551,12 +557,8 @@ class TestPingsAndLimits:
         async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
             reader, writer = await asyncio.open_connection(*addr(app, "logtk_ws"))
             writer.write(
-                b"GET /logging/myapp HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
-                b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: logtk\r\n"
-                b"X-LogTK-Auth: " + base64.b64encode(TOKEN) + b"\r\n\r\n"
-                + b"\x82\xff" + (1 << 62).to_bytes(8, "big") + b"mask" + bytes(100)
-            )  # fmt: skip
+                raw_upgrade() + b"\x82\xff" + (1 << 62).to_bytes(8, "big") + b"mask" + bytes(100)
+            )
             with contextlib.suppress(ConnectionError):
                 await asyncio.wait_for(reader.read(), 10)
             writer.close()
