@@ -29,6 +29,7 @@ from tests.hubprocess import HubProcess
 __all__ = [
     "SOAK",
     "HubProcess",
+    "descendants",
     "fill",
     "flip_byte",
     "free_port",
@@ -220,3 +221,23 @@ def queued_connects(address: tuple[str, int], count: int, wait: float = 0.5) -> 
         selector.close()
         for sock in socks:
             sock.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (a Spark driver's JVM, a worker's executors and their
+    Pythons), read from /proc."""
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found

@@ -25,31 +25,12 @@ from pathlib import Path
 
 import pyspark
 
-from tests.support import free_port
+from tests.support import descendants, free_port
 
 __all__ = ["SPARK_HOME", "SparkCluster", "descendants"]
 
 SPARK_HOME = Path(pyspark.__file__).parent
 _FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (a driver's JVM, a worker's executors and their Pythons)."""
-    parents: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        kids = [p for p, pp in parents.items() if pp == parent]
-        found += kids
-        frontier += kids
-    return found
 
 
 def _python_driver(pid: int) -> int | None:

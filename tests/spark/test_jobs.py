@@ -18,6 +18,7 @@ import pytest
 
 from taproom.spark.jobs.report import report_text
 from taproom.spark.jobs.rollup import day_range, run_rollup
+from tests.support import descendants
 
 from .generate import (
     BASE_NS,
@@ -199,29 +200,10 @@ def _stream(journal: Path, out: Path, checkpoint: Path) -> subprocess.Popen[byte
     )
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (the JVM that PySpark started, and its children)."""
-    parents: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    parents[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [], [pid]
-    while frontier:
-        parent = frontier.pop()
-        kids = [p for p, pp in parents.items() if pp == parent]
-        found += kids
-        frontier += kids
-    return found
-
-
 def _stop(proc: subprocess.Popen[bytes], signum: int) -> int:
     """Signal the driver and wait until it and its JVM are gone: two drivers must never
     share a checkpoint."""
-    family = _descendants(proc.pid)
+    family = descendants(proc.pid)
     proc.send_signal(signum)
     try:
         code = proc.wait(90)
