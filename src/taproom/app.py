@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import zmq
 
+from .access import open_listeners
 from .config import Config
 from .errors import StartupError
 from .hub import Hub
@@ -58,6 +59,13 @@ class App:
         return reasons
 
     async def start(self) -> App:
+        exposed = open_listeners(self.config)
+        if exposed:
+            log.warning(
+                "open = true: %s accept%s connections from any address, with no access control",
+                ", ".join(exposed),
+                "s" if len(exposed) == 1 else "",
+            )
         await self.hub.start()
         web = self.config.web
         if web.enabled and (self.only is None or "web" in self.only):

@@ -81,9 +81,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from .access import open_listeners
+
     config = load_config(args.config)
+    exposed = open_listeners(config)
+    if exposed:
+        print(f"taproom: warning: {_open_warning(exposed)}", file=sys.stderr)
     print(f"{config.source or '<defaults>'}: valid ({len(config.names)} sections)")
     return 0
+
+
+def _open_warning(exposed: list[str]) -> str:
+    return (
+        f"open = true: {', '.join(exposed)} accept{'s' if len(exposed) == 1 else ''} "
+        "connections from any address, with no access control"
+    )
 
 
 def cmd_config_defaults(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ __all__ = [
     "HubConfig",
     "JournalConfig",
     "WebConfig",
+    "config_check",
     "config_section",
     "is_loopback",
     "load_config",
@@ -52,6 +53,7 @@ T = TypeVar("T")
 # so the list can name every subsystem the hub knows.
 SECTION_MODULES = (
     "taproom.config",
+    "taproom.access",
     "taproom.servers.lumberjack",
     "taproom.servers.logtk",
     "taproom.servers.logjam",
@@ -60,6 +62,8 @@ SECTION_MODULES = (
 )
 
 _SECTIONS: dict[str, type] = {}
+# Checks that need several sections (a listener's host and the access rules that cover it).
+_CHECKS: list[Callable[[Config], None]] = []
 
 
 class _Text(str):
@@ -79,6 +83,13 @@ def config_section(name: str) -> Callable[[type[T]], type[T]]:
         return cls
 
     return register
+
+
+def config_check(check: Callable[[Config], None]) -> Callable[[Config], None]:
+    """Register a check of the whole configuration, run once every section is valid; it
+    raises :class:`ConfigError` with a dotted key (``section.key``) to be located."""
+    _CHECKS.append(check)
+    return check
 
 
 def setting(
@@ -232,14 +243,6 @@ class WebConfig:
     keepalive_timeout_s: float = setting(
         15.0, "an idle keep-alive connection is closed after this; pages poll every 1 s", min=0.1
     )
-
-    def validate(self) -> None:
-        if self.enabled and not self.token and not is_loopback(self.host):
-            raise ConfigError(
-                f"host {self.host!r} is not loopback: set [web] token so the console and "
-                "/metrics are not open to the network",
-                key="token",
-            )
 
 
 def is_loopback(host: str) -> bool:
@@ -562,7 +565,13 @@ def load_config(
             built[name] = _build(cls, table, name)
         except ConfigError as exc:
             raise located(exc) from None
-    return Config(built, source)
+    config = Config(built, source)
+    for check in _CHECKS:
+        try:
+            check(config)
+        except ConfigError as exc:
+            raise located(exc) from None
+    return config
 
 
 def describe_defaults() -> list[tuple[str, str, Any, str]]:

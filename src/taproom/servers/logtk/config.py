@@ -36,7 +36,7 @@ class LogTKConfig:
     host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
     ws_port: int = setting(7080, "LogTK over WebSocket", min=0, max=65535)
     tcp_port: int = setting(7081, "LogTK over raw TCP", min=0, max=65535)
-    apps: dict[str, LogTKApp] = setting(  # noqa: RUF009 -- a factory, not a shared default
+    apps: dict[str, LogTKApp] = setting(
         None, "apps and their hashed tokens; none configured means nobody can log", factory=dict
     )
     path_prefix: str = setting("/logging/", "the reference client's convention: /logging/<app>")
