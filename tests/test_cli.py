@@ -70,6 +70,22 @@ def test_tail_prints_committed_events_with_decoded_payloads(tmp_path):
     assert [orjson.loads(x)["offset"] for x in from_one.stdout.splitlines()] == [2]
 
 
+def test_tail_shows_a_field_that_is_not_utf8(tmp_path):
+    """A logjam routing key is any bytes after its prefix (logjam-device's well_formed_topic):
+    stored as it came, shown with U+FFFD, the line still JSON."""
+    from taproom.protocols import logjam as lj
+
+    j = Journal(tmp_path / "j")
+    parser = lj.IngestParser(max_body=1024, max_decompressed=1024)
+    b = BatchBuilder()
+    parser.add(b, [b"app-prod", b"logs.\xff x", b"{}", lj.encode_meta(0, 1, 2, 3)])
+    j.commit([b.build()])
+    j.close()
+    result = run("tail", "--journal", str(tmp_path / "j"))
+    assert result.returncode == 0, result.stderr
+    assert [orjson.loads(x)["topic"] for x in result.stdout.splitlines()] == ["logs.\ufffd x"]
+
+
 def test_tail_follow_sees_new_events(tmp_path):
     make_journal(tmp_path / "j")
     proc = subprocess.Popen(

@@ -39,6 +39,7 @@ __all__ = [
     "Record",
     "decode_batch",
     "iter_batch",
+    "shown",
 ]
 
 # The record head. Public for the few hot paths (Lumberjack decoder, logjam PUB) that write or
@@ -53,6 +54,15 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 _U64 = (1 << 64) - 1
 # Distinct short strings remembered per builder: a batch has few protocols/streams/topics.
 _CACHE_ENTRIES = 512
+
+
+def shown(text: str) -> str:
+    """A field for people and JSON: bytes a sender sent that are not UTF-8 (kept with
+    surrogateescape, e.g. a logjam routing key after its prefix) become U+FFFD, as the Spark
+    reader shows them; JSON encoders refuse the escapes themselves."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +90,11 @@ class Record:
             "offset": self.offset,
             "received_ns": self.received_ns,
             "protocol": self.protocol,
-            "stream": self.stream,
-            "topic": self.topic,
-            "producer": self.producer,
+            "stream": shown(self.stream),
+            "topic": shown(self.topic),
+            "producer": shown(self.producer),
             "seq": self.seq,
-            "event_id": self.event_id,
+            "event_id": shown(self.event_id),
             "ts_ns": self.ts_ns,
             "content_type": self.content_type,
             "payload": decode_payload(self.content_type, self.payload),

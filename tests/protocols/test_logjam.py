@@ -178,67 +178,99 @@ class TestCompression:
 
 
 class TestGrammar:
-    """The "device" grammar (default): what logjam-device forwards (messages.py cites the
-    device's code); the "seed" grammar: logjam-consumer.txt's ABNF."""
+    """The "device" grammar (default): logjam-device's own functions, well_formed_stream_name
+    and well_formed_topic (logjam-tools src/logjam-util.c; the cases of its own unit tests,
+    test_well_formed_stream_name and test_well_formed_topic, are among these); the "seed"
+    grammar: logjam-consumer.txt's ABNF."""
 
     @pytest.mark.parametrize(
         "value",
         [
             b"app-prod",
+            b"a-b",  # logjam-util.c's own test cases
+            b"a-b-c",
             b"my_app-production",  # the Ruby agent's app-env for an app called my_app
-            b"web2-production",  # digits in the app name
-            b"perf-ua-production",  # split at the last "-"
-            b"a-b",
-            b"app--prod",
-            b"1app-prod",
-            b"app-prod-2",
-            b"_x-y",
+            b"web2-production",
+            b"my.app-production",  # every byte 32..127 and one "-": nothing else is asked
+            b"my app-production",
+            b"-production",
+            b"myapp-",
+            b"-",
+            b"app-prod/x",
+            b"app\x7f-prod",  # 127 passes `s[i] > 127`
+            b"~!@#$%^&*()-{}[]",
         ],
     )
     def test_valid_app_env(self, value):
         assert lj.is_valid_app_env(value)
+        assert lj.well_formed_stream_name(value)
 
     @pytest.mark.parametrize(
         "value",
         [
-            b"",
-            b"app",
+            b"",  # logjam-util.c's own test cases
+            b"abc",
+            "ö-ö".encode(),
             b"ping",
-            b"-prod",
-            b"app-",
-            b"app-prod-",
-            b"app-prod\n",
-            b"app-pr\xc3\xa9",
+            b"app-prod\n",  # below 32
+            b"app-\x00prod",
+            b"app-\x1fprod",
+            b"app-pr\xc3\xa9",  # 128 and above: negative as a signed char, > 127 unsigned
+            b"app-\x80",
             b"app prod",
-            b"app.x-prod",
-            b"app-prod/x",
         ],
     )
     def test_invalid_app_env(self, value):
         assert not lj.is_valid_app_env(value)
+        assert not lj.well_formed_stream_name(value)
 
     @pytest.mark.parametrize(
         "value",
         [
+            b"logs.1",  # logjam-util.c's own test cases
+            b"events.1",
+            b"javascript.1",
+            b"frontend.page.1",
+            b"frontend.ajax.1",
+            b"mobile",
             b"logs",
-            b"logs.app.prod",
             b"logs.my_app.production",  # the Ruby agent's routing key for my_app
-            b"logs.web2.production",
-            b"logs.perf-ua.production",  # hyphenated
-            b"mobile",  # a root outside the seed's list
-            b"frontend.page",
+            b"logs.perf-ua.production",
             b"logs..",
-            b"Logs",
+            b"logsx",  # a prefix, not a word
+            b"logs.my app",  # nothing after the prefix is checked
+            b"logs/myapp",
+            "logs.äpp".encode(),
+            b"logs.\xff\x00",
+            b"frontend.pages",
+            b"mobile.x",
         ],
     )
     def test_valid_topic(self, value):
         assert lj.is_valid_topic(value)
+        assert lj.well_formed_topic(value)
 
     @pytest.mark.parametrize(
-        "value", [b"", b".logs", b"-logs", b"logs.a b", b" logs", b"logs/x", b"logs.\xc3\xa9"]
+        "value",
+        [
+            b"abc",  # logjam-util.c's own test case
+            b"",
+            b"log",
+            b"Logs.myapp.production",  # strncmp: case matters
+            b"metrics.cpu.production",
+            b".logs",
+            b" logs",
+            b"frontend",
+            b"frontend.",
+            b"frontend.pag",
+            b"javascrip",
+            b"event",
+            b"mobil",
+        ],
     )
     def test_invalid_topic(self, value):
         assert not lj.is_valid_topic(value)
+        assert not lj.well_formed_topic(value)
 
     @pytest.mark.parametrize(
         "value,valid",
@@ -316,7 +348,7 @@ class TestDataMessage:
         "frames,reason",
         [
             ([b"app", b"logs", b"{}", meta()], "bad_app_env"),
-            ([b"app-prod", b"logs x", b"{}", meta()], "bad_topic"),
+            ([b"app-prod", b"metrics.cpu", b"{}", meta()], "bad_topic"),
             ([b"app-prod", b"logs", b"{}", meta()[:23]], "bad_meta_size"),
             ([b"app-prod", b"logs", b"{}", b"\0" * 24], "bad_meta_tag"),
             ([b"app-prod", b"logs", b"xx", meta(compression=1)], "bad_body"),
@@ -413,6 +445,15 @@ class TestOutputMapping:
         assert doc["taproom"]["stream"] == "/var/log/syslog"
         assert doc["taproom"]["attrs"] == {"k": "v"}
 
+    @pytest.mark.parametrize(
+        "stream", ["10.0.0.1:5000-x", "/var/log/my-app.log", "my app-prod", "-prod", "app-"]
+    )
+    def test_streams_the_device_takes_but_that_name_no_app_get_the_default(self, stream):
+        """Another protocol's stream becomes the app-env only when it names an application and
+        an environment (letters, digits, "_"), not whenever logjam-device would take it."""
+        assert lj.is_valid_app_env(stream.encode())
+        assert lj.OutputMapper().app_env("lumberjack", stream) == b"taproom-lumberjack"
+
     def test_valid_stream_is_kept_and_event_protocols_use_events(self):
         mapper = lj.OutputMapper(payload_decoder=lambda ct, p: orjson.loads(p))
         rec = Record("eventbus", "shop-prod", "orders/created", content_type="json", payload=b"[1]")
@@ -469,8 +510,17 @@ class TestReplayRequest:
 # One binary draw per example keeps hypothesis's own cost low; the test turns the bytes into a
 # frame list: either arbitrary frames, or a near-valid message (grammar picks, a compressed and
 # possibly cut body, a meta frame with a valid or swapped tag) so the deep paths get exercised.
-_APP_ENVS = [b"app-prod", b"a-b", b"bad", b"", b"ping", b"x-y_z", b"\xff-x", b"web2-prod"]
-_TOPICS = [b"logs", b"logs.a.b", b"events.x", b"frontend.page", b"no pe", b"", b"logs.a-b"]
+_APP_ENVS = [b"app-prod", b"a-b", b"bad", b"", b"ping", b"x-y_z", b"\xff-x", b"my app-", b"-\x7f"]
+_TOPICS = [
+    b"logs",
+    b"logs.a b",
+    b"events.x",
+    b"frontend.page",
+    b"no pe",
+    b"",
+    b"logs.\xff",
+    b"Logs",
+]
 _RAW = [b'{"a":1}', BODY, b"[]", b"nul", b"{", b'"\xff"']
 
 
@@ -539,7 +589,8 @@ def test_fuzz_frame_decoder_never_crashes(data):
             with pytest.raises(orjson.JSONDecodeError):
                 orjson.loads(msg.body)
         assert lj.is_valid_app_env(msg.app_env.encode())
-        assert lj.is_valid_topic(msg.topic.encode())
+        assert msg.topic.encode("utf-8", "surrogateescape") == frames[1]
+        assert lj.is_valid_topic(frames[1])
         assert len(msg.body) <= 4096
         assert ping is None
         expected = BatchBuilder(received_ns=1)

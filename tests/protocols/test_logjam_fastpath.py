@@ -161,8 +161,17 @@ def test_batches_restart_cleanly():
     assert [r.received_ns for r in decode_batch(second.body, 0)] == [20, 20]
 
 
-_APP_ENVS = [b"app-prod", b"shop-production", b"a_b-c", b"x", b"app2-prod", lj.PING, b""]
-_TOPICS = [b"logs", b"logs.a.b", b"events", b"frontend.ajax", b"metrics", b"logs x", b""]
+_APP_ENVS = [b"app-prod", b"a_b-c", b"x", b"app2-prod", lj.PING, b"", b"my app-", b"\xc3\xa4-x"]
+_TOPICS = [
+    b"logs",
+    b"logs.a.b",
+    b"events",
+    b"frontend.ajax",
+    b"metrics",
+    b"logs x",
+    b"",
+    b"logs\xff",
+]
 
 
 @settings(max_examples=fuzz_examples(300, 100_000), database=None)

@@ -111,7 +111,8 @@ ROWS = [
         "json",
     ),
     # zmq_msg_extract_meta_info: the frame must be sizeof(msg_meta_t) = 24 bytes with tag
-    # 0xcabd and version 1, else "400 Bad Request" and nothing is forwarded.
+    # 0xcabd or, since 2020, 0xbdca (META_INFO_TAG_LE) and version 1, else "400 Bad Request"
+    # and nothing is forwarded.
     Row(
         "22-byte meta (the seed's form)",
         [b"app-prod", b"logs", b"{}", lj.encode_meta(0, 7, 1, 4, size=22)],
@@ -119,12 +120,14 @@ ROWS = [
         "json",
         reply=(b"app-prod", A),
     ),
+    # A little-endian meta: the device accepts the tag, then reads the other fields in network
+    # order anyway (meta_info_decode), so it forwards a byte-swapped created_ms; taproom reads
+    # the whole frame little-endian (checked below: SWAPPED_CREATED_MS).
     Row(
         "byte-swapped meta",
-        [b"app-prod", b"logs", b"{}", struct.pack("<HBBIQQ", lj.META_TAG, 0, 1, 7, 1, 5)],
-        (b"app-prod", B),
+        [b"app-prod", b"logs", b'{"le":1}', struct.pack("<HBBIQQ", lj.META_TAG, 0, 1, 7, 1, 5)],
+        (b"app-prod", A),
         "json",
-        reply=(b"app-prod", A),
     ),
     Row(
         "bad meta tag",
@@ -169,25 +172,63 @@ ROWS = [
     ),
     # No frame after the empty one: the reply names "unknown-unknown" (nothing to push on PULL).
     Row("nothing after the empty frame", [], (b"unknown-unknown", B), None, "bad_frame_count"),
-    # well_formed_stream_name refuses: "400 Bad Request", nothing forwarded.
+    # well_formed_stream_name (src/logjam-util.c): every byte 32..127 and at least one "-";
+    # nothing else. It refuses: "400 Bad Request", nothing forwarded.
     Row("app-env without '-'", [b"app", b"logs", b"{}", META], (b"app", B), None, "bad_app_env"),
+    Row("empty app-env", [b"", b"logs", b"{}", META], (b"", B), None, "bad_app_env"),
     Row(
-        "app-env with a space",
-        [b"my app-prod", b"logs", b"{}", META],
-        (b"my app-prod", B),
+        "non-ASCII app-env",
+        ["äpp-prod".encode(), b"logs", b"{}", META],
+        ("äpp-prod".encode(), B),
         None,
         "bad_app_env",
     ),
-    Row("empty app-env", [b"", b"logs", b"{}", META], (b"", B), None, "bad_app_env"),
-    # The device answers 202 before it checks the routing key (well_formed_topic) and the body,
-    # then drops a malformed key; taproom never acks what it does not store, so it answers 400.
     Row(
-        "routing key with a space",
-        [b"app-prod", b"logs x", b"{}", META],
-        (b"app-prod", A),
+        "app-env with a control byte",
+        [b"app\t-prod", b"logs", b"{}", META],
+        (b"app\t-prod", B),
         None,
-        "bad_topic",
-        reply=(b"app-prod", B),
+        "bad_app_env",
+    ),
+    # ... and takes everything else: "202 Accepted", forwarded.
+    *(
+        Row(f"app-env {name!r}", [name, b"logs", b"{}", META], (name, A), "json")
+        for name in (b"my.app-production", b"my app-production", b"-production", b"myapp-")
+    ),
+    Row(
+        "app-env with DEL (127)",
+        [b"app\x7f-prod", b"logs", b"{}", META],
+        (b"app\x7f-prod", A),
+        "json",
+    ),
+    # well_formed_topic: the key starts with logs, javascript, events, frontend.page,
+    # frontend.ajax or mobile; nothing after the prefix is checked: forwarded.
+    *(
+        Row(f"routing key {key!r}", [b"app-prod", key, b"{}", META], (b"app-prod", A), "json")
+        for key in (
+            b"logs.my app",
+            b"logs/myapp",
+            "logs.äpp".encode(),
+            b"logsx",
+            b"javascript",
+            b"events.x",
+            b"frontend.page.x",
+            b"frontend.ajax",
+        )
+    ),
+    # The device answers 202 before it checks the routing key (well_formed_topic), then drops
+    # a malformed key ("malformed routing key"); taproom never acks what it does not store, so
+    # it answers 400 (the agent learns it was not stored). On the PULL both drop it.
+    *(
+        Row(
+            f"routing key {key!r}",
+            [b"app-prod", key, b"{}", META],
+            (b"app-prod", A),
+            None,
+            "bad_topic",
+            reply=(b"app-prod", B),
+        )
+        for key in (b"metrics.cpu.production", b"Logs.myapp.production", b"frontend", b"")
     ),
     # The device forwards bodies without decoding them and does not check the compression
     # method; taproom stores bodies decompressed, so one it cannot decompress is refused.
@@ -247,8 +288,10 @@ ROWS = [
 # Where taproom's reply differs from logjam-device's, and why (docs/compat.md, "Logjam").
 DIFFERS = {
     "22-byte meta (the seed's form)": "the seed's meta form is accepted",
-    "byte-swapped meta": "senders that forgot network order are accepted",
-    "routing key with a space": "never a 202 for a message that is not stored",
+    **{
+        f"routing key {key!r}": "never a 202 for a message that is not stored"
+        for key in (b"metrics.cpu.production", b"Logs.myapp.production", b"frontend", b"")
+    },
     "unknown compression method": "bodies are stored decompressed",
     "corrupt zlib body": "bodies are stored decompressed",
     "inflates past max_decompressed_bytes": "a bound (zlib bombs)",
@@ -268,14 +311,29 @@ def _records(app, start, end):
     return [r for r in app.hub.journal.read(start) if r.offset < end]
 
 
+# The byte-swapped row's created_ms as logjam-device forwards it (meta_info_decode reads the
+# little-endian field in network order); taproom stores the sender's 1 ms.
+SWAPPED_CREATED_MS = int.from_bytes((1).to_bytes(8, "little"), "big")
+
+
 async def test_acceptance_and_replies_row_by_row(tmp_path):
+    """Every row on the ROUTER (with the empty frame: the reply) and on the PULL; what is
+    stored is what the PUB output publishes, byte for byte (and nothing else)."""
     host = canonical_host_name()
     cfg = dict(LIMITS, heartbeat_interval_s=3600.0)  # no hostname: the canonical one
     assert set(DIFFERS) == {row.name for row in ROWS if row.reply is not None}
+    assert len({row.name for row in ROWS}) == len(ROWS)
     async with running_app(tmp_path, enable=["logjam"], logjam=cfg) as app:
 
         def work():
             ctx = zmq.Context.instance()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(url(app, "logjam_pub"))
+            deadline = time.monotonic() + 10
+            while app.services["logjam"].subscriber_count() < 1:
+                assert time.monotonic() < deadline, "the subscription never arrived"
+                time.sleep(0.01)
             dealer = ctx.socket(zmq.DEALER)
             dealer.connect(url(app, "logjam_router"))
             push = ctx.socket(zmq.PUSH)
@@ -304,9 +362,19 @@ async def test_acceptance_and_replies_row_by_row(tmp_path):
             assert not dealer.poll(300)  # nothing came back for the async rows
             dealer.close()
             push.close(linger=1000)
-            return seen, last
+            published = []
+            end = app.hub.journal.end_offset
+            deadline = time.monotonic() + 10
+            while len(published) < end:
+                assert time.monotonic() < deadline, f"{len(published)} of {end} published"
+                if sub.poll(100):
+                    frames = sub.recv_multipart()
+                    if frames[0] != lj.HEARTBEAT_APP_ENV:
+                        published.append(tuple(frames[:3]))
+            sub.close(linger=0)
+            return seen, last, published
 
-        seen, last = await asyncio.to_thread(work)
+        seen, last, published = await asyncio.to_thread(work)
         rejects: Counter[str] = Counter()
         for row, (reply, router_span, pull_span) in zip(ROWS, seen, strict=True):
             expected = row.reply or tuple(host if f == b"HOST" else f for f in row.device)
@@ -323,8 +391,20 @@ async def test_acceptance_and_replies_row_by_row(tmp_path):
                 records += pull_records
                 rejects[pull_reason] += 1
             for record in records:
-                assert (record.stream.encode(), record.topic.encode()) == tuple(row.frames[:2])
+                assert tuple(
+                    f.encode("utf-8", "surrogateescape") for f in (record.stream, record.topic)
+                ) == tuple(row.frames[:2])
         assert last == [b"app-prod", A]
+        # what is stored is published as the agent sent it; a key the device drops is not
+        everything = list(app.hub.journal.read(0))
+        assert published == [
+            (r.stream.encode(), r.topic.encode("utf-8", "surrogateescape"), r.payload)
+            for r in everything
+        ]
+        assert not [frames for frames in published if not lj.well_formed_topic(frames[1])]
+        swapped = [r for r in everything if r.payload == b'{"le":1}']
+        # the sender's 1 ms on both sockets, where the device forwards SWAPPED_CREATED_MS
+        assert [r.ts_ns // 1_000_000 for r in swapped] == [1, 1] != [SWAPPED_CREATED_MS] * 2
         for _, _, reason in ASYNC_ROWS:
             rejects[reason] += 1
         del rejects[None]

@@ -274,8 +274,10 @@ def _short_numbers_only(value) -> bool:
 # --- the compiled logjam ingest against the pure-Python one -------------------------------------
 
 
-# Messages in the usual shape, which the compiled path takes in C once their app-env and topic
-# are known: JSON bodies and not, both meta sizes, created-ms past the i64 bound, big devices.
+# Messages in the usual shape, which the compiled path takes in C when the grammar takes their
+# app-env and topic: JSON bodies and not, both meta sizes, created-ms past the i64 bound, big
+# devices; app-envs and topics on either side of logjam-device's well_formed_stream_name and
+# well_formed_topic (bytes 32..127 and a "-"; a prefix).
 _usual_messages = st.builds(
     lambda app_env, topic, body, size, device, created, seq: [
         app_env,
@@ -283,8 +285,8 @@ _usual_messages = st.builds(
         body,
         lj.encode_meta(0, device if size == 24 else device & 0xFFFF, created, seq, size=size),
     ],
-    st.sampled_from([b"app-prod", b"web2-prod"]),
-    st.sampled_from([b"logs", b"logs.a.b"]),
+    st.sampled_from([b"app-prod", b"web2-prod", b"my app-", b"-\x7f", b"\xc3\xa4-x", b"a\x1f-b"]),
+    st.sampled_from([b"logs", b"logs.a.b", b"logs/\xff x", b"mobile", b"Logs.x", b"frontend.pag"]),
     st.sampled_from(
         [BODY, b"{}", b"[1, 2.5e3]", b"nul", b'"\xff"', b"", b'"\\ud800"', b"x" * 1500]
     ),
@@ -303,14 +305,16 @@ def _replies(sock, timeout_ms=200):
     return got
 
 
-async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path):
+@pytest.mark.parametrize("grammar", lj.GRAMMARS)
+async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path, grammar):
     """Bursts of fuzzed logjam messages (the protocol fuzz test's frames: bad metas,
     compression, pings, bad app-envs and topics, non-JSON and oversized bodies, odd frame
     counts), on the PULL and, with and without the empty frame, on the ROUTER, under small
-    byte budgets: the compiled take and the pure-Python take give the same batches (bytes and
+    byte budgets, with each grammar ("device" is checked in C itself, "seed" by what Python
+    accepted): the compiled take and the pure-Python take give the same batches (bytes and
     counts, at the same budget stops), the same rejections by reason, pings and replies."""
     _lib()
-    config = dict(QUIET, max_message_bytes=1024, max_decompressed_bytes=1024)
+    config = dict(QUIET, max_message_bytes=1024, max_decompressed_bytes=1024, grammar=grammar)
     async with running_app(tmp_path, enable=["logjam"], logjam=config) as app:
         ingest = app.services["logjam"].ingest
         ctx = zmq.Context()
@@ -392,17 +396,20 @@ async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path):
             ctx.destroy(linger=0)
 
 
-async def test_compiled_ingest_takes_the_usual_message_in_c(tmp_path):
-    """After the first message of an app-env and topic (checked against the grammar in Python,
-    then learned), the usual messages never reach Python; the batches are byte for byte the
-    pure-Python path's."""
+@pytest.mark.parametrize("grammar", lj.GRAMMARS)
+async def test_compiled_ingest_takes_the_usual_message_in_c(tmp_path, grammar):
+    """The usual messages never reach Python: with grammar "device" not even the first (C
+    checks app-env and topic as logjam-device does), with "seed" after the first of an app-env
+    and topic (checked in Python, then learned). The batches are byte for byte the pure-Python
+    path's."""
     _lib()
-    async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
+    async with running_app(tmp_path, enable=["logjam"], logjam=dict(QUIET, grammar=grammar)) as app:
         ctx = zmq.Context()
         try:
-            usual_messages_in_c(app.services["logjam"].ingest, ctx)
+            seen = usual_messages_in_c(app.services["logjam"].ingest, ctx)
         finally:
             ctx.destroy(linger=0)
+    assert seen == ([] if grammar == "device" else [BODY])
 
 
 def usual_messages_in_c(ingest, ctx):
@@ -433,11 +440,11 @@ def usual_messages_in_c(ingest, ctx):
         python_take(burst, 0, [])
         assert batch == python_parser.take_batch()  # byte for byte
         got += lj_records(batch)
-    assert seen == [BODY]  # only the first
     assert [r.seq for r in got] == list(range(200))
     assert {(r.stream, r.topic, r.producer, r.content_type) for r in got} == {
         ("shop-production", "logs.a", "7", "json")
     }
+    return seen
 
 
 def lj_records(batch):

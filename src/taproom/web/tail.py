@@ -26,7 +26,7 @@ from itertools import islice
 from typing import Any
 
 from ..hub import Hub
-from ..records import Record, iter_batch
+from ..records import Record, iter_batch, shown
 
 __all__ = ["TailClient", "TailFilter", "TailHub", "event_json"]
 
@@ -58,9 +58,9 @@ def event_json(record: Record) -> dict[str, Any]:
         "offset": record.offset,
         "received_ms": record.received_ns // 1_000_000,
         "protocol": record.protocol,
-        "stream": record.stream,
-        "topic": record.topic,
-        "producer": record.producer,
+        "stream": shown(record.stream),
+        "topic": shown(record.topic),
+        "producer": shown(record.producer),
         "ts_ms": record.ts_ns // 1_000_000 if record.ts_ns else None,
         "content_type": record.content_type,
         "size": len(record.payload),

@@ -30,8 +30,9 @@ typedef struct {
     int next; size_t next_frame; int slow; int budget_full; size_t out_bytes; int records;
     int acks; size_t ack_frames; size_t ack_bytes;
 } lj_built;
-lj_ingest *lj_ingest_new(int router, size_t max_body, size_t max_decompressed, int max_entries,
-                         int meta_tag, int meta_version, uint64_t max_created_ms);
+lj_ingest *lj_ingest_new(int router, int device_grammar, size_t max_body,
+                         size_t max_decompressed, int max_entries, int meta_tag,
+                         int meta_version, uint64_t max_created_ms);
 void lj_ingest_free(lj_ingest *st);
 void lj_ingest_learn(lj_ingest *st, int kind, const char *s, size_t n);
 void lj_build(lj_ingest *st, const char *buf, const size_t *frame_end, const int *counts,

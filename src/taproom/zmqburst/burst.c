@@ -524,9 +524,34 @@ static int lj_set_has(const lj_set *set, const char *s, size_t n) {
     }
 }
 
+/* logjam-device's own checks, as logjam-tools' src/logjam-util.c has them (and
+ * protocols/logjam/messages.py, which the tests hold this to): well_formed_stream_name, every
+ * byte 32..127 and at least one '-'; well_formed_topic, one of six prefixes, nothing after it
+ * checked. Cheaper than a set lookup, and not limited to the strings seen first. */
+static int lj_well_formed_stream_name(const unsigned char *s, size_t n) {
+    int hyphens = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < 32 || s[i] > 127)
+            return 0;
+        hyphens |= s[i] == '-';
+    }
+    return hyphens;
+}
+
+static int lj_prefix(const char *s, size_t n, const char *prefix, size_t lp) {
+    return n >= lp && memcmp(s, prefix, lp) == 0;
+}
+
+static int lj_well_formed_topic(const char *s, size_t n) {
+    return lj_prefix(s, n, "logs", 4) || lj_prefix(s, n, "javascript", 10) ||
+           lj_prefix(s, n, "events", 6) || lj_prefix(s, n, "frontend.page", 13) ||
+           lj_prefix(s, n, "frontend.ajax", 13) || lj_prefix(s, n, "mobile", 6);
+}
+
 typedef struct {
-    lj_set app_envs, topics;
-    int max_entries;        /* per set, as the Python parser's caches */
+    lj_set app_envs, topics; /* grammar "seed": what Python accepted (see lj_ingest_learn) */
+    int device_grammar;      /* 1: grammar "device", checked here as logjam-device does */
+    int max_entries;         /* per set, as the Python parser's caches */
     size_t max_body;        /* bodies over this (or max_decompressed) go to Python */
     size_t max_decompressed;
     uint16_t meta_tag;
@@ -535,13 +560,15 @@ typedef struct {
     int router;             /* 1: ROUTER messages (routing id first), 0: PULL */
 } lj_ingest;
 
-lj_ingest *lj_ingest_new(int router, size_t max_body, size_t max_decompressed, int max_entries,
-                         int meta_tag, int meta_version, uint64_t max_created_ms) {
+lj_ingest *lj_ingest_new(int router, int device_grammar, size_t max_body,
+                         size_t max_decompressed, int max_entries, int meta_tag,
+                         int meta_version, uint64_t max_created_ms) {
     if (max_entries > LJ_SET_SLOTS / 2)
         return NULL;
     lj_ingest *st = calloc(1, sizeof *st);
     if (st) {
         st->router = router;
+        st->device_grammar = device_grammar;
         st->max_body = max_body;
         st->max_decompressed = max_decompressed;
         st->max_entries = max_entries;
@@ -617,7 +644,8 @@ typedef struct {
  *
  * A message in the usual shape (four frames; on a ROUTER the routing id first, then an empty
  * frame when it wants a reply), with a standard meta frame, no compression, not a ping, an
- * app-env and topic Python has validated, a body within bounds that is certainly JSON,
+ * app-env and topic the grammar takes (grammar "device": logjam-device's checks above; "seed":
+ * strings Python has validated), a body within bounds that is certainly JSON,
  * becomes a record here, byte for byte as IngestParser.push writes it, and, when it asked, a
  * 202 in the ack burst (routing id, app-env, "202 Accepted", as logjam-device replies). At
  * any other message the call stops with res->slow = 1 and res->next at it: Python handles it
@@ -678,9 +706,15 @@ void lj_build(lj_ingest *st, const char *buf, const size_t *frame_end, const int
             goto slow;
         if (lb > st->max_body || lb > st->max_decompressed)
             goto slow;
-        if (!lj_set_has(&st->app_envs, (const char *)app, la) ||
-            !lj_set_has(&st->topics, topic, lt))
+        if (la > 0xFFFF || lt > 0xFFFF) /* over records.py's u16 fields: Python refuses it */
             goto slow;
+        if (st->device_grammar) {
+            if (!lj_well_formed_stream_name(app, la) || !lj_well_formed_topic(topic, lt))
+                goto slow; /* Python refuses it with its reason */
+        } else if (!lj_set_has(&st->app_envs, (const char *)app, la) ||
+                   !lj_set_has(&st->topics, topic, lt)) {
+            goto slow;
+        }
         char producer[24];
         int lr = 0;
         {

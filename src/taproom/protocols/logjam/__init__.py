@@ -49,6 +49,9 @@ from .messages import (
     is_valid_topic,
     parse_message,
     reply_frames,
+    topic_text,
+    well_formed_stream_name,
+    well_formed_topic,
 )
 from .output import OutputMapper
 from .replay import (
@@ -102,4 +105,7 @@ __all__ = [
     "parse_replay_request",
     "replay_error",
     "reply_frames",
+    "topic_text",
+    "well_formed_stream_name",
+    "well_formed_topic",
 ]

@@ -21,7 +21,7 @@ from .codec import (
     decompress,
     parse_meta,
 )
-from .messages import MAX_CREATED_MS, PingMessage, is_valid_app_env, is_valid_topic
+from .messages import MAX_CREATED_MS, PingMessage, is_valid_app_env, is_valid_topic, topic_text
 
 __all__ = ["BURST_FULL", "BurstFull", "IngestParser", "IngestedBody", "Pushed"]
 
@@ -336,7 +336,7 @@ class IngestParser:
         if topic_str is None:
             if not is_valid_topic(topic, grammar=self.grammar):
                 raise LogjamError("topic does not match the grammar", reason="bad_topic")
-            topic_str = topic.decode("ascii")
+            topic_str = topic_text(topic)
             if len(self._topics) < self._CACHE:
                 self._topics[topic] = topic_str
         return topic_str

@@ -34,40 +34,68 @@ __all__ = [
     "is_valid_topic",
     "parse_message",
     "reply_frames",
+    "topic_text",
+    "well_formed_stream_name",
+    "well_formed_topic",
 ]
 
 # --- grammar --------------------------------------------------------------------------------
 
-# "device" (the default) accepts what logjam-device forwards; "seed" is logjam-consumer.txt's
-# ABNF, for operators who want only that. logjam-device (logjam-tools src/logjam-device.c,
-# read_zmq_message_and_forward and read_router_message_and_forward) checks the app-env with
-# well_formed_stream_name and the routing key with well_formed_topic; it is seen to forward app
-# names with "_" and digits (my_app-production, web2-production) and routing keys of any root
-# (mobile, logs.perf-ua.production), and extract_app_env (src/logjam-util.c) splits an app-env
-# at its last "-" with both sides non-empty. So, "device":
-#   app-env = application "-" environment, split at the last "-"
-#   application = (ALNUM / "_") *(ALNUM / "_" / "-"); environment = 1*(ALNUM / "_")
-#   topic = (ALNUM / "_") *(ALNUM / "_" / "-" / ".")
-# ASCII only: app and environment name databases and files downstream (the importer).
+# "device" (the default) is logjam-device's own acceptance, function for function; "seed" is
+# logjam-consumer.txt's ABNF, for operators who want only that. logjam-device (logjam-tools
+# src/logjam-device.c, read_zmq_message_and_forward and read_router_message_and_forward) checks
+# the app-env with well_formed_stream_name and the routing key with well_formed_topic, both in
+# src/logjam-util.c:
+#   well_formed_stream_name: every byte is 32..127 (the test is `s[i] < 32 || s[i] > 127` on a
+#     char: a byte of 128 or more refuses whether char is signed or not, 127 passes) and at
+#     least one is "-". Nothing else: "my app-production", "-production", "myapp-" pass.
+#   well_formed_topic: the key starts with "logs", "javascript", "events", "frontend.page",
+#     "frontend.ajax" or "mobile" (strncmp of the prefix; case matters). Nothing after the
+#     prefix is checked: "logs.my app", "logs/x", "logs.\xc3\xa4pp" pass, "Logs.x" does not.
+# So a device app-env is printable ASCII (stored as text); a device topic is any bytes after its
+# prefix (stored as they came: records keep fields with surrogateescape).
 GRAMMARS = ("device", "seed")
-_APP_ENV = {
-    "device": re.compile(rb"[A-Za-z0-9_][A-Za-z0-9_\-]*-[A-Za-z0-9_]+"),
-    # application = ALPHA *(ALPHA / "_" / "-"); environment = ALPHA *(ALPHA / "_")
-    "seed": re.compile(rb"[A-Za-z][A-Za-z_\-]*-[A-Za-z][A-Za-z_]*"),
-}
-_TOPIC = {
-    "device": re.compile(rb"[A-Za-z0-9_][A-Za-z0-9_.\-]*"),
-    # logs / javascript / events *(ALPHA / "."), frontend.page, frontend.ajax
-    "seed": re.compile(rb"(?:logs|javascript|events)[A-Za-z.]*|frontend\.page|frontend\.ajax"),
-}
+_DEVICE_STREAM_BYTES = re.compile(rb"[\x20-\x7f]*")
+_DEVICE_TOPIC_PREFIXES = (
+    b"logs",
+    b"javascript",
+    b"events",
+    b"frontend.page",
+    b"frontend.ajax",
+    b"mobile",
+)
+# application = ALPHA *(ALPHA / "_" / "-"); environment = ALPHA *(ALPHA / "_")
+_SEED_APP_ENV = re.compile(rb"[A-Za-z][A-Za-z_\-]*-[A-Za-z][A-Za-z_]*")
+# logs / javascript / events *(ALPHA / "."), frontend.page, frontend.ajax
+_SEED_TOPIC = re.compile(rb"(?:logs|javascript|events)[A-Za-z.]*|frontend\.page|frontend\.ajax")
+
+
+def well_formed_stream_name(value: bytes) -> bool:
+    """logjam-device's app-env check (logjam-tools src/logjam-util.c, same name)."""
+    return b"-" in value and _DEVICE_STREAM_BYTES.fullmatch(value) is not None
+
+
+def well_formed_topic(value: bytes) -> bool:
+    """logjam-device's routing-key check (logjam-tools src/logjam-util.c, same name)."""
+    return value.startswith(_DEVICE_TOPIC_PREFIXES)
 
 
 def is_valid_app_env(value: bytes, *, grammar: str = "device") -> bool:
-    return _APP_ENV[grammar].fullmatch(value) is not None
+    if grammar == "device":
+        return well_formed_stream_name(value)
+    return _SEED_APP_ENV.fullmatch(value) is not None
 
 
 def is_valid_topic(value: bytes, *, grammar: str = "device") -> bool:
-    return _TOPIC[grammar].fullmatch(value) is not None
+    if grammar == "device":
+        return well_formed_topic(value)
+    return _SEED_TOPIC.fullmatch(value) is not None
+
+
+def topic_text(topic: bytes) -> str:
+    """A routing key as a record's topic: UTF-8, and any bytes that are not kept as they came
+    (surrogateescape, as records.py stores every field), so outputs send the agent's bytes."""
+    return topic.decode("utf-8", "surrogateescape")
 
 
 # --- messages -------------------------------------------------------------------------------
@@ -149,8 +177,8 @@ def parse_message(
         content_type = "raw"
     else:
         content_type = "json"
-    # The grammar guarantees ASCII, so decoding cannot fail.
-    return DataMessage(app_env.decode("ascii"), topic.decode("ascii"), data, meta, content_type)
+    # Both grammars keep app-envs to ASCII; a device routing key is any bytes after its prefix.
+    return DataMessage(app_env.decode("ascii"), topic_text(topic), data, meta, content_type)
 
 
 def reply_frames(

@@ -9,9 +9,16 @@ from collections.abc import Callable, Iterable
 import orjson
 
 from ...records import Record
-from .messages import is_valid_app_env
 
 __all__ = ["OutputMapper"]
+
+# A stream of another protocol becomes the app-env only where it names an application and an
+# environment the way an importer splits them (extract_app_env in logjam-tools'
+# src/logjam-util.c: at the last "-", both sides non-empty) with names it can use as database
+# and file names (letters, digits, "_"). Stricter than what logjam-device takes from an agent
+# (well_formed_stream_name, in messages.py) on purpose: here taproom picks the app-env, and a
+# file path or a host:port is no application name; such streams get default_app_env.
+_NAMED_APP_ENV = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]*-[A-Za-z0-9_]+")
 
 
 _NOT_TOPIC_CHARS = re.compile(r"[^A-Za-z.]+")
@@ -61,7 +68,7 @@ class OutputMapper:
         cached = self._app_env_cache.get(key)
         if cached is None:
             raw = stream.encode("utf-8", "surrogateescape")
-            if protocol == "logjam" or is_valid_app_env(raw):
+            if protocol == "logjam" or _NAMED_APP_ENV.fullmatch(stream):
                 cached = raw
             else:
                 cached = self.default_app_env.format(protocol=protocol).encode()

@@ -89,8 +89,8 @@ class LogjamConfig:
     )
     grammar: str = setting(
         "device",
-        "accept what logjam-device accepts (digits, '_', any routing key); 'seed' is the "
-        "seed's stricter ABNF",
+        "accept what logjam-device accepts (its well_formed_stream_name and well_formed_topic); "
+        "'seed' is the seed's stricter ABNF",
         choices=lj.GRAMMARS,
     )
     routes: tuple[str, ...] = setting(

@@ -313,6 +313,7 @@ def _compiled_take(
     state = ffi.gc(
         lib.lj_ingest_new(
             int(router),
+            int(parser.grammar == "device"),
             parser.max_body,
             parser.max_decompressed,
             lj.IngestParser._CACHE,
@@ -323,6 +324,7 @@ def _compiled_take(
         lib.lj_ingest_free,
     )
     learn = lib.lj_ingest_learn
+    learns = parser.grammar != "device"  # "device" is checked in C itself (lj_build)
     build = lib.lj_build
     built = ffi.new("lj_built *")
     budget = ffi.new("int64_t *")
@@ -396,13 +398,14 @@ def _compiled_take(
                 counts = burst.counts()
             count = counts[start]
             full = one(count, burst.frames(start), acks)
-            app_envs, topics = parser.validated(known[0], known[1])
-            for app_env in app_envs:
-                learn(state, 0, app_env, len(app_env))
-            for topic in topics:
-                learn(state, 1, topic, len(topic))
-            known[0] += len(app_envs)
-            known[1] += len(topics)
+            if learns:  # grammar "seed": C takes only what Python has accepted
+                app_envs, topics = parser.validated(known[0], known[1])
+                for app_env in app_envs:
+                    learn(state, 0, app_env, len(app_env))
+                for topic in topics:
+                    learn(state, 1, topic, len(topic))
+                known[0] += len(app_envs)
+                known[1] += len(topics)
             start += 1
             frame += min(count, MAX_FRAMES)
             if full:
