@@ -57,6 +57,8 @@ class _Serve:
         cfg.write_text(
             f'[journal]\ndir = "{tmp / "journal"}"\nfsync = "always"\n'
             '[web]\nport = 0\n[hub]\nlog_level = "WARNING"\n'
+            # the hashmap below is its own share of a budget raised to hold it
+            "memory_budget_bytes = 402653184\n"
             "[lumberjack]\nenabled = false\n[logtk]\nenabled = false\n"
             "[logjam]\nenabled = false\n[lager]\nenabled = false\n"
             "[eventbus]\nenabled = true\nport = 0\n"

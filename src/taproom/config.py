@@ -59,6 +59,7 @@ SECTION_MODULES = (
     "taproom.servers.logjam",
     "taproom.servers.eventbus",
     "taproom.servers.lager",
+    "taproom.budget",  # no section: its check that the holders fit in memory_budget_bytes
 )
 
 _SECTIONS: dict[str, type] = {}
@@ -181,9 +182,37 @@ class JournalConfig:
 @dataclass(frozen=True)
 class HubConfig:
     name: str = setting("taproom", "shows in logs, metrics and the logjam/Event BUS producer id")
+    memory_budget_bytes: int = setting(
+        128 * 1024 * 1024,
+        "what the hub may hold in memory, split between the holders below (taproom.budget); "
+        "the promise is a peak RSS within this + ~100 MB for the interpreter and libraries, "
+        "2 x max_pending_bytes + 100 MB with the defaults (issue 26)",
+        min=1024 * 1024,
+    )
     max_pending_bytes: int = setting(
         64 * 1024 * 1024,
-        "bytes accepted but not yet committed; above this servers stop reading their sockets",
+        "bytes accepted but not yet committed; above this servers stop reading their sockets "
+        "(half the budget: the journal's group commit is what keeps throughput up)",
+        min=64 * 1024,
+    )
+    max_inflate_bytes: int = setting(
+        16 * 1024 * 1024,
+        "inflated bytes in flight over all connections (Lumberjack C frames, logjam bodies): "
+        "one largest event (lumberjack.max_event_bytes, 12 MiB) plus pieces of others; a "
+        "connection that finds no room waits its turn",
+        min=1024 * 1024,
+    )
+    connection_buffer_bytes: int = setting(
+        16 * 1024 * 1024,
+        "received, unparsed bytes of all connections of every listener together (incomplete "
+        "frames, unfinished ZeroMQ messages): one largest uncompressed event plus room for "
+        "others; a connection that finds no room stops reading",
+        min=1024 * 1024,
+    )
+    output_queue_bytes: int = setting(
+        16 * 1024 * 1024,
+        "committed batches queued in memory for outputs (two of Lumberjack's 8 MiB batches); "
+        "beyond it a lossless output reads back from the journal, a lossy one drops and counts",
         min=64 * 1024,
     )
     output_queue_batches: int = setting(
@@ -275,6 +304,12 @@ class ConsoleConfig:
         min=10,
     )
     max_tail_clients: int = setting(16, "live-tail pages open at once", min=1, max=1024)
+    tail_bytes: int = setting(
+        4 * 1024 * 1024,
+        "live-tail rows queued for all pages together (its share of hub.memory_budget_bytes; "
+        "a row is under 2 KiB, so 16 full pages of 2000 rows fit in about 4 MiB)",
+        min=64 * 1024,
+    )
     max_rows: int = setting(10_000, "rows one /api/ answer may hold", min=100)
 
 

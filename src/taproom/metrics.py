@@ -14,7 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 __all__ = ["Metrics"]
 
-_ALLOWED_LABELS = frozenset({"protocol", "listener", "reason", "output", "segment_state", "kind"})
+_ALLOWED_LABELS = frozenset(
+    {"protocol", "listener", "reason", "output", "segment_state", "kind", "holder"}
+)
 
 
 class Metrics:

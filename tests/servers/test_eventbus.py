@@ -497,7 +497,10 @@ class TestSnapshot:
         # The stuck snapshot may wait a minute; the second one must not wait for it (the
         # helper gives each reply 10 s), whatever the machine's load.
         settings = {"snapshot_hwm": 50, "snapshot_timeout_ms": 60_000}
-        async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
+        # 20,000 topics (~24 MB charged) need a hashmap over its default share of the budget
+        settings["max_hashmap_bytes"] = 32 << 20
+        hub = {"memory_budget_bytes": 148 << 20}
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=settings, hub=hub) as app:
             url = _url(app.addresses)
             async with EventBusClient([url]) as client:
                 # ~10 MB of snapshot: more than the kernel buffers of a stuck connection hold

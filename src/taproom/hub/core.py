@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ..budget import MemoryBudget
 from ..config import Config, load_config
 from ..errors import DiskFull, HubStopped, JournalError, JournalFailed
 from ..journal import CursorStore, Journal
@@ -75,6 +76,7 @@ class _Pending:
     future: asyncio.Future[Commit]
     loop: asyncio.AbstractEventLoop
     submitted: float
+    waiter: object = None  # its reservation in the pending holder while it waits for room
 
     @property
     def size(self) -> int:
@@ -212,14 +214,19 @@ class Hub:
             jc.dir, fsync=jc.fsync, segment_bytes=jc.segment_bytes, metrics=self.metrics
         )
         self.cursors = CursorStore(jc.dir)
+        # The process-wide memory budget (taproom.budget); what is admitted to the commit queue
+        # and not yet committed and acked is its "pending" holder.
+        self.budget = MemoryBudget(self.config, self.metrics)
+        self._pending = self.budget.holder("pending")
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
-        self._pending_bytes = 0  # admitted to the commit queue, not yet committed and acked
         self._pending_lock = threading.Lock()
-        # Submitted while there was no room: admitted in order as commits free room (loop only).
+        # Submitted while there was no room: each holds a place in the pending holder's FIFO
+        # and is admitted when that reservation is granted (loop only).
         self._waiting: deque[_Pending] = deque()
         self._waiting_bytes = 0
         self._capacity = asyncio.Event()
         self._capacity.set()
+        self._pending.on_change(self._update_capacity)
         self._subscriptions: set[Subscription] = set()
         self._stopped = asyncio.Event()
         self._accepting = True
@@ -242,7 +249,7 @@ class Hub:
             "pending",
             "bytes",
             "Accepted, not yet committed and acked",
-            lambda: self._pending_bytes,
+            lambda: self._pending.used,
         )
         m.gauge_fn(
             "hub",
@@ -281,6 +288,7 @@ class Hub:
             await asyncio.sleep(0.01)
         while self._waiting:
             held = self._waiting.popleft()
+            self._pending.cancel(held.waiter)
             _set_exception_if_pending(held.future, HubStopped("the hub stopped before room"))
         self._waiting_bytes = 0
         if self._thread is not None:
@@ -300,14 +308,18 @@ class Hub:
 
     # --- ingest ---------------------------------------------------------------------------
 
-    def submit(self, batch: EncodedBatch) -> asyncio.Future[Commit]:
+    def submit(self, batch: EncodedBatch, *, reserved: bool = False) -> asyncio.Future[Commit]:
         """Queue ``batch`` for a group commit; the future resolves once durable.
 
-        Never blocks. ``hub.max_pending_bytes`` is a hard bound on what is admitted to the
-        commit queue: a batch that does not fit waits, in submission order, until commits make
-        room (a batch larger than the bound is admitted alone). Servers call
-        :meth:`wait_capacity` (or :meth:`ingest`) before reading more from their sockets, so
-        what waits stays one batch per server.
+        Never blocks. ``hub.max_pending_bytes`` (the budget's ``pending`` holder) is a hard
+        bound on what is admitted to the commit queue: a batch that does not fit waits, in
+        submission order, until commits make room (a batch larger than the bound is admitted
+        alone). Servers call :meth:`wait_capacity` (or :meth:`ingest`) before reading more from
+        their sockets, so what waits stays one batch per server.
+
+        ``reserved=True``: the caller already holds ``len(batch.body)`` bytes of the pending
+        holder for this batch (it reserved them before building it); the hub takes that
+        reservation over and releases it once the batch is committed and acked.
         """
         if not self._accepting:
             raise HubStopped("the hub is shutting down")
@@ -317,27 +329,33 @@ class Hub:
             future.set_result(Commit(self.journal.end_offset, 0))
             return future
         pending = _Pending(batch, future, loop, time.monotonic())
-        if self._waiting or not self._admit(pending):
+        if reserved or self._pending.try_reserve(pending.size):
+            self._admit(pending)
+        else:
             self._m_held.inc()
             self._waiting.append(pending)
             self._waiting_bytes += pending.size
+            pending.waiter = self._pending.wait(pending.size, self._admit_waiting)
         self._update_capacity()
         return future
 
-    def _admit(self, pending: _Pending) -> bool:
-        """Into the commit queue if it fits under the bound; False if it must wait."""
+    def _admit(self, pending: _Pending) -> None:
+        """Into the commit queue; its room in the pending holder is already taken."""
         with self._pending_lock:
-            total = self._pending_bytes + pending.size
-            if self._pending_bytes and total > self.config.hub.max_pending_bytes:
-                return False
-            self._pending_bytes = total
             if self.oldest_pending_since is None:
                 self.oldest_pending_since = time.monotonic()
         self._queue.put(pending)
-        return True
+
+    def _admit_waiting(self) -> None:
+        """The pending holder granted the oldest waiting batch its room (FIFO: the grants
+        come in the order the waits were queued)."""
+        pending = self._waiting.popleft()
+        self._waiting_bytes -= pending.size
+        pending.waiter = None
+        self._admit(pending)
 
     def _update_capacity(self) -> None:
-        if not self._waiting and self._pending_bytes < self.config.hub.max_pending_bytes:
+        if self.has_capacity:
             self._capacity.set()
         else:
             self._capacity.clear()
@@ -349,14 +367,18 @@ class Hub:
 
     async def wait_capacity(self) -> None:
         """Return when the hub can take more; servers stop reading sockets while this waits."""
-        if not self._capacity.is_set():
-            self._m_backpressure.inc()
+        if self.has_capacity:
+            return
+        self._m_backpressure.inc()
+        while not self.has_capacity:
+            self._capacity.clear()
             await self._capacity.wait()
 
     @property
     def has_capacity(self) -> bool:
         """True while nothing waits for room and admitted bytes are under the bound."""
-        return self._capacity.is_set()
+        pending = self._pending
+        return not pending.waiting and pending.used < pending.bound
 
     # --- commit thread --------------------------------------------------------------------
 
@@ -471,11 +493,9 @@ class Hub:
         for p, base in zip(group, bases, strict=True):
             if not p.future.done():
                 p.future.set_result(Commit(base, p.batch.count))
-        with self._pending_lock:
-            self._pending_bytes -= nbytes
-        while self._waiting and self._admit(self._waiting[0]):
-            self._waiting_bytes -= self._waiting.popleft().size
-        self._update_capacity()
+        # Admits waiting batches (and grants other reservations) in FIFO order as room frees;
+        # the capacity event follows (on_change).
+        self._pending.release(nbytes)
         if self._subscriptions:
             for p, base in zip(group, bases, strict=True):
                 committed = CommittedBatch(base, p.batch.count, p.batch.body)

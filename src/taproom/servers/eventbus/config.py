@@ -85,9 +85,10 @@ class EventBusConfig:
         min=1,
     )
     max_hashmap_bytes: int = setting(
-        64 * 1024 * 1024,
-        "memory the latest-value hashmap may take (frames + per-entry overhead), as much as "
-        "the hub's max_pending_bytes; an update that would grow it past this is refused",
+        12 * 1024 * 1024,
+        "memory the latest-value hashmap may take (frames + per-entry overhead): its share of "
+        "hub.memory_budget_bytes (about 19,000 small topics, or 12 of 1 MiB); an update that "
+        "would grow it past this is refused",
         min=1024 * 1024,
     )
     max_held: int = setting(
