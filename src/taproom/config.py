@@ -229,6 +229,36 @@ class HubConfig:
         "operators want connections and rejects, not per-event lines",
         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
     )
+    error_log_interval_s: float = setting(
+        1.0,
+        "an internal error refusing one message is logged with its traceback at most this "
+        "often per loop (the rest are counted): a poison stream must not flood the log",
+        min=0,
+        max=3600,
+    )
+    loop_restart_max_s: float = setting(
+        5.0,
+        "a supervised loop that died starts again after 0.1 s, doubling per death in a row up "
+        "to this: quick back after one bug, no busy crash loop",
+        min=0.1,
+        max=600,
+    )
+    loop_settle_s: float = setting(
+        10.0,
+        "a restarted loop is back (off /ready's degraded list) once it has run this long; "
+        "one that dies on its next message must not look healthy between deaths",
+        min=0,
+        max=3600,
+    )
+    loop_death_limit: int = setting(
+        5,
+        "deaths of one loop within loop_death_window_s that make /ready 503: it keeps dying "
+        "(five restarts with backoff take about 1.5 s)",
+        min=1,
+    )
+    loop_death_window_s: float = setting(
+        60.0, "the window loop_death_limit counts deaths in", min=1, max=86400
+    )
 
 
 @config_section("web")

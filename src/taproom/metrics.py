@@ -1,7 +1,7 @@
 """Prometheus metrics with taproom's naming rule and bounded labels.
 
 Names read ``taproom_<component>_<name>_<unit>_total`` for counters (prometheus-client adds the
-``_total``); labels are drawn only from bounded sets: protocol, listener, reason, output. Each
+``_total``); labels are drawn only from bounded sets: protocol, listener, reason, output, kind, loop. Each
 :class:`Metrics` owns its registry so several hubs can live in one test process.
 """
 
@@ -14,8 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 __all__ = ["Metrics"]
 
+# "loop": a supervised loop's name, fixed in the code (taproom.supervise).
 _ALLOWED_LABELS = frozenset(
-    {"protocol", "listener", "reason", "output", "segment_state", "kind", "holder"}
+    {"protocol", "listener", "reason", "output", "segment_state", "kind", "holder", "loop"}
 )
 
 
@@ -96,6 +97,17 @@ class Metrics:
             "Bytes of journal records handed to the journal, by protocol",
             ("protocol",),
         ).labels(protocol=protocol).inc(nbytes)
+
+    def odd(self, protocol: str, reason: str, count: int = 1) -> None:
+        """Count events accepted and stored with a caveat (a body that is not JSON, an event
+        time the journal cannot hold: taproom.eventtime)."""
+        self.counter(
+            "ingest",
+            "odd",
+            "events",
+            "Events accepted and stored with a caveat, by reason",
+            ("protocol", "reason"),
+        ).labels(protocol=protocol, reason=reason).inc(count)
 
     def connections(self, protocol: str, listener: str) -> Gauge:
         """Open connections of one listener."""

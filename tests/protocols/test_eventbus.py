@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from taproom.eventtime import MAX_NS, EventTimes
 from taproom.protocols.eventbus import (
     BinaryStar,
     BStarState,
@@ -229,6 +230,19 @@ class TestCompatibility:
         naive = parse_pub(_frames(ts=b"2026-11-22T08:00:00.123"))
         assert naive.ts_ns == js.ts_ns
 
+    @pytest.mark.parametrize(
+        "ts", [b"2426-01-01T00:00:00Z", b"0001-01-01T00:00:00Z", b"9999-12-31T23:59:59.999999"]
+    )
+    def test_a_timestamp_the_journal_cannot_hold_is_kept_with_no_time(self, ts: bytes) -> None:
+        """Issue 25: years 1..9999 parse, but only 1677..2262 fit the journal's i64 ns. The
+        event is valid (the seed's frame is a date-time); its time is absent and counted."""
+        times = EventTimes()
+        event = parse_pub(_frames(ts=ts), Limits(), times)
+        assert event.ts_ns == 0 and event.timestamp == ts.decode()
+        assert times.take() == 1 and times.take() == 0
+        assert parse_pub(_frames(ts=b"2262-04-11T23:47:16Z"), Limits(), times).ts_ns > 0
+        assert times.take() == 0
+
 
 class TestReplication:
     def test_round_trip(self) -> None:
@@ -348,7 +362,7 @@ class TestKvmsg:
             ({"key": b"/" + b"k" * 1024}, "too_large"),
             ({"seq": b"\x00" * 4}, "bad_sequence"),
             ({"uuid": UUID.encode()}, "bad_uuid"),  # text, not the 16 raw bytes
-            ({"uuid": b""}, "bad_uuid"),
+            ({"uuid": b"\x01" * 15}, "bad_uuid"),
             ({"uuid": uuid.uuid1().bytes}, "bad_uuid"),
             ({"props": b"no equals sign\n"}, "bad_properties"),
             ({"props": b"=value\n"}, "bad_properties"),
@@ -365,6 +379,19 @@ class TestKvmsg:
         with pytest.raises(EventBusError) as info:
             kvmsg.parse_update(self._update(**over), Limits())
         assert info.value.reason == reason
+
+    def test_an_empty_uuid_is_taken_for_the_server_to_fill(self) -> None:
+        """The Guide's C clonecli5 sends an empty uuid frame (its clonesrv5 publishes such
+        updates): parsed with an empty uuid, which the server replaces with one of its own."""
+        update = kvmsg.parse_update(self._update(uuid=b""), Limits())
+        assert update.uuid == "" and update.topic == "/client/42"
+
+    def test_a_timestamp_the_journal_cannot_hold_is_absent_and_counted(self) -> None:
+        times = EventTimes()
+        props = b"timestamp=2426-01-01T00:00:00Z\n"
+        update = kvmsg.parse_update(self._update(props=props), Limits(), times)
+        assert update.ts_ns == 0 and update.timestamp == "2426-01-01T00:00:00Z"
+        assert times.take() == 1
 
     def test_frame_count(self) -> None:
         for frames in (self._update()[:4], [*self._update(), b"extra"]):
@@ -424,7 +451,9 @@ def test_valid_events_round_trip(
 
     timestamp = datetime.fromtimestamp(ts_ns, UTC).isoformat()
     data = msgpack.packb(value)
-    event = Event(topic, seq, producer, timestamp, str(event_uuid), data, ts_ns * 10**9)
+    # Past 2262 the date is still valid, but the journal cannot hold its time: absent (0).
+    expected_ns = ts_ns * 10**9 if ts_ns * 10**9 <= MAX_NS else 0
+    event = Event(topic, seq, producer, timestamp, str(event_uuid), data, expected_ns)
     assert parse_broadcast(broadcast_frames(event)) == event
     assert parse_snapshot_reply(sync_frames(event)) == event
 

@@ -23,12 +23,14 @@ from bench.bench_attack import ATTACKS, goal_mib, run_attack
 from taproom.clients.eventbus import EventBusClient
 from taproom.config import load_config
 from taproom.errors import ConfigError
+from taproom.eventtime import EventTimes
 from taproom.journal import JournalReader
 from taproom.protocols.eventbus import (
     BStarState,
     Event,
     EventBusError,
     Heartbeat,
+    Limits,
     SyncEnd,
     parse_broadcast,
     parse_pub,
@@ -238,13 +240,15 @@ class TestCollector:
             sent.append(frames)
         expected: list[tuple[str, str]] = []
         reasons: dict[str, int] = {}
+        times = EventTimes()  # bit-flipped years: valid PUBs whose time the journal cannot hold
         for frames in sent:
             try:
-                event = parse_pub(frames)
+                event = parse_pub(frames, Limits(), times)
             except EventBusError as exc:
                 reasons[exc.reason] = reasons.get(exc.reason, 0) + 1
             else:
                 expected.append((event.topic, event.uuid))
+        out_of_range = times.take()
         async with running_app(tmp_path, enable=["eventbus"]) as app:
             dealer = ctx.socket(zmq.DEALER)
             dealer.connect("tcp://" + app.addresses["eventbus_collector"])
@@ -261,6 +265,38 @@ class TestCollector:
             for reason, count in reasons.items():
                 labels = {"protocol": "eventbus", "reason": reason}
                 assert _metric(app, "taproom_ingest_rejected_items_total", labels) == count
+            labels = {"protocol": "eventbus", "reason": "time_out_of_range"}
+            assert _metric(app, "taproom_ingest_odd_events_total", labels) == out_of_range
+            # The server keeps serving after any input: no loop died, no internal error, ready.
+            assert app.readiness() == [] and app.hub.degraded() == []
+            assert all(s.total_deaths == 0 for s in app.hub.supervisor.loops.values())
+            labels = {"protocol": "eventbus", "reason": "internal_error"}
+            assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 0
+
+    @pytest.mark.usefixtures("zmq_path")
+    async def test_a_timestamp_the_journal_cannot_hold_costs_nothing(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
+        """Issue 25, part 1: one PUB stamped 2426 stopped the COLLECTOR for good (struct.error
+        in the record encoder), taking the burst's valid PUBs with it. Now it is stored with
+        no event time and counted, and the PUBs around it are kept."""
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + app.addresses["eventbus_collector"])
+            far = _pub("/y/far", 1)
+            far[3] = b"2426-01-01T00:00:00Z"
+            for frames in (_pub("/y/a", 0), far, _pub("/y/b", 2)):
+                await dealer.send_multipart(frames)
+            await _until(lambda: len(list(app.hub.journal.read(0))) == 3, 20, "three PUBs")
+            records = list(app.hub.journal.read(0))
+            assert [r.topic for r in records] == ["/y/a", "/y/far", "/y/b"]
+            assert [r.ts_ns == 0 for r in records] == [False, True, False]
+            assert records[1].attrs["timestamp"] == "2426-01-01T00:00:00Z"  # kept as sent
+            labels = {"protocol": "eventbus", "reason": "time_out_of_range"}
+            assert _metric(app, "taproom_ingest_odd_events_total", labels) == 1
+            await dealer.send_multipart(_pub("/y/c", 3))
+            await _until(lambda: len(list(app.hub.journal.read(0))) == 4, 20, "a later PUB")
+            assert app.readiness() == []
 
     async def test_oversized_data_is_refused_before_and_after_zeromq(
         self, tmp_path: Path, ctx: zmq.asyncio.Context

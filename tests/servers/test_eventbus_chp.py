@@ -179,6 +179,39 @@ class TestCloneFlows:
                 "the refused handshake",
             )
 
+    async def test_clonecli5_empty_uuid_and_an_unholdable_timestamp_are_kept(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
+        """The Guide's C clonecli5 sends an empty uuid frame (its clonesrv5 publishes the
+        update): taproom gives it a uuid4 and counts it. A timestamp property past 2262 (issue
+        25: it stopped the collector for good) leaves the event without a time, counted; the
+        updates around both are kept."""
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=_chp("pull")) as app:
+            host, port = _group(app.addresses)
+            push = ctx.socket(zmq.PUSH)
+            push.connect(f"tcp://{host}:{port + 2}")
+            far = b"timestamp=2426-01-01T00:00:00Z\n"
+            for frames in (
+                [b"/c/a", bytes(8), uuid.uuid4().bytes, b"", b"before"],
+                [b"/c/b", bytes(8), b"", b"ttl=30\n", b"clonecli5"],
+                [b"/c/c", bytes(8), uuid.uuid4().bytes, far, b"far future"],
+                [b"/c/d", bytes(8), uuid.uuid4().bytes, b"", b"after"],
+            ):
+                await push.send_multipart(frames)
+            journal = app.hub.journal
+            await _until(lambda: len(list(journal.read(0))) == 4, 20, "four updates")
+            records = {r.topic: r for r in journal.read(0)}
+            assert uuid.UUID(records["/c/b"].event_id).version == 4
+            assert records["/c/c"].ts_ns == 0
+            assert records["/c/c"].attrs["timestamp"] == "2426-01-01T00:00:00Z"
+            assert records["/c/a"].ts_ns > 0 and records["/c/d"].payload == b"after"
+            odd = "taproom_ingest_odd_events_total"
+            labels = {"protocol": "eventbus", "reason": "empty_uuid"}
+            assert _metric(app, odd, labels) == 1
+            labels = {"protocol": "eventbus", "reason": "time_out_of_range"}
+            assert _metric(app, odd, labels) == 1
+            assert app.readiness() == []
+
     async def test_chp_state_survives_sigkill(self, tmp_path: Path) -> None:
         config = write_config(tmp_path, enable=["eventbus"], eventbus=_chp("pull"))
         with HubProcess(config) as hub:

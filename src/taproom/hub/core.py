@@ -28,6 +28,7 @@ from ..errors import DiskFull, HubStopped, JournalError, JournalFailed
 from ..journal import CursorStore, Journal
 from ..metrics import Metrics
 from ..records import EncodedBatch, Record, decode_batch
+from ..supervise import Supervisor
 
 __all__ = ["Commit", "CommittedBatch", "Hub", "Subscription"]
 
@@ -235,6 +236,13 @@ class Hub:
         self.last_commit_at = time.monotonic()
         self.oldest_pending_since: float | None = None
         self.journal_problem: str | None = None
+        # Every loop that reads a socket or a queue is supervised (taproom.supervise); the
+        # services reach the one table through the hub.
+        self.supervisor = Supervisor(self.config.hub, self.metrics)
+        self._deliver_guard = self.supervisor.guard("hub.deliver", output="hub")
+        # The group the commit thread holds, kept here so a restarted thread retries it.
+        self._in_hand: list[_Pending] = []
+        self._commit_stopping = False  # the stop sentinel was taken (survives a restart)
         m = self.metrics
         self._m_commits = m.counter("hub", "commits", "calls", "Group commits (one write + fsync)")
         self._m_batches = m.counter("hub", "committed", "batches", "Batches committed")
@@ -273,7 +281,7 @@ class Hub:
     async def start(self) -> Hub:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(
-            target=self._commit_loop, name="taproom-commit", daemon=True
+            target=self._commit_thread, name="taproom-commit", daemon=True
         )
         self._thread.start()
         return self
@@ -382,11 +390,26 @@ class Hub:
 
     # --- commit thread --------------------------------------------------------------------
 
+    def _commit_thread(self) -> None:
+        """The commit loop, supervised: an exception escaping it (a bug: the journal's own
+        failures are handled inside) is logged and counted, shows on /ready, and the loop
+        starts again with the group it held, so nothing queued is lost or acked early."""
+        backoff = 0.1
+        while True:
+            self.supervisor.running("hub.commit")
+            try:
+                self._commit_loop()
+                return
+            except Exception as exc:
+                self.supervisor.died("hub.commit", exc)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, self.config.hub.loop_restart_max_s)
+
     def _commit_loop(self) -> None:
         jc = self.config.journal
         max_bytes = jc.max_commit_bytes
-        carry: list[_Pending] = []
-        stopping = False
+        carry: list[_Pending] = self._in_hand
+        stopping = self._commit_stopping
         last_sync = time.monotonic()
         last_retention = 0.0
         interval = jc.fsync_interval_ms / 1000
@@ -404,7 +427,7 @@ class Hub:
                         self._sync_quietly()
                     continue
                 if item is None:
-                    stopping = True
+                    stopping = self._commit_stopping = True
                 else:
                     group.append(item)
             nbytes = sum(len(p.batch.body) for p in group)
@@ -414,7 +437,7 @@ class Hub:
                 except queue.Empty:
                     break
                 if item is None:
-                    stopping = True
+                    stopping = self._commit_stopping = True
                     continue
                 group.append(item)
                 nbytes += len(item.batch.body)
@@ -423,6 +446,7 @@ class Hub:
                     self._sync_quietly()
                     return
                 continue
+            self._in_hand = group
             try:
                 bases = self.journal.commit([p.batch for p in group])
             except (DiskFull, JournalFailed, JournalError, OSError) as exc:
@@ -437,6 +461,7 @@ class Hub:
                     return
                 continue
             self.journal_problem = None
+            self._in_hand = []
             now = time.monotonic()
             self.last_commit_at = now
             if jc.fsync == "interval" and now - last_sync >= interval:
@@ -500,7 +525,13 @@ class Hub:
             for p, base in zip(group, bases, strict=True):
                 committed = CommittedBatch(base, p.batch.count, p.batch.body)
                 for sub in list(self._subscriptions):
-                    sub._offer(committed)
+                    try:
+                        sub._offer(committed)
+                    except Exception as exc:
+                        # One output's bug never costs the acks or the other outputs; that
+                        # output reads this batch back from the journal instead.
+                        self._deliver_guard.failed(exc, f"committed batch for {sub.name}")
+                        sub._lagging = True
 
     # --- outputs --------------------------------------------------------------------------
 
@@ -538,12 +569,14 @@ class Hub:
             reasons.append(f"commit loop stalled for {time.monotonic() - since:.1f}s")
         if self._thread is None or not self._thread.is_alive():
             reasons.append("commit thread not running")
+        reasons += self.supervisor.readiness()
         return reasons
 
     def degraded(self) -> list[str]:
         """What an operator must know that does not stop the hub serving: journal damage that
-        was quarantined (its events are lost; everything else is served)."""
-        return self.journal.damage_summary()
+        was quarantined (its events are lost; everything else is served), and supervised loops
+        that died and are not back yet."""
+        return self.journal.damage_summary() + self.supervisor.degraded()
 
 
 def _set_exception_if_pending(future: asyncio.Future[Commit], exc: Exception) -> None:

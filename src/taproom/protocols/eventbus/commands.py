@@ -28,13 +28,13 @@ import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from enum import Enum
 from typing import Any, NamedTuple
 
 import msgpack
 
 from ...errors import ProtocolError
+from ...eventtime import EventTimes
 
 __all__ = [
     "HUGZ_TOPIC",
@@ -69,8 +69,8 @@ __all__ = [
 SEQUENCE = struct.Struct(">Q")
 _U64_MAX = (1 << 64) - 1
 HUGZ_TOPIC = b"HUGZ"
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_MICROSECOND = timedelta(microseconds=1)
+# For callers that do not count out-of-range times (clients, tests): its tally is never read.
+_UNCOUNTED = EventTimes()
 # RFC 4122 version 4 in its canonical 8-4-4-4-12 text form: version nibble 4, variant 10xx.
 _UUID4 = re.compile(
     rb"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-4[0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}"
@@ -216,25 +216,18 @@ def _text(frame: bytes, limit: int, reason: str, name: str) -> str:
         raise EventBusError(f"{name} is not UTF-8", reason=reason) from None
 
 
-def parse_timestamp(text: str) -> int:
-    """Nanoseconds since the epoch for an ISO-8601 date-time (naive means UTC).
+def parse_timestamp(text: str, times: EventTimes = _UNCOUNTED) -> int:
+    """Nanoseconds since the epoch for an ISO-8601 date-time (naive means UTC), by the event
+    time rule (taproom.eventtime): a date-time the journal cannot hold (years 1-1677 and
+    2262-9999) is 0, absent, and counted in ``times``; the event is kept.
 
-    Raises :class:`EventBusError` (``bad_timestamp``) for anything else, including a bare date.
+    Raises :class:`EventBusError` (``bad_timestamp``) for anything that is not a date-time,
+    including a bare date: the seed's frame is an ISO-8601 timestamp.
     """
-    if not 16 <= len(text) <= 64 or text[10] not in "Tt ":
+    ts_ns = times.iso(text)
+    if ts_ns is None:
         raise EventBusError("timestamp is not an ISO-8601 date-time", reason="bad_timestamp")
-    try:
-        when = datetime.fromisoformat(text)
-    except ValueError:
-        raise EventBusError(
-            "timestamp is not an ISO-8601 date-time", reason="bad_timestamp"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    try:
-        return ((when - _EPOCH) // _MICROSECOND) * 1000
-    except OverflowError:  # pragma: no cover - fromisoformat bounds years to 1..9999
-        raise EventBusError("timestamp out of range", reason="bad_timestamp") from None
+    return ts_ns
 
 
 def _check_msgpack(data: bytes) -> None:
@@ -279,7 +272,9 @@ def matches(topic: str, subtrees: Sequence[str]) -> bool:
 # --- parsing -----------------------------------------------------------------------------------
 
 
-def _event(frames: Sequence[bytes], limits: Limits, *, from_server: bool) -> Event:
+def _event(
+    frames: Sequence[bytes], limits: Limits, *, from_server: bool, times: EventTimes = _UNCOUNTED
+) -> Event:
     if len(frames) != 6:
         raise EventBusError(f"{len(frames)} frames, an event has 6", reason="frame_count")
     topic_b, seq_b, producer_b, ts_b, uuid_b, data = frames
@@ -294,7 +289,7 @@ def _event(frames: Sequence[bytes], limits: Limits, *, from_server: bool) -> Eve
         timestamp = ts_b.decode("ascii")
     except UnicodeDecodeError:
         raise EventBusError("timestamp is not ASCII", reason="bad_timestamp") from None
-    ts_ns = parse_timestamp(timestamp)
+    ts_ns = parse_timestamp(timestamp, times)
     if len(uuid_b) != 36 or _UUID4.fullmatch(uuid_b) is None:
         raise EventBusError("event UUID is not an RFC 4122 v4 UUID", reason="bad_uuid")
     if len(data) > limits.max_data_bytes:
@@ -308,13 +303,16 @@ def _event(frames: Sequence[bytes], limits: Limits, *, from_server: bool) -> Eve
     return Event(topic, sequence, producer, timestamp, uuid_b.decode().lower(), data, ts_ns)
 
 
-def parse_pub(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> Event:
+def parse_pub(
+    frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS, times: EventTimes = _UNCOUNTED
+) -> Event:
     """A PUB command from the COLLECTOR (identity frame already removed).
 
-    Every frame is validated; the producer's sequence may be empty or decimal text.
+    Every frame is validated; the producer's sequence may be empty or decimal text. A
+    timestamp the journal cannot hold leaves ``ts_ns`` 0 and is counted in ``times``.
     Raises :class:`EventBusError`.
     """
-    return _event(frames, limits, from_server=False)
+    return _event(frames, limits, from_server=False, times=times)
 
 
 def parse_broadcast(frames: Sequence[bytes], limits: Limits = DEFAULT_LIMITS) -> Event | Heartbeat:

@@ -33,8 +33,11 @@ import uuid as uuid_mod
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from ...eventtime import EventTimes
 from ..clustered_hashmap import FRAMES, HUGZ, ICANHAZ, KTHXBAI, snapshot_subtree
 from .commands import EventBusError, Limits, parse_timestamp
+
+_UNCOUNTED = EventTimes()  # for callers that do not count out-of-range times
 
 __all__ = [
     "HUGZ",
@@ -82,9 +85,12 @@ class KvMsg(NamedTuple):
 class Update(NamedTuple):
     """A client's update, validated and mapped onto the bus event's fields.
 
-    ``uuid`` is the canonical text form (the seed's frame and the dedup key); ``timestamp`` is
-    None when the client sent none (the server then uses the arrival time); ``properties`` are
-    the remaining properties, encoded, in the order sent; ``ttl_ms`` is 0 for none.
+    ``uuid`` is the canonical text form (the seed's frame and the dedup key), or empty when the
+    client sent an empty uuid frame (the Guide's C clonecli5 does: the server gives the update
+    a uuid of its own); ``timestamp`` is None when the client sent none (the server then uses
+    the arrival time); ``ts_ns`` is 0 when the timestamp is outside what the journal can hold
+    (taproom.eventtime); ``properties`` are the remaining properties, encoded, in the order
+    sent; ``ttl_ms`` is 0 for none.
     """
 
     topic: str
@@ -141,7 +147,7 @@ def _ttl_ms(text: str) -> int:
     return round(float(text) * 1000)
 
 
-def parse_update(frames: Sequence[bytes], limits: Limits) -> Update:
+def parse_update(frames: Sequence[bytes], limits: Limits, times: EventTimes = _UNCOUNTED) -> Update:
     """An update from the CHP collector. Raises :class:`EventBusError` with the reason:
     ``frame_count``, ``bad_sequence``, ``bad_topic``, ``too_large``, ``bad_uuid``,
     ``bad_properties``, ``bad_producer``, ``bad_timestamp``, ``bad_ttl``."""
@@ -157,12 +163,18 @@ def parse_update(frames: Sequence[bytes], limits: Limits) -> Update:
     if not topic.startswith("/"):
         # As the seed's topics: this keeps HUGZ, KTHXBAI and ICANHAZ? out of the key space.
         raise EventBusError("a key must start with '/'", reason="bad_topic")
-    if len(msg.uuid) != 16:
+    if not msg.uuid:
+        # The Guide's C clonecli5 never sets a uuid (kvmsg_send sends an empty frame) and its
+        # clonesrv5 publishes such updates: the server numbers them with a uuid of its own.
+        uuid_text = ""
+    elif len(msg.uuid) != 16:
         raise EventBusError(f"uuid is {len(msg.uuid)} bytes, not 16", reason="bad_uuid")
-    event_uuid = uuid_mod.UUID(bytes=msg.uuid)
-    if event_uuid.version != 4 or event_uuid.variant != uuid_mod.RFC_4122:
-        # The seed's frame is a v4 UUID; the Guide's clients make theirs with uuid4 / libuuid.
-        raise EventBusError("uuid is not an RFC 4122 version 4 UUID", reason="bad_uuid")
+    else:
+        event_uuid = uuid_mod.UUID(bytes=msg.uuid)
+        if event_uuid.version != 4 or event_uuid.variant != uuid_mod.RFC_4122:
+            # The seed's frame is a v4 UUID; the Guide's Python clients and libuuid make v4.
+            raise EventBusError("uuid is not an RFC 4122 version 4 UUID", reason="bad_uuid")
+        uuid_text = str(event_uuid)
     if len(msg.body) > limits.max_data_bytes:
         raise EventBusError(
             f"body is {len(msg.body)} bytes, at most {limits.max_data_bytes}", reason="too_large"
@@ -178,14 +190,14 @@ def parse_update(frames: Sequence[bytes], limits: Limits) -> Update:
                 raise EventBusError("producer property too long", reason="bad_producer")
             producer = value
         elif name == TIMESTAMP:
-            ts_ns = parse_timestamp(value)
+            ts_ns = parse_timestamp(value, times)
             timestamp = value
         else:
             if name == TTL:
                 ttl_ms = _ttl_ms(value)
             rest.append((name, value))
     properties = encode_properties(rest) if rest else b""
-    return Update(topic, str(event_uuid), producer, timestamp, ts_ns, properties, msg.body, ttl_ms)
+    return Update(topic, uuid_text, producer, timestamp, ts_ns, properties, msg.body, ttl_ms)
 
 
 def update_properties(producer: bytes, timestamp: bytes, properties: bytes) -> bytes:

@@ -11,6 +11,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from ...eventtime import EventTimes
 from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.eventbus import BinaryStar, Event
@@ -99,6 +100,19 @@ class BusBase:
         self._sockets: list[zmq.Socket[Any]] = []
         self._reject_log_budget = 0.0
         self._stopping = False
+        # Producer times to ts_ns by the one rule (taproom.eventtime); counted per burst.
+        self._times = EventTimes()
+        # Per-message supervision of the loops that read sockets (taproom.supervise).
+        supervisor = hub.supervisor
+        self._collector_guard = supervisor.guard(
+            "eventbus.collector", protocol=PROTOCOL, logger=log
+        )
+        self._chp_collector_guard = supervisor.guard(
+            "eventbus.chp_collector", protocol=PROTOCOL, logger=log
+        )
+        self._peer_hugz_guard = supervisor.guard(
+            "eventbus.peer_hugz", protocol=PROTOCOL, logger=log
+        )
         m = hub.metrics
         self._m_broadcast = m.counter("eventbus", "broadcast", "events", "BROADCASTs sent")
         self._m_duplicates = m.counter(

@@ -26,11 +26,18 @@ class Broadcaster(BinaryStarPeer):
     """Applies committed bursts in order and publishes them; sends HUGZ."""
 
     async def _broadcast_loop(self) -> None:
+        """Supervised as ``eventbus.broadcast``: a burst whose apply fails unexpectedly is
+        counted (``output="eventbus_broadcast"``) and logged; the admission table is counted
+        again from the hashmap, and the next burst goes on."""
         pub = self._publisher_raw
+        guard = self.hub.supervisor.guard("eventbus.broadcast", output="eventbus_broadcast")
         while True:
             burst = await self._inflight.get()
             try:
                 await self._apply(burst, pub)
+            except Exception as exc:
+                guard.failed(exc, "committed burst", len(burst.entries))
+                self._install(self.hashmap)
             finally:
                 self._inflight.task_done()
 

@@ -197,22 +197,32 @@ class BinaryStarPeer(Acceptor):
         return True
 
     async def _peer_ack_loop(self) -> None:
+        """Supervised as ``eventbus.peer_ack``."""
+        guard = self.hub.supervisor.guard("eventbus.peer_ack", protocol=PROTOCOL, logger=log)
         while True:
             frames = await self._peer_dealer.recv_multipart()
             try:
-                acked = parse_replicated(frames)
-            except EventBusError as exc:
-                self._reject(exc.reason, f"from peer: {exc}")
-                continue
-            if acked > self.peer_acked:
-                self.peer_acked = acked
-                self._ack_event.set()
+                self._on_peer_ack(frames)
+            except Exception as exc:
+                guard.failed(exc, "REPLICATED from the peer")
+
+    def _on_peer_ack(self, frames: list[bytes]) -> None:
+        try:
+            acked = parse_replicated(frames)
+        except EventBusError as exc:
+            self._reject(exc.reason, f"from peer: {exc}")
+            return
+        if acked > self.peer_acked:
+            self.peer_acked = acked
+            self._ack_event.set()
 
     # --- the peer's heartbeat and state changes -----------------------------------------------
 
     _peer_state = 0
 
     async def _peer_hugz_loop(self) -> None:
+        """Supervised as ``eventbus.peer_hugz``: a HUGZ that fails unexpectedly is counted
+        and skipped (:meth:`_read_peer_hugz`)."""
         while True:
             await self._peer_sub.poll(1000)  # timed: the FD is edge-triggered
             self._read_peer_hugz()
@@ -229,21 +239,28 @@ class BinaryStarPeer(Acceptor):
             if frames is None:
                 continue
             try:
-                beat = parse_broadcast(frames, self.limits)
-            except EventBusError:
-                continue
-            if not isinstance(beat, Heartbeat):
-                continue
-            self._peer_state = beat.state
-            self.peer_synced = beat.synced
-            before = self.fsm.state
-            self.fsm.on_peer(beat.state, time.monotonic())
-            if self.fsm.state is not before:
-                self._transition(before)
-            if self.fsm.problem:
-                log.error("eventbus: Binary Star conflict: %s", self.fsm.problem)
-                self._m_transitions.labels(kind=self.fsm.problem.replace(" ", "_")).inc()
-                self.fsm.problem = ""
+                self._on_peer_hugz(frames)
+            except Exception as exc:
+                self._peer_hugz_guard.failed(exc, "HUGZ from the peer")
+
+    def _on_peer_hugz(self, frames: list[bytes]) -> None:
+        """One message from the peer's PUBLISHER: its state when it is a HUGZ."""
+        try:
+            beat = parse_broadcast(frames, self.limits)
+        except EventBusError:
+            return
+        if not isinstance(beat, Heartbeat):
+            return
+        self._peer_state = beat.state
+        self.peer_synced = beat.synced
+        before = self.fsm.state
+        self.fsm.on_peer(beat.state, time.monotonic())
+        if self.fsm.state is not before:
+            self._transition(before)
+        if self.fsm.problem:
+            log.error("eventbus: Binary Star conflict: %s", self.fsm.problem)
+            self._m_transitions.labels(kind=self.fsm.problem.replace(" ", "_")).inc()
+            self.fsm.problem = ""
 
     def _take_acks(self) -> list[tuple[str, int]]:
         """Duplicate acknowledgements whose events are applied (so durable and broadcast)."""

@@ -16,9 +16,10 @@ import uuid as uuid_mod
 
 from ... import zmqburst
 from ...errors import HubStopped
+from ...eventtime import TIME_OUT_OF_RANGE
 from ...protocols.eventbus import Event, EventBusError, kvmsg
 from .collector import Collector
-from .state import chp_data
+from .state import PROTOCOL, chp_data
 from .wire import MAX_FRAMES, now_iso
 
 
@@ -44,32 +45,48 @@ class ChpDialect(Collector):
         now_ms = received_ns // 1_000_000
         active = self.fsm.active
         events: list[Event] = []
+        times = self._times
+        guard = self._chp_collector_guard
+        no_uuid = 0
         for count, msg in zmqburst.drain(
             reader, cfg.max_burst, cfg.max_burst_bytes, cfg.burst_read_ms / 1000
         ):
-            if count > MAX_FRAMES:
-                self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
-                continue
+            # One update's unexpected error refuses it alone (taproom.supervise).
             try:
-                update = kvmsg.parse_update(msg, limits)
-            except EventBusError as exc:
-                self._reject(exc.reason, f"CHP collector: {exc}")
-                continue
-            event = Event(
-                update.topic,
-                0,
-                update.producer,
-                update.timestamp or received,
-                update.uuid,
-                chp_data(update.body),
-                update.ts_ns if update.timestamp else received_ns,
-                (update.properties, update.body),
-                now_ms + update.ttl_ms if update.ttl_ms else 0,
-            )
-            if active:
-                events.append(event)
-            else:
-                self._hold(event)
+                if count > MAX_FRAMES:
+                    self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
+                    continue
+                try:
+                    update = kvmsg.parse_update(msg, limits, times)
+                except EventBusError as exc:
+                    self._reject(exc.reason, f"CHP collector: {exc}")
+                    continue
+                event_uuid = update.uuid
+                if not event_uuid:  # the Guide's C clonecli5: no uuid of its own
+                    event_uuid = str(uuid_mod.uuid4())
+                    no_uuid += 1
+                event = Event(
+                    update.topic,
+                    0,
+                    update.producer,
+                    update.timestamp or received,
+                    event_uuid,
+                    chp_data(update.body),
+                    update.ts_ns if update.timestamp else received_ns,
+                    (update.properties, update.body),
+                    now_ms + update.ttl_ms if update.ttl_ms else 0,
+                )
+                if active:
+                    events.append(event)
+                else:
+                    self._hold(event)
+            except Exception as exc:
+                guard.failed(exc, "CHP update")
+        odd = times.take()
+        if odd:
+            self.hub.metrics.odd(PROTOCOL, TIME_OUT_OF_RANGE, odd)
+        if no_uuid:
+            self.hub.metrics.odd(PROTOCOL, "empty_uuid", no_uuid)
         if events:
             self._accept_events(events)
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -52,21 +53,37 @@ class EventBusService(SnapshotServer):
             time.monotonic() - started,
             self.config.role,
         )
-        loops = [
-            self._collector_loop(),
-            self._snapshot_loop(),
-            self._heartbeat_loop(),
-            self._checkpoint_loop(),
+        # Every loop runs supervised (taproom.supervise): restarted if it dies, on /ready.
+        spawn = self.hub.supervisor.spawn
+        loops: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            ("eventbus.collector", self._collector_loop),
+            ("eventbus.snapshot", self._snapshot_loop),
+            ("eventbus.heartbeat", self._heartbeat_loop),
+            ("eventbus.checkpoint", self._checkpoint_loop),
         ]
         if self.config.chp:
-            loops += [self._chp_collector_loop(), self._chp_snapshot_loop(), self._expiry_loop()]
+            loops += [
+                ("eventbus.chp_collector", self._chp_collector_loop),
+                ("eventbus.chp_snapshot", self._chp_snapshot_loop),
+                ("eventbus.expiry", self._expiry_loop),
+            ]
         if self.config.role != "standalone":
             self._connect_peer()
-            loops += [self._peer_hugz_loop(), self._peer_ack_loop()]
-        for name, sock in self._watched:
-            loops.append(watch_handshakes(sock, self._refused_handshake(name)))
-        self._broadcaster = asyncio.create_task(self._broadcast_loop())
-        self._tasks = [asyncio.create_task(c) for c in loops]
+            loops += [
+                ("eventbus.peer_hugz", self._peer_hugz_loop),
+                ("eventbus.peer_ack", self._peer_ack_loop),
+            ]
+        self._tasks = [spawn(name, factory) for name, factory in loops]
+        for listener, sock in self._watched:
+            count = self._refused_handshake(listener)
+            self._tasks.append(
+                spawn(
+                    f"eventbus.handshakes.{listener}",
+                    functools.partial(watch_handshakes, sock, count),
+                    first=watch_handshakes(sock, count),
+                )
+            )
+        self._broadcaster = spawn("eventbus.broadcast", self._broadcast_loop)
         return addresses
 
     def _refused_handshake(self, listener: str) -> Callable[[], None]:

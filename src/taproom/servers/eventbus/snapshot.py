@@ -24,6 +24,7 @@ from ...protocols.eventbus import (
 )
 from ...zmqframes import recv_frames
 from .chp import ChpDialect
+from .state import PROTOCOL
 from .wire import MAX_FRAMES, MORE, NOBLOCK, base_send, rearm, send_last
 
 log = logging.getLogger("taproom.eventbus")
@@ -56,59 +57,76 @@ class SnapshotServer(ChpDialect):
                 yield msg
 
     async def _snapshot_loop(self) -> None:
+        """Supervised as ``eventbus.snapshot``; one request's unexpected error refuses it
+        (the client's request goes unanswered, as for any refused one) and the loop goes on."""
         raw = self._snapshot_raw
+        guard = self.hub.supervisor.guard("eventbus.snapshot", protocol=PROTOCOL, logger=log)
         async for msg in self._requests(self._snapshot, raw, "SNAPSHOT"):
-            if msg[1:] == [COPY]:
-                if not self.fsm.active:
-                    self._reject("not_active", "COPY to a server that is not active")
-                    continue
-                await self._start_snapshot(
-                    self._snapshot,
-                    raw,
-                    msg[0],
-                    self._copy_messages(),
-                    None,
-                    syncend_frames((), self.last_seq),
-                )
-                continue
             try:
-                request = parse_syncstart(msg[1:], self.limits)
-            except EventBusError as exc:
-                self._reject(exc.reason, f"SNAPSHOT: {exc}")
-                continue
-            if not self._may_serve():
-                self._reject("not_active", "SYNCSTART to a server that is not active")
-                continue
-            floor = request.sequence
-            prefixes = tuple(s.encode() for s in request.subtrees)
-            values = self.hashmap.values()
-            if prefixes:
-                frames = [
-                    e.frames for e in values if e.seq > floor and e.frames[0].startswith(prefixes)
-                ]
-            else:
-                frames = [e.frames for e in values if e.seq > floor]
-            end = syncend_frames(request.subtrees, self.last_seq)
-            await self._start_snapshot(self._snapshot, raw, msg[0], frames, SYNC, end)
+                await self._snapshot_request(raw, msg)
+            except Exception as exc:
+                guard.failed(exc, "SNAPSHOT request")
+
+    async def _snapshot_request(self, raw: zmq.Socket[bytes], msg: list[bytes]) -> None:
+        """One SYNCSTART (or a peer's COPY): answered by a snapshot task of its own."""
+        if msg[1:] == [COPY]:
+            if not self.fsm.active:
+                self._reject("not_active", "COPY to a server that is not active")
+                return
+            await self._start_snapshot(
+                self._snapshot,
+                raw,
+                msg[0],
+                self._copy_messages(),
+                None,
+                syncend_frames((), self.last_seq),
+            )
+            return
+        try:
+            request = parse_syncstart(msg[1:], self.limits)
+        except EventBusError as exc:
+            self._reject(exc.reason, f"SNAPSHOT: {exc}")
+            return
+        if not self._may_serve():
+            self._reject("not_active", "SYNCSTART to a server that is not active")
+            return
+        floor = request.sequence
+        prefixes = tuple(s.encode() for s in request.subtrees)
+        values = self.hashmap.values()
+        if prefixes:
+            frames = [
+                e.frames for e in values if e.seq > floor and e.frames[0].startswith(prefixes)
+            ]
+        else:
+            frames = [e.frames for e in values if e.seq > floor]
+        end = syncend_frames(request.subtrees, self.last_seq)
+        await self._start_snapshot(self._snapshot, raw, msg[0], frames, SYNC, end)
 
     async def _chp_snapshot_loop(self) -> None:
+        """Supervised as ``eventbus.chp_snapshot``, as :meth:`_snapshot_loop`."""
         raw = self._chp_snapshot_raw
+        guard = self.hub.supervisor.guard("eventbus.chp_snapshot", protocol=PROTOCOL, logger=log)
         async for msg in self._requests(self._chp_snapshot, raw, "CHP SNAPSHOT"):
             try:
-                subtree = kvmsg.parse_icanhaz(msg[1:], self.limits)
-            except EventBusError as exc:
-                self._reject(exc.reason, f"CHP SNAPSHOT: {exc}")
-                continue
-            if not self._may_serve():
-                self._reject("not_active", "ICANHAZ? to a server that is not active")
-                continue
-            entries = [
-                e.kv
-                for e in self.hashmap.values()
-                if e.kv is not None and e.kv[0].startswith(subtree)
-            ]
-            end = kvmsg.kthxbai_frames(self.last_seq, subtree)
-            await self._start_snapshot(self._chp_snapshot, raw, msg[0], entries, None, end)
+                await self._chp_snapshot_request(raw, msg)
+            except Exception as exc:
+                guard.failed(exc, "ICANHAZ? request")
+
+    async def _chp_snapshot_request(self, raw: zmq.Socket[bytes], msg: list[bytes]) -> None:
+        """One ``ICANHAZ?``: the kvmsg entries under its subtree, then ``KTHXBAI``."""
+        try:
+            subtree = kvmsg.parse_icanhaz(msg[1:], self.limits)
+        except EventBusError as exc:
+            self._reject(exc.reason, f"CHP SNAPSHOT: {exc}")
+            return
+        if not self._may_serve():
+            self._reject("not_active", "ICANHAZ? to a server that is not active")
+            return
+        entries = [
+            e.kv for e in self.hashmap.values() if e.kv is not None and e.kv[0].startswith(subtree)
+        ]
+        end = kvmsg.kthxbai_frames(self.last_seq, subtree)
+        await self._start_snapshot(self._chp_snapshot, raw, msg[0], entries, None, end)
 
     def _copy_messages(self) -> list[list[bytes]]:
         """The whole state as REPLICATE messages, in sequence order, for the passive peer."""

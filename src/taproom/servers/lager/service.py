@@ -7,13 +7,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from ...errors import HubStopped
 from ...hub import Hub
 from .config import FORWARDER_FOLLOWS_REGISTRAR, FORWARDER_OFFSET, LagerConfig
 from .forwarder import Forwarder
@@ -62,8 +60,14 @@ class LagerService:
             ctx.destroy(linger=0)  # the app never calls stop() for a service that failed
             self._ctx = None
             raise
-        for loop in (*self.registrar.loops, *self.forwarder.loops):
-            self._tasks.append(asyncio.create_task(self._guard(loop)))
+        # Every loop supervised (taproom.supervise): restarted if it dies, shown on /ready.
+        for part, loops in (
+            ("registrar", self.registrar.loops),
+            ("forwarder", self.forwarder.loops),
+        ):
+            for loop in loops:
+                name = f"lager.{part}.{loop.__name__.strip('_').removesuffix('_loop')}"
+                self._tasks.append(self.hub.supervisor.spawn(name, loop))
         return addresses
 
     def _bind(self) -> dict[str, str]:
@@ -97,21 +101,6 @@ class LagerService:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-
-    async def _guard(self, loop: Callable[[], Awaitable[None]]) -> None:
-        """Keep a socket loop running: a bug is logged and counted, never a dead socket."""
-        while not self.forwarder.closing:
-            try:
-                await loop()
-                return
-            except asyncio.CancelledError:
-                raise
-            except HubStopped:
-                return
-            except Exception:
-                log.exception("lager: %s failed; restarting it", loop.__name__)
-                self.hub.metrics.rejected("lager", "internal_error")
-                await asyncio.sleep(0.1)
 
     def _reject(self, reason: str, detail: str) -> None:
         self.hub.metrics.rejected("lager", reason)
