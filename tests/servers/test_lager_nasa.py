@@ -17,10 +17,10 @@ from tests.protocols.lager.nasa_peer import NasaMug, NasaTap
 from tests.servers.test_lager import (
     NASA_XML,
     Peer,
+    lager_metric,
     register,
     rejected,
     tcp,
-    until_rejected,
 )
 from tests.support import running_app
 
@@ -89,78 +89,175 @@ class TestWireConformance:
 
 
 class TestRestartedTap:
-    """A restarted nasa/lager Tap comes back under a new uuid with the same key, and its client
-    takes the registrar's entry (same key, same format) as its own: taproom refused all its rows
-    as unknown_tap. Now the key moves to the new uuid once the old one is gone."""
+    """Robot fleets run one tap format on many robots, and robots restart. A restarted
+    nasa/lager Tap has a new uuid and the same key (Tap::init), and its CHP client sends its
+    registration only while its view of the map lacks its key (getUnsyncedHashmap): usually
+    its snapshot already shows the key with its format and it sends none. Rows carry only the
+    uuid, so a key is taken from a registration that names the uuid, never from a format that
+    fits: taproom once gave such rows to whichever silent tap of that format went quiet first
+    (another robot's key), or held and then refused them for good (issue 28)."""
 
-    LAGER = {"takeover_after_s": 0.5, "unknown_tap_hold_s": 8.0, "hugz_interval_s": 0.2}
     FMT = parse_format_xml(NASA_XML)
 
     def row(self, i: int) -> list[bytes]:
         row = self.FMT.encode_row({"a": i, "b": i / 2})
         return [row[:4], row[4:]]
 
-    async def journaled(self, app: Any, producer: bytes, want: int) -> list[int]:
+    async def journaled(self, app: Any, producer: bytes, want: int) -> list[Any]:
+        """The data rows of one uuid, once there are ``want`` of them (15 s at most)."""
         deadline = time.monotonic() + 15
         text = str(uuid.UUID(bytes=producer))
         while True:
-            got = [r.ts_ns for r in app.hub.journal.read(0)
+            got = [r for r in app.hub.journal.read(0)
                    if r.content_type == "lager" and r.producer == text]  # fmt: skip
             if len(got) >= want or time.monotonic() > deadline:
                 return got
             await asyncio.sleep(0.1)
 
-    async def test_restarted_taps_keep_every_row(self, tmp_path: Path) -> None:
-        async with running_app(tmp_path, enable=["lager"], lager=self.LAGER) as app:
+    async def holder_of(self, peer: Peer, key: bytes, want: bytes | None = None) -> bytes:
+        """The uuid the registrar's snapshot names for ``key`` (waits for ``want``)."""
+        deadline = time.monotonic() + 15
+        while True:
+            held = {f[0]: f[2] for f in (await peer.snapshot())[:-1]}
+            if key in held and (want is None or held[key] == want):
+                return held[key]
+            assert time.monotonic() < deadline, (key, held.get(key))
+            await asyncio.sleep(0.05)
+
+    async def run_tap(self, tap: NasaTap, rows: range, **start: Any) -> None:
+        await tap.start(**start)
+        await tap.connected()
+        for i in rows:
+            await tap.log(i, self.row(i))
+
+    async def test_two_robots_one_format_robot2_restarted(self, tmp_path: Path) -> None:
+        """/robot1/arm and /robot2/arm share a format; robot1 stops; robot2 restarts. Its rows
+        are never journaled under robot1's key: as a restart usually goes (no registration)
+        under its own uuid, unattributed; when its registration does get through (a slow
+        snapshot), under its own key."""
+        lager = {"takeover_after_s": 0.5, "unknown_tap_hold_s": 0.3, "hugz_interval_s": 0.2}
+        keys = [b"/robot1/arm", b"/robot2/arm"]
+        xml = {k: NASA_XML.replace("/Conf/Nasa/", k.decode()) for k in keys}
+        async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
             peer = Peer(app.addresses)
             where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
-            first = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+            robot1, robot2 = (NasaTap(peer.ctx, *where, k.decode(), xml[k]) for k in keys)
+            restarted = again = robot2
             try:
-                await peer.settle()
-                await first.register()
-                for i in range(20):
-                    await first.log(i, self.row(i))
-                assert len(await self.journaled(app, first.uuid, 20)) == 20
-                first.close()
-                # Restart 1: its registration reaches the registrar (refused while the old
-                # uuid is fresh, then it takes the key); it logs at once.
-                second = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
-                await second.register()  # satisfied by the holder's echo, as the C++ is
-                for i in range(100, 150):
-                    await second.log(i, self.row(i))
-                assert await self.journaled(app, second.uuid, 50) == list(range(100, 150))
-                second.close()
-                # Restart 2: no registration gets through at all, only rows.
-                third = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
-                await peer.settle()
-                for i in range(200, 250):
-                    await third.log(i, self.row(i))
-                assert await self.journaled(app, third.uuid, 50) == list(range(200, 250))
-                snap = await peer.snapshot()
-                third.close()
+                for tap in (robot1, robot2):  # first starts: the keys are new, they register
+                    await self.run_tap(tap, range(0), snapshot_after_s=0.0)
+                    await self.holder_of(peer, tap.key, tap.uuid)
+                for i in range(100):
+                    await robot1.log(i, self.row(i))
+                    await robot2.log(i, self.row(i))
+                for tap in (robot1, robot2):
+                    assert len(await self.journaled(app, tap.uuid, 100)) == 100
+                    tap.close()  # robot1 stops for good, robot2 restarts
+                # The usual restart: the snapshot shows /robot2/arm with this format, so the
+                # client never sends a registration; 2,000 rows at once.
+                restarted = NasaTap(peer.ctx, *where, "/robot2/arm", xml[b"/robot2/arm"])
+                await self.run_tap(restarted, range(1000, 3000))
+                unattributed = await self.journaled(app, restarted.uuid, 2000)
+                assert restarted.registrations_sent == 0
+                restarted.close()
+                # A restart whose snapshot is slow: the key is missing from the client's view,
+                # the registration goes out, names the uuid, and the key moves (its holder, the
+                # first restart's predecessor, is long silent).
+                again = NasaTap(peer.ctx, *where, "/robot2/arm", xml[b"/robot2/arm"])
+                await self.run_tap(again, range(5000, 7000), snapshot_after_s=1.0)
+                attributed = await self.journaled(app, again.uuid, 2000)
+                assert again.registrations_sent >= 1
+                held = {k: await self.holder_of(peer, k) for k in keys}
+                again.close()
             finally:
                 peer.close()
-            moves = [(r.producer, r.attrs.get("replaces")) for r in app.hub.journal.read(0)
-                     if r.content_type == "lager-registration"]  # fmt: skip
-        text = {t.uuid: str(uuid.UUID(bytes=t.uuid)) for t in (first, second, third)}
-        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", third.uuid)]
-        assert moves == [
-            (text[first.uuid], None),
-            (text[second.uuid], text[first.uuid]),
-            (text[third.uuid], text[second.uuid]),
+            data = [r for r in app.hub.journal.read(0) if r.content_type == "lager"]
+            assert lager_metric(app, "unattributed_rows_total") == 2000
+        text = {
+            tap.uuid: str(uuid.UUID(bytes=tap.uuid)) for tap in (robot1, robot2, restarted, again)
+        }
+        by_key: dict[str, set[str]] = {}
+        for record in data:
+            by_key.setdefault(record.stream, set()).add(record.producer)
+        assert by_key == {
+            "/robot1/arm": {text[robot1.uuid]},  # 0 rows of any other tap under robot1's key
+            "/robot2/arm": {text[robot2.uuid], text[again.uuid]},
+            "": {text[restarted.uuid]},  # under its own uuid, the key absent
+        }
+        assert [r.ts_ns for r in unattributed] == list(range(1000, 3000))
+        assert {r.attrs.get("unattributed") for r in unattributed} == {"true"}
+        assert [r.ts_ns for r in attributed] == list(range(5000, 7000))
+        assert {r.stream for r in attributed} == {"/robot2/arm"}
+        assert held == {b"/robot1/arm": robot1.uuid, b"/robot2/arm": again.uuid}
+        assert rejected(app, "unknown_tap") == rejected(app, "duplicate_key") == 0
+
+    async def test_32_taps_one_format_31_silent_one_restarted(self, tmp_path: Path) -> None:
+        """32 taps of one format; 31 went silent long ago; one restarts quickly (its old uuid
+        still fresh) with a slow snapshot, so its registration is refused as duplicate_key and
+        kept as a claim. Its rows are all stored, none refused: unattributed at first, under its
+        key once the claim takes it; the link is journaled after the unattributed rows."""
+        lager = {"takeover_after_s": 1.5, "unknown_tap_hold_s": 0.2, "hugz_interval_s": 0.2}
+        keys = [f"/fleet/robot{n:02d}/arm" for n in range(32)]
+        async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
+            peer = Peer(app.addresses)
+            where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
+            taps = [NasaTap(peer.ctx, *where, k, NASA_XML.replace("/Conf/Nasa/", k)) for k in keys]
+            restarted = taps[7]
+            try:
+                for tap in taps:
+                    await self.run_tap(tap, range(3), snapshot_after_s=0.0)
+                for tap in taps:
+                    await self.holder_of(peer, tap.key, tap.uuid)
+                    assert len(await self.journaled(app, tap.uuid, 3)) == 3
+                for tap in taps[:7] + taps[8:]:
+                    tap.close()
+                await asyncio.sleep(lager["takeover_after_s"])  # the 31 are gone now
+                for i in range(3, 20):  # robot07 logs on, then restarts at once
+                    await taps[7].log(i, self.row(i))
+                taps[7].close()
+                restarted = NasaTap(
+                    peer.ctx, *where, keys[7], NASA_XML.replace("/Conf/Nasa/", keys[7])
+                )
+                await self.run_tap(restarted, range(100, 400), snapshot_after_s=0.5)
+                rows = await self.journaled(app, restarted.uuid, 300)
+                await self.holder_of(peer, restarted.key, restarted.uuid)  # the claim took it
+                for i in range(400, 500):
+                    await restarted.log(i, self.row(i))
+                rows = await self.journaled(app, restarted.uuid, 400)
+                held = {f[0]: f[2] for f in (await peer.snapshot())[:-1]}
+                restarted.close()
+            finally:
+                peer.close()
+            records = list(app.hub.journal.read(0))
+            metrics = {n: lager_metric(app, n) for n in ("unattributed_rows_total",
+                       "attributed_rows_total", "takeovers_keys_total")}  # fmt: skip
+        me = str(uuid.UUID(bytes=restarted.uuid))
+        assert [r.ts_ns for r in rows] == list(range(100, 500))  # every row, in order
+        assert {r.stream for r in rows} <= {"", keys[7]}  # its own key or none, never another
+        unattributed = [r for r in rows if r.stream == ""]
+        assert unattributed and rows[-1].stream == keys[7]
+        assert rows[: len(unattributed)] == unattributed  # unattributed first, then the key
+        links = [r for r in records if r.content_type == "lager-attribution"]
+        assert [(r.stream, r.producer, r.attrs) for r in links] == [
+            (keys[7], me, {"rows": str(len(unattributed))})
         ]
-        assert rejected(app, "unknown_tap") == 0
-        async with running_app(tmp_path, enable=["lager"], lager=self.LAGER) as app:
-            peer = Peer(app.addresses)  # the journal replays the moves
-            snap = await peer.snapshot()
-            peer.close()
-        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", third.uuid)]
+        assert links[0].offset > unattributed[-1].offset
+        assert metrics == {
+            "unattributed_rows_total": len(unattributed),
+            "attributed_rows_total": len(unattributed),
+            "takeovers_keys_total": 1,
+        }
+        assert rejected(app, "unknown_tap") == 0 and rejected(app, "duplicate_key") >= 1
+        assert held == {
+            k.encode(): (restarted.uuid if k == keys[7] else tap.uuid)
+            for k, tap in zip(keys, taps, strict=True)
+        }
 
     async def test_a_live_tap_keeps_its_key(self, tmp_path: Path) -> None:
-        """A second tap with the same key while the first is alive is still a duplicate."""
-        async with running_app(
-            tmp_path, enable=["lager"], lager={**self.LAGER, "unknown_tap_hold_s": 1.5}
-        ) as app:
+        """A second tap with the same key while the first is alive is still a duplicate: its
+        registration stays a claim and its rows are journaled unattributed, never refused."""
+        lager = {"takeover_after_s": 0.5, "unknown_tap_hold_s": 0.3, "hugz_interval_s": 0.2}
+        async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
             peer = Peer(app.addresses)
             where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
             holder = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
@@ -168,62 +265,93 @@ class TestRestartedTap:
             try:
                 await peer.settle()
                 await holder.register()
-                await impostor.register()
-                for i in range(80):  # 4 s: the holder is never silent for takeover_after_s
+                await impostor.register()  # satisfied by the holder's entry, as the C++ is
+                for i in range(40):  # 2 s: the holder is never silent for takeover_after_s
                     await holder.log(i, self.row(i))
-                    if i < 30:  # the impostor's rows wait 1.5 s for a key, then are refused
+                    if i < 30:
                         await impostor.log(i, self.row(i))
                     await asyncio.sleep(0.05)
-                await until_rejected(app, "unknown_tap", 30)
-                assert len(await self.journaled(app, holder.uuid, 80)) == 80
+                assert len(await self.journaled(app, holder.uuid, 40)) == 40
+                others = await self.journaled(app, impostor.uuid, 30)
                 snap = await peer.snapshot()
             finally:
                 holder.close()
                 impostor.close()
                 peer.close()
-            assert rejected(app, "unknown_tap") == 30 and rejected(app, "duplicate_key") >= 1
-            assert not await self.journaled(app, impostor.uuid, 0)
+            assert rejected(app, "duplicate_key") >= 1
+        assert [(r.stream, r.ts_ns) for r in others] == [("", i) for i in range(30)]
+        assert rejected(app, "unknown_tap") == 0
         assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", holder.uuid)]
 
-    async def test_taps_of_one_format_restarted_together(self, tmp_path: Path) -> None:
-        """Two taps share a format (a robot's two wheels) and restart together. With their
-        registrations (refused while the old uuids are fresh, remembered as claims) each new
-        uuid gets its own key; with rows only, nothing tells them apart: no key is guessed and
-        the rows are refused when the hold ends."""
-        lager = {**self.LAGER, "unknown_tap_hold_s": 3.0}
-        keys = ["/Robot/WheelL/", "/Robot/WheelR/"]
-        xml = {key: NASA_XML.replace("/Conf/Nasa/", key) for key in keys}
+    async def test_moves_survive_a_restart_of_the_bartender(self, tmp_path: Path) -> None:
+        """Keys moved by registrations are replayed from the journal; unattributed rows stay
+        so (nothing in the journal names their uuid)."""
+        lager = {"takeover_after_s": 0.3, "unknown_tap_hold_s": 0.2, "hugz_interval_s": 0.2}
         async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
             peer = Peer(app.addresses)
             where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
+            first = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+            second = third = first
             try:
-                await peer.settle()
-                old = [NasaTap(peer.ctx, *where, key, xml[key]) for key in keys]
-                for tap in old:
-                    await tap.register()
-                    await tap.log(1, self.row(1))
-                    tap.close()
-                new = [NasaTap(peer.ctx, *where, key, xml[key]) for key in keys]
-                for tap in new:
-                    await tap.register()  # refused (the old uuid is fresh): a claim
-                for i in range(10, 20):
-                    for tap in new:
-                        await tap.log(i, self.row(i))
-                for tap in new:
-                    assert await self.journaled(app, tap.uuid, 10) == list(range(10, 20))
-                    tap.close()
-                third = [NasaTap(peer.ctx, *where, key, xml[key]) for key in keys]
-                await peer.settle()
-                for i in range(30, 40):
-                    for tap in third:
-                        await tap.log(i, self.row(i))
-                await until_rejected(app, "unknown_tap", 20)
-                snap = await peer.snapshot()
-                for tap in third:
-                    tap.close()
+                await self.run_tap(first, range(10), snapshot_after_s=0.0)
+                assert len(await self.journaled(app, first.uuid, 10)) == 10
+                first.close()
+                await asyncio.sleep(lager["takeover_after_s"])  # first is gone
+                second = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+                await self.run_tap(second, range(10, 20), snapshot_after_s=1.0)
+                await self.holder_of(peer, b"/Conf/Nasa/", second.uuid)
+                assert len(await self.journaled(app, second.uuid, 10)) == 10
+                second.close()
+                third = NasaTap(peer.ctx, *where, "/Conf/Nasa/", NASA_XML)
+                await self.run_tap(third, range(20, 30))  # the usual restart: no registration
+                assert len(await self.journaled(app, third.uuid, 10)) == 10
+                third.close()
             finally:
                 peer.close()
-            assert rejected(app, "unknown_tap") == 20
-        assert [(f[0], f[2]) for f in snap[:-1]] == [
-            (key.encode(), tap.uuid) for key, tap in zip(keys, new, strict=True)
-        ]
+            moves = [(r.producer, r.attrs.get("replaces")) for r in app.hub.journal.read(0)
+                     if r.content_type == "lager-registration"]  # fmt: skip
+        text = {t.uuid: str(uuid.UUID(bytes=t.uuid)) for t in (first, second, third)}
+        assert moves == [(text[first.uuid], None), (text[second.uuid], text[first.uuid])]
+        async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
+            peer = Peer(app.addresses)
+            snap = await peer.snapshot()
+            peer.close()
+        assert [(f[0], f[2]) for f in snap[:-1]] == [(b"/Conf/Nasa/", second.uuid)]
+
+
+class TestRealChpClientStart:
+    async def test_abandoned_snapshot_answers_are_not_refusals(self, tmp_path: Path) -> None:
+        """nasa/lager's CHP client sends ICANHAZ? again after each message it reads and closes
+        at KTHXBAI: answers to the rest go to a socket that is gone. That is every real Tap's
+        and Mug's start: counted as snapshots_abandoned, never as a rejection."""
+        async with running_app(tmp_path, enable=["lager"], lager={"hugz_interval_s": 0.2}) as app:
+            peer = Peer(app.addresses)
+            where = (app.addresses["lager_registrar_snapshot"], app.addresses["lager_forwarder_in"])
+            taps = [NasaTap(peer.ctx, *where, f"/Start/{n}/", NASA_XML.replace("/Conf/Nasa/",
+                    f"/Start/{n}/")) for n in range(20)]  # fmt: skip
+            try:
+                for tap in taps:
+                    await tap.register()
+                deadline = time.monotonic() + 30
+                starts = 0
+                while lager_metric(app, "snapshots_abandoned_requests_total") == 0:
+                    assert time.monotonic() < deadline, "no answer was ever abandoned"
+                    client = NasaTap(peer.ctx, *where, "/Start/0/", NASA_XML)
+                    await client.start()
+                    await client._snapshot_done.wait()
+                    client.close()
+                    starts += 1
+                    await asyncio.sleep(0.05)
+                assert client.chp.hash_map == {t.key: t.xml for t in taps}
+            finally:
+                for tap in taps:
+                    tap.close()
+                peer.close()
+            assert rejected(app, "snapshot_undeliverable") == 0
+            total = sum(
+                s.value
+                for metric in app.hub.metrics.registry.collect()
+                for s in metric.samples
+                if s.name == "taproom_ingest_rejected_items_total"
+            )
+            assert total == 0, starts

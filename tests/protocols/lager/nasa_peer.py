@@ -10,6 +10,12 @@ github.com/nasa/lager): no C++ peer is available here, so these keep its observa
 * :class:`NasaTap` -- Tap + its ClusteredHashmapClient: registration with a 0.0 double sequence,
   re-sent every 100 ms until the registrar publishes the key with the same value; rows as
   uuid | "BEERR01" | 1-byte flags | timestamp | one frame per item, from a PUB socket.
+  :meth:`NasaTap.start` is Tap::start as a whole, the way a restarted Tap behaves: a new uuid,
+  the client's snapshot thread (``ICANHAZ?`` again after every message it reads, until
+  ``KTHXBAI``, then the socket closed), its subscriber thread, and its publisher thread, which
+  every 100 ms sends what ``getUnsyncedHashmap`` finds: a key of its own missing from its view
+  of the map, or present with another value *and* its own uuid. A key present with the same
+  value (a restart with the same format) is never sent again, whatever uuid the map names.
 * :class:`NasaBartender` -- ClusteredHashmapServer + Forwarder: snapshot ROUTER at P, publisher
   PUB at P+1 (updates, else HUGZ every 10 ms, sequences as host-order doubles), collector SUB at
   P+2 (any key; a key held by another uuid keeps its uuid but takes the new value), and a plain
@@ -28,6 +34,7 @@ github.com/nasa/lager): no C++ peer is available here, so these keep its observa
 
 from __future__ import annotations
 
+import asyncio
 import binascii
 import re
 import struct
@@ -142,22 +149,102 @@ class NasaMug:
 
 
 class NasaTap:
-    """A real Tap's sockets: collector PUB (registration), data PUB, and the CHP subscriber."""
+    """A real Tap's sockets: collector PUB (registration), data PUB, and the CHP subscriber.
+
+    The two publishers are XPUB sockets here: on the wire an XPUB is a PUB (the bartender's
+    SUBs see no difference, and nothing is delivered before their subscription arrives), but
+    the test can wait for that subscription (:meth:`connected`) instead of sleeping."""
 
     def __init__(
         self, ctx: zmq.asyncio.Context, registrar: str, forwarder_in: str, key: str, xml: str
     ) -> None:
         host, port = registrar.rsplit(":", 1)
+        self.ctx = ctx
+        self.snapshot_address = f"tcp://{host}:{port}"
         self.key, self.xml = key.encode(), xml.encode()
         self.uuid = uuid_module.uuid4().bytes  # lager_utils::getUuid(): new at every start
-        self.collector = ctx.socket(zmq.PUB)
+        self.collector = ctx.socket(zmq.XPUB)
         self.collector.setsockopt(zmq.LINGER, 0)
         self.collector.connect(f"tcp://{host}:{int(port) + 2}")
-        self.data = ctx.socket(zmq.PUB)
+        self.data = ctx.socket(zmq.XPUB)
         self.data.setsockopt(zmq.LINGER, 0)
         self.data.setsockopt(zmq.SNDHWM, 0)
         self.data.connect(f"tcp://{forwarder_in}")
         self.chp = NasaChpClient(ctx, f"tcp://{host}:{int(port) + 1}")
+        self.registrations_sent = 0
+        self._threads: list[asyncio.Task[None]] = []
+
+    async def connected(self, timeout: float = 10.0) -> None:
+        """Both publishers hold the bartender's subscription: what is sent now arrives."""
+        for sock in (self.collector, self.data):
+            if not await sock.poll(int(timeout * 1000)):
+                raise TimeoutError("the bartender never subscribed")
+            await sock.recv()
+
+    def unsynced(self) -> dict[bytes, bytes]:
+        """ClusteredHashmapClient::getUnsyncedHashmap for the one key of this Tap."""
+        held = self.chp.hash_map.get(self.key)
+        if held is None:
+            return {self.key: self.xml}
+        uuids_match = any(k == self.key and u == self.uuid for u, k in self.chp.uuid_map.items())
+        if held != self.xml and uuids_match:
+            return {self.key: self.xml}
+        return {}
+
+    async def start(self, *, snapshot_after_s: float | None = None) -> None:
+        """Tap::start: the client's three threads start, then its key goes into selfMap, so
+        the publisher thread's first pass has nothing to send; it passes again every 100 ms.
+        ``snapshot_after_s=None`` is the usual order: the snapshot (a few messages on loopback)
+        is in before that second pass, so a restarted Tap whose key the map shows with its
+        format sends no registration at all. A number is a snapshot that comes that late (a
+        busy registrar): meanwhile the key is missing from the map the client sees, and the
+        registration goes out every 100 ms."""
+        self._snapshot_done = asyncio.Event()
+        self._threads = [
+            asyncio.create_task(self._snapshot_thread(snapshot_after_s or 0.0)),
+            asyncio.create_task(self._subscriber_thread()),
+            asyncio.create_task(self._publisher_thread(snapshot_first=snapshot_after_s is None)),
+        ]
+
+    async def _snapshot_thread(self, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.snapshot_address)
+        update_map: dict[bytes, bytes] = {}
+        update_uuids: dict[bytes, bytes] = {}
+        try:
+            while True:
+                await dealer.send_multipart([b"ICANHAZ?", b""])
+                if not await dealer.poll(2000):
+                    update_map.clear()  # "only process a complete set"
+                    update_uuids.clear()
+                    continue
+                key, _seq, uuid, _empty, value = (await dealer.recv_multipart())[:5]
+                if value:
+                    update_map[key] = value
+                    update_uuids[uuid] = key
+                if key == b"KTHXBAI":
+                    break
+        finally:
+            dealer.close(linger=0)  # the answers to the other requests are never read
+        self.chp.hash_map.update(update_map)
+        self.chp.uuid_map.update(update_uuids)
+        self._snapshot_done.set()
+
+    async def _subscriber_thread(self) -> None:
+        while True:
+            await self.chp.handle_one(1.0)
+
+    async def _publisher_thread(self, *, snapshot_first: bool) -> None:
+        await asyncio.sleep(0.1)  # the first pass ran before selfMap had the key
+        if snapshot_first:
+            await self._snapshot_done.wait()
+        while True:
+            for key, value in self.unsynced().items():
+                await self.collector.send_multipart([key, _DOUBLE.pack(0.0), self.uuid, b"", value])
+                self.registrations_sent += 1
+            await asyncio.sleep(0.1)  # "keep this from running at full speed"
 
     async def register(self, timeout: float = 10.0) -> None:
         """getUnsyncedHashmap: re-send until the map holds our key with our value (whatever
@@ -179,6 +266,8 @@ class NasaTap:
         )
 
     def close(self) -> None:
+        for thread in self._threads:
+            thread.cancel()
         for sock in (self.collector, self.data):
             sock.close(linger=0)
         self.chp.close()

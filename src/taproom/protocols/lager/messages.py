@@ -27,6 +27,7 @@ __all__ = [
     "DataMessage",
     "Flags",
     "MessageError",
+    "check_row_header",
     "parse_data_message",
 ]
 
@@ -100,3 +101,37 @@ def parse_data_message(frames: Sequence[bytes], *, max_frames: int = 1028) -> Da
     return DataMessage(
         bytes(uuid), ts_ns, bytes(payload), bytes(version), int.from_bytes(flags, "big")
     )
+
+
+def check_row_header(version: bytes, flags: bytes, format_version: str) -> None:
+    """The version and flags frames of a row against its tap's format, as a registration's
+    version is checked (formats.py: only a version whose layout is known). Two framings:
+
+    * nasa/lager's Tap (src/tap.cpp, publisherThread): the format's version string
+      (``BEERR01``, the only one a registration may carry) and its ``uint8_t flags``: 1 byte;
+    * the seed's: a 2-byte major/minor message version, major 1 (what taproom speaks; a minor
+      version may only add), and 2 bytes of flags.
+
+    Anything else (``BEERR99``, ``BEERR01`` with 2 bytes of flags, version 2.0) is a row whose
+    layout is not the one registered. Raises :class:`MessageError` (``bad_version``,
+    ``bad_flags``)."""
+    if len(version) == 2:
+        if version[0] != MESSAGE_VERSION[0]:
+            raise MessageError(
+                f"message version {version[0]}.{version[1]}, taproom reads 1.x",
+                reason="bad_version",
+            )
+        if len(flags) != 2:
+            raise MessageError(
+                f"flags frame is {len(flags)} bytes, the seed's framing has 2", reason="bad_flags"
+            )
+        return
+    if version != format_version.encode():
+        raise MessageError(
+            f"version frame {bytes(version)[:8]!r}, the tap's format is {format_version}",
+            reason="bad_version",
+        )
+    if len(flags) != 1:
+        raise MessageError(
+            f"flags frame is {len(flags)} bytes, nasa/lager's framing has 1", reason="bad_flags"
+        )

@@ -92,18 +92,22 @@ class LagerConfig:
     takeover_after_s: float = setting(
         5.0,
         "a tap is gone when nothing (rows, registrations) came from its uuid this long; then a "
-        "new uuid may take its key (nasa/lager's Tap makes a new uuid at every start)",
+        "registration naming a new uuid may take its key (nasa/lager's Tap makes a new uuid at "
+        "every start)",
         min=0.01,
     )
     unknown_tap_hold_s: float = setting(
-        15.0,
-        "rows from an unregistered uuid wait this long for its registration or a takeover "
-        "before they are refused as unknown_tap (a restarted tap sends rows at once)",
+        1.0,
+        "rows from a uuid no registration names wait this long for one before they are "
+        "journaled unattributed: a real Tap's registration leaves with its first rows (its CHP "
+        "client sends every 100 ms), so rows that overtook it still land under its key, and a "
+        "restarted Tap that never registers again delays its mugs only this long",
         min=0.0,
     )
     max_held_bytes: int = setting(
         16 * 1024 * 1024,
-        "rows held for unregistered uuids, all together: ~15 s of a 1 kHz tap of 1 KiB rows",
+        "rows held for unregistered uuids, all together (past it the oldest holds end early, "
+        "unattributed): 16 fleets of 1,000 taps of 1 KiB rows at 1 Hz for 1 s",
         min=0,
     )
     checkpoint_interval_s: float = setting(

@@ -12,10 +12,15 @@ Three sockets, at nasa/lager's forwarder ports and one more:
   samples) and the loss marks (counted loss). taproom's Mug reads here; no real Mug ever does.
 
 Rows from a uuid the registrar does not know are *held* (bounded by ``max_held_bytes``) for
-up to ``unknown_tap_hold_s``: a restarted nasa/lager Tap sends rows under its new uuid at once,
-often without registering again; the registrar lets it take over its gone predecessor's key
-(``RegistrarServer.adopt``), and the held rows then go through in order. Rows still unclaimed
-when the hold ends are refused as ``unknown_tap``.
+up to ``unknown_tap_hold_s``: a real Tap's registration and its first rows travel on
+different connections, so rows may overtake it; once it is applied they go through in order,
+under its key. When the hold ends (or the bound is reached) and still no registration names
+the uuid, its rows are journaled **unattributed** (stream empty, ``attrs.unattributed``), and so
+are its later rows: a restarted nasa/lager Tap (new uuid, same key) usually never registers
+again (its CHP client finds its key with its format in the snapshot and is satisfied), and its
+rows name no key. Nothing tells which key they belong to, so none is guessed (docs/protocols/
+lager.md, "Restarted taps"). They are forwarded like any row. Once a registration names the
+uuid, a ``lager-attribution`` record (stream = key, producer = uuid) links them to their key.
 
 Each message is checked against its tap's registered format (uuid known, header frames, one
 frame per item with the format's sizes, or the seed's single payload frame of the row size),
@@ -67,13 +72,26 @@ from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
 from ...hub import Hub
 from ...protocols.lager.chp import Registrar, Registration
-from ...protocols.lager.formats import DataFormat
-from ...protocols.lager.messages import parse_data_message
-from ...records import MAX_PAYLOAD_BYTES, RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
+from ...protocols.lager.formats import FORMAT_VERSION
+from ...protocols.lager.messages import check_row_header, parse_data_message
+from ...records import (
+    MAX_PAYLOAD_BYTES,
+    RECORD_HEAD,
+    RECORD_HEAD_AFTER_LEN,
+    BatchBuilder,
+    EncodedBatch,
+)
 from .config import LagerConfig
 from .sockets import MORE_NOBLOCK, NOBLOCK, raw_send, readable, recv_bounded
 
-__all__ = ["DATA_CONTENT_TYPE", "HELLO_PREFIX", "MARK_PREFIX", "DataRecords", "Forwarder"]
+__all__ = [
+    "ATTRIBUTION_CONTENT_TYPE",
+    "DATA_CONTENT_TYPE",
+    "HELLO_PREFIX",
+    "MARK_PREFIX",
+    "DataRecords",
+    "Forwarder",
+]
 
 log = logging.getLogger("taproom.lager")
 
@@ -85,8 +103,12 @@ HELLO_PREFIX = b"\x00taproom-lager-hello/"
 # Loss accounting marks: topic MARK_PREFIX + tap uuid, then a u64 count (see the docstring).
 MARK_PREFIX = b"\x00taproom-lager-mark/"
 _BATCH_MARKS = 256  # taps per batch marked right after it; more wait for the HUGZ round
-_HELD_TICK_S = 0.1  # how often held rows' uuids are offered a key
+_HELD_TICK_S = 0.1  # how often held rows are checked for the end of their hold
 DATA_CONTENT_TYPE = "lager"
+# Links rows journaled unattributed (producer = uuid) to the key a registration gave the uuid.
+ATTRIBUTION_CONTENT_TYPE = "lager-attribution"
+# Item frame sizes a real Mug reads (mug.cpp: 1, 2, 4 or 8 bytes; anything else aborts it).
+_NASA_ITEM_SIZES = frozenset((1, 2, 4, 8))
 
 
 # The record head split around ts_ns: [length, received_ns] | ts_ns | [seq, field lengths].
@@ -139,8 +161,11 @@ class DataRecords:
         return (self.prefix, ts_be[::-1], self.tail, payload)
 
 
-def _data_attrs(version: bytes, flags: bytes) -> bytes:
-    return orjson.dumps({"version": version.hex(), "flags": str(int.from_bytes(flags, "big"))})
+def _data_attrs(version: bytes, flags: bytes, *, unattributed: bool = False) -> bytes:
+    attrs = {"version": version.hex(), "flags": str(int.from_bytes(flags, "big"))}
+    if unattributed:  # no key: stream is empty (docs/protocols/lager.md, "Restarted taps")
+        attrs["unattributed"] = "true"
+    return orjson.dumps(attrs)
 
 
 @dataclass(slots=True)
@@ -154,8 +179,7 @@ class _Held:
 
 class Forwarder:
     """The forwarder's sockets and loops. ``registrar`` is the live hashmap (read only here);
-    ``touch`` tells the registrar which uuids sent rows, ``adopt`` asks it to give
-    unregistered uuids a key (see the module docstring)."""
+    ``touch`` tells the registrar which uuids sent rows (it decides when a tap is gone)."""
 
     def __init__(
         self,
@@ -165,16 +189,20 @@ class Forwarder:
         reject: Callable[[str, str], None],
         *,
         touch: Callable[[Iterable[bytes], float], None],
-        adopt: Callable[[dict[bytes, Callable[[DataFormat], bool]]], Awaitable[None]],
     ) -> None:
         self.hub = hub
         self.config = config
         self._registrar = registrar
         self._reject = reject
         self._touch = touch
-        self._adopt = adopt
         self._held: dict[bytes, _Held] = {}
         self._held_bytes = 0
+        self._held_over = False  # the bound was passed in this burst: release the oldest
+        # uuids whose rows go to the journal unattributed -> rows since they last got a link
+        # (bounded by max_taps: the oldest are forgotten, their next rows are held again)
+        self._unattributed: dict[bytes, int] = {}
+        # uuid + flags + version + row length -> record parts of unattributed rows
+        self._unattributed_records: dict[bytes, DataRecords] = {}
         self._replay: deque[list[bytes]] = deque()  # held rows of a uuid that now has a key
         self.closing = False
         self.inflight: set[asyncio.Future[Any]] = set()
@@ -190,6 +218,25 @@ class Forwarder:
         self._counted_topics: set[bytes] = set()
         self._m_forwarded = hub.metrics.counter(
             "lager", "forwarded", "rows", "Data rows sent to mugs"
+        )
+        self._m_unattributed = hub.metrics.counter(
+            "lager",
+            "unattributed",
+            "rows",
+            "Rows journaled without a key: no registration named their uuid (a restarted tap)",
+        )
+        self._m_attributed = hub.metrics.counter(
+            "lager",
+            "attributed",
+            "rows",
+            "Unattributed rows linked to a key later, when a registration named their uuid",
+        )
+        hub.metrics.gauge_fn(
+            "lager",
+            "unattributed_taps",
+            "count",
+            "uuids whose rows are journaled unattributed now (no registration names them)",
+            lambda: len(self._unattributed),
         )
         hub.metrics.gauge_fn(
             "lager",
@@ -288,6 +335,8 @@ class Forwarder:
             parts: list[bytes] = []
             forwards: list[list[bytes]] = []
             reframe: list[tuple[int, list[tuple[int, int]]]] = []  # seed rows of several items
+            not_plain: list[int] = []  # unattributed rows a real Mug could not read
+            unattributed_rows = 0
             messages: Iterable[tuple[int, list[bytes]]]
             if replay:  # rows held for a tap that has now registered go first, in order
                 taken = [replay.popleft() for _ in range(min(max_batch, len(replay)))]
@@ -320,7 +369,25 @@ class Forwarder:
                 if tap is None:
                     reg = self.registrar.by_uuid.get(raw_uuid)
                     if reg is None:
-                        self._hold(raw_uuid, frames)
+                        try:  # no format yet: BEERR01 is the only version any format has
+                            check_row_header(version, flags, FORMAT_VERSION)
+                        except ProtocolError as exc:
+                            self._reject(exc.reason, f"uuid {raw_uuid.hex()}: {exc}")
+                            continue
+                        if raw_uuid not in self._unattributed:
+                            self._hold(raw_uuid, frames)
+                            continue
+                        # no registration names it (a restarted tap): journaled without a key
+                        unattributed = self._unattributed_row(raw_uuid, version, flags, frames)
+                        if unattributed is None:
+                            continue
+                        tap, payload, plain = unattributed
+                        parts += tap.parts(received_ns, ts, payload)
+                        if not plain:
+                            not_plain.append(len(forwards))
+                        forwards.append(frames)
+                        self._unattributed[raw_uuid] += 1
+                        unattributed_rows += 1
                         continue
                     tap = self._tap_records(reg, raw_uuid, version, flags)
                     if tap is None:
@@ -340,6 +407,10 @@ class Forwarder:
                     payload = b"".join(items)
                 parts += tap.parts(received_ns, ts, payload)
                 forwards.append(frames)  # forwarded as received, as nasa/lager's forwarder does
+            if self._held_over:
+                self._release_oldest()
+            if unattributed_rows:
+                self._m_unattributed.inc(unattributed_rows)
             if forwards:
                 batch = EncodedBatch(len(forwards), b"".join(parts))
                 hub.metrics.accepted("lager", len(forwards), len(batch.body))
@@ -353,7 +424,7 @@ class Forwarder:
                     return
                 self.inflight.add(future)
                 future.add_done_callback(
-                    functools.partial(self._forward, forwards, reframe, per_tap)
+                    functools.partial(self._forward, forwards, reframe, not_plain, per_tap)
                 )
             # Yield after every burst, even one that was all rejected: a flood of bad messages
             # must not starve the registrar, the commit callbacks or the forwards.
@@ -363,6 +434,11 @@ class Forwarder:
         self, reg: Registration, raw_uuid: bytes, version: bytes, flags: bytes
     ) -> DataRecords | None:
         """The record parts for a tap's (version, flags); None (rejected) if they cannot be."""
+        try:
+            check_row_header(version, flags, reg.format.version)
+        except ProtocolError as exc:
+            self._reject(exc.reason, f"{reg.key}: {exc}")
+            return None
         try:
             tap = DataRecords(
                 reg.key,
@@ -379,6 +455,34 @@ class Forwarder:
         self._records[raw_uuid + flags + version] = tap
         return tap
 
+    def _unattributed_row(
+        self, raw_uuid: bytes, version: bytes, flags: bytes, frames: list[bytes]
+    ) -> tuple[DataRecords, bytes, bool] | None:
+        """The record parts and payload of a row whose uuid no registration names (its header
+        already checked), and whether a real Mug could read it on the plain output; None
+        (rejected) if it cannot be stored. Without a format its items cannot be checked."""
+        items = frames[4:]
+        payload = items[0] if len(items) == 1 else b"".join(items)
+        cache_key = raw_uuid + flags + version + len(payload).to_bytes(4, "big")
+        tap = self._unattributed_records.get(cache_key)
+        if tap is None:
+            try:
+                tap = DataRecords(
+                    "",
+                    self._uuid_str(raw_uuid),
+                    _data_attrs(version, flags, unattributed=True),
+                    len(payload),
+                    [len(payload)],
+                )
+            except ValueError as exc:
+                self._reject("bad_record", f"uuid {raw_uuid.hex()}: {exc}")
+                return None
+            if len(self._unattributed_records) >= self.config.max_taps:
+                self._unattributed_records.clear()
+            self._unattributed_records[cache_key] = tap
+        plain = all(len(item) in _NASA_ITEM_SIZES for item in items)
+        return tap, payload, plain
+
     def _refuse_row(self, raw_uuid: bytes, sizes: list[int], tap: DataRecords) -> None:
         key = self.registrar.by_uuid[raw_uuid].key
         if sum(sizes) != tap.row_size:
@@ -392,13 +496,15 @@ class Forwarder:
         self,
         forwards: list[list[bytes]],
         reframe: list[tuple[int, list[tuple[int, int]]]],
+        not_plain: list[int],
         per_tap: Counter[bytes],
         future: asyncio.Future[Any],
     ) -> None:
         """Runs once the batch is durable: fan out to mugs (committed data only), then one
         loss-accounting mark per tap in the batch on the counted output. The plain output gets
         nasa/lager data messages only: a seed-framed row of several items goes there split into
-        one frame per item (a real Mug reads nothing else)."""
+        one frame per item (a real Mug reads nothing else), and an unattributed row (no format
+        to split it by) only if its frames are what a real Mug reads."""
         self.inflight.discard(future)
         if future.cancelled() or future.exception() is not None or self.closing:
             return
@@ -410,6 +516,9 @@ class Forwarder:
                     for index, cuts in reframe:
                         head, row = forwards[index][:4], forwards[index][4]
                         plain[index] = head + [row[start:end] for start, end in cuts]
+                if not_plain:
+                    skip = set(not_plain)
+                    plain = [m for i, m in enumerate(plain) if i not in skip]
                 _send_messages(self._fwd_out_raw, plain)
             if self._counted_topics:
                 _send_messages(self._counted_raw, forwards)
@@ -447,43 +556,82 @@ class Forwarder:
     # --- rows of unregistered uuids -----------------------------------------------------------
 
     def _hold(self, raw_uuid: bytes, frames: list[bytes]) -> None:
+        """Keep a row of an unregistered uuid until its registration is applied or its hold
+        ends. Past ``max_held_bytes`` (checked after the burst, so at most one burst over) the
+        oldest holds end early: their rows are journaled unattributed, never refused."""
         size = sum(map(len, frames))
-        if self._held_bytes + size > self.config.max_held_bytes:
-            self._reject("unknown_tap", f"data from unregistered uuid {raw_uuid.hex()}")
-            return
         held = self._held.get(raw_uuid)
         if held is None:
             held = self._held[raw_uuid] = _Held(time.monotonic())
         held.messages.append(frames)
         held.nbytes += size
         self._held_bytes += size
+        if self._held_bytes > self.config.max_held_bytes:
+            self._held_over = True
+
+    def _release_oldest(self) -> None:
+        self._held_over = False
+        while self._held_bytes > self.config.max_held_bytes and self._held:
+            self._release(next(iter(self._held)), "max_held_bytes reached")
+
+    def _release(self, raw_uuid: bytes, why: str) -> None:
+        """No registration named ``raw_uuid`` in time: its held rows, then all its rows until
+        one does, go to the journal unattributed (in order: held ones first)."""
+        held = self._held.pop(raw_uuid)
+        self._held_bytes -= held.nbytes
+        unattributed = self._unattributed
+        if len(unattributed) >= self.config.max_taps:
+            del unattributed[next(iter(unattributed))]
+        unattributed[raw_uuid] = unattributed.get(raw_uuid, 0)
+        self._replay.extend(held.messages)
+        log.warning(
+            "lager: rows from tap %s are journaled without a key (%s): no registration names "
+            "this uuid (a restarted nasa/lager Tap does not register again when the registrar "
+            "already shows its key with its format); they are linked to a key when one does",
+            self._uuid_str(raw_uuid), why,
+        )  # fmt: skip
 
     def registered(self, reg: Registration) -> None:
-        """``reg.uuid`` has a key now: its held rows go through next, before newer ones."""
+        """``reg.uuid`` has a key now: its held rows go through next, before newer ones, and
+        rows already journaled unattributed are linked to the key (a ``lager-attribution``
+        record after them: forwarder batches are submitted in order, and none after this one
+        is unattributed for this uuid)."""
         held = self._held.pop(reg.uuid, None)
         if held is not None:
             self._held_bytes -= held.nbytes
             self._replay.extend(held.messages)
+        rows = self._unattributed.pop(reg.uuid, None)
+        if not rows:
+            return
+        builder = BatchBuilder()
+        builder.add(
+            "lager",
+            b"",
+            stream=reg.key,
+            topic="attribution",
+            producer=reg.uuid_str,
+            event_id=reg.uuid_str,
+            content_type=ATTRIBUTION_CONTENT_TYPE,
+            attrs={"rows": str(rows)},
+        )
+        try:
+            future = self.hub.submit(builder.build())
+        except HubStopped:
+            return
+        self.inflight.add(future)
+        future.add_done_callback(self.inflight.discard)
+        self._m_attributed.inc(rows)
+        log.info("lager: %d unattributed rows of tap %s are %s's", rows, reg.uuid_str, reg.key)
 
     async def _held_loop(self) -> None:
-        """Ask the registrar to give held uuids a key; refuse what waited too long."""
+        """End the holds that lasted ``unknown_tap_hold_s``."""
         hold_s = self.config.unknown_tap_hold_s
         while True:
             await asyncio.sleep(_HELD_TICK_S)
             now = time.monotonic()
             for raw_uuid, held in list(self._held.items()):
                 if now - held.since >= hold_s:
-                    del self._held[raw_uuid]
-                    self._held_bytes -= held.nbytes
-                    # Every held row is refused: all but one counted here, one (and the log
-                    # line, rate-limited) by _reject.
-                    self.hub.metrics.rejected("lager", "unknown_tap", len(held.messages) - 1)
-                    self._reject(
-                        "unknown_tap",
-                        f"{len(held.messages)} rows from unregistered uuid {raw_uuid.hex()}",
-                    )
-            if self._held:  # registered() releases the rows of each uuid that gets a key
-                await self._adopt({u: _fits(h.messages[0]) for u, h in self._held.items()})
+                    self._release(raw_uuid, f"none came in {hold_s:g} s")
 
     async def _plain_subscriptions(self) -> None:
         """Track what real mugs subscribe to on F+1 (only data is ever sent there)."""
@@ -533,16 +681,6 @@ class Forwarder:
         with contextlib.suppress(zmq.Again):
             raw_send(self._counted_raw, topic, MORE_NOBLOCK)
             raw_send(self._counted_raw, self._epoch, NOBLOCK)
-
-
-def _fits(frames: list[bytes]) -> Callable[[DataFormat], bool]:
-    """Whether a format could be the one of this (held) message."""
-    if len(frames) == 5:
-        row_size = len(frames[4])
-        return lambda fmt: fmt.row_size == row_size
-    sizes = [len(frame) for frame in frames[4:]]
-    total = sum(sizes)
-    return lambda fmt: fmt.row_size == total and [item.size for item in fmt.items] == sizes
 
 
 def _send_messages(raw: zmq.Socket[bytes], messages: list[list[bytes]]) -> None:

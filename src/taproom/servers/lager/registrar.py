@@ -10,13 +10,15 @@ hashmap plus the journal offset it covers (written atomically at most every
 replayed from that offset (from the start if there is no checkpoint), so registrations survive
 a restart and even a SIGKILL.
 
-A key moves to a new uuid when its tap is *gone*: nothing (rows, registrations) came from the
-old uuid for ``takeover_after_s``. nasa/lager's Tap makes a new uuid at every start, and a
-restarted one often never re-sends its registration (its snapshot already shows its key with
-its format). So a registration for a held key takes it over once the holder is gone, and rows
-from an unregistered uuid (held by the forwarder meanwhile) take over the one gone key whose
-format matches them (:meth:`RegistrarServer.adopt`). A takeover is journaled as a registration
-with ``attrs.replaces`` = the old uuid and published as an update.
+A key moves to a new uuid only when a registration names that uuid: a registration for a
+held key takes it over once the holder is *gone* (nothing, rows or registrations, came from the
+old uuid for ``takeover_after_s``); one that arrives while the holder is alive is refused as
+``duplicate_key`` and remembered as a claim, which takes the key as soon as the holder is gone
+(checked every ``_CLAIM_TICK_S``). A takeover is journaled as a registration with
+``attrs.replaces`` = the old uuid and published as an update. Rows never move a key: a restarted
+nasa/lager Tap often sends none (its snapshot already shows its key with its format), and rows
+name no key, so its rows are journaled unattributed until a registration names its uuid (the
+forwarder's module docstring; docs/protocols/lager.md, "Restarted taps").
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from ...protocols.lager.chp import (
     parse_registration,
     parse_snapshot_request,
 )
-from ...protocols.lager.formats import DataFormat, parse_format_xml
+from ...protocols.lager.formats import parse_format_xml
 from ...records import BatchBuilder, iter_batch
 from .config import LagerConfig
 from .sockets import readable, recv_bounded, send
@@ -55,6 +57,7 @@ log = logging.getLogger("taproom.lager")
 REGISTRATION_CONTENT_TYPE = "lager-registration"
 _STATE_VERSION = 1
 _MAX_CLAIMS = 1024
+_CLAIM_TICK_S = 0.1  # how often claims are checked against their holders
 
 
 class RegistrarServer:
@@ -107,6 +110,13 @@ class RegistrarServer:
         self._m_takeovers = m.counter(
             "lager", "takeovers", "keys", "Keys moved to a new uuid after their tap was gone"
         )
+        self._m_abandoned = m.counter(
+            "lager",
+            "snapshots_abandoned",
+            "requests",
+            "Snapshot answers the client had stopped reading (nasa/lager's CHP client asks once "
+            "per message it reads and closes at KTHXBAI: normal, not a refusal)",
+        )
         m.gauge_fn("lager", "taps", "count", "Taps in the registrar's hashmap", self._tap_count)
 
     def _tap_count(self) -> float:
@@ -154,7 +164,13 @@ class RegistrarServer:
 
     @property
     def loops(self) -> tuple[Callable[[], Awaitable[None]], ...]:
-        return (self._collector_loop, self._snapshot_loop, self._hugz_loop, self._checkpoint_loop)
+        return (
+            self._collector_loop,
+            self._snapshot_loop,
+            self._hugz_loop,
+            self._checkpoint_loop,
+            self._claim_loop,
+        )
 
     async def close(self) -> None:
         if self._dirty:
@@ -391,45 +407,38 @@ class RegistrarServer:
         while len(claims) > _MAX_CLAIMS:
             del claims[next(iter(claims))]
 
-    async def adopt(self, unregistered: dict[bytes, Callable[[DataFormat], bool]]) -> None:
-        """Rows came from these uuids, which hold no key: let each take over the key it claimed
-        by a refused registration, or else the one key whose tap is gone and whose format
-        ``fits`` its rows. One scan of the map per call, whatever the number of uuids."""
-        async with self._map_lock:
-            now = time.monotonic()
-            gone = [r for r in self.registrar.by_uuid.values() if self._gone(r, now)]
-            moves: list[tuple[Registration, bytes | None]] = []
-            taken: set[str] = set()
-            for raw_uuid, fits in unregistered.items():
-                if raw_uuid in self.registrar.by_uuid:
-                    continue
-                claim = self._claims.get(raw_uuid)
-                if claim is not None:
-                    holder = self.registrar.by_key.get(claim.key)
-                    if holder is not None and not self._gone(holder, now):
-                        continue
-                    reg, replacing = claim, (holder.uuid if holder is not None else None)
-                else:
-                    fitting = [r for r in gone if fits(r.format)]
-                    if len(fitting) != 1:  # none yet, or several taps the rows could be from
-                        continue
-                    old = fitting[0]
-                    reg, replacing = (
-                        Registration(old.key, raw_uuid, old.value, old.format),
-                        old.uuid,
-                    )
-                if reg.key in taken:  # two new uuids for one key: neither, until one registers
-                    moves = [m for m in moves if m[0].key != reg.key]
-                    continue
-                try:
-                    self.registrar.check(reg, replacing=replacing)
-                except ProtocolError as exc:
-                    self._reject(exc.reason, str(exc))
-                    continue
-                taken.add(reg.key)
-                moves.append((reg, replacing))
-            if moves:
-                await self._commit(moves)
+    async def _claim_loop(self) -> None:
+        """A claim (a registration refused as ``duplicate_key``) takes its key once the holder
+        is gone, if the claimant itself is not (a restarted tap that registered and logs on)."""
+        while True:
+            await asyncio.sleep(_CLAIM_TICK_S)
+            if self._claims:
+                async with self._map_lock:
+                    await self._settle_claims()
+
+    async def _settle_claims(self) -> None:
+        now = time.monotonic()
+        moves: list[tuple[Registration, bytes | None]] = []
+        for raw_uuid, claim in list(self._claims.items()):
+            if raw_uuid in self.registrar.by_uuid:  # it got a key meanwhile
+                del self._claims[raw_uuid]
+                continue
+            holder = self.registrar.by_key.get(claim.key)
+            if holder is not None and not self._gone(holder, now):
+                continue
+            if self._gone(claim, now):
+                continue  # the claimant went quiet too: it waits, it does not take the key
+            if any(reg.key == claim.key for reg, _ in moves):
+                continue  # two claims for one key: the older first, the other stays a claim
+            try:
+                self.registrar.check(claim, replacing=holder.uuid if holder else None)
+            except ProtocolError as exc:
+                del self._claims[raw_uuid]
+                self._reject(exc.reason, str(exc))
+                continue
+            moves.append((claim, holder.uuid if holder else None))
+        if moves:
+            await self._commit(moves)
 
     async def _snapshot_loop(self) -> None:
         cfg = self.config
@@ -456,8 +465,12 @@ class RegistrarServer:
                     for reg in self.registrar.snapshot(subtree):
                         send(raw, [identity, *reg.frames()])
                     send(raw, [identity, *kthxbai_frames(self.registrar.sequence)])
-                except zmq.ZMQError as exc:  # the mug went away (EHOSTUNREACH) or is stuck
-                    self._reject("snapshot_undeliverable", str(exc))
+                except zmq.ZMQError:
+                    # The client went away (EHOSTUNREACH) before this answer. nasa/lager's CHP
+                    # client sends ICANHAZ? again after every message it reads and closes its
+                    # socket at the first KTHXBAI, so all but one of its requests end here every
+                    # time it starts: counted apart, never as a refusal.
+                    self._m_abandoned.inc()
                 await asyncio.sleep(0)
 
     async def _hugz_loop(self) -> None:

@@ -38,7 +38,6 @@ class LagerService:
             lambda: self.registrar.registrar,
             self._reject,
             touch=lambda uuids, now: self.registrar.touch(uuids, now),
-            adopt=lambda unregistered: self.registrar.adopt(unregistered),
         )
         self.registrar = RegistrarServer(
             hub,
