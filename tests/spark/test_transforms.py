@@ -184,3 +184,52 @@ def test_request_rollup_sums_resources_and_keeps_the_histogram(spark: Any) -> No
     histogram = [(h["b"], h["n"]) for h in row["total_time_histogram"]]
     assert histogram == sorted((bucket_of(t), 1) for t in (10.0, 30.0, 200.0))
     assert math.isclose(row["total_time_p50"], bucket_value(bucket_of(30.0)), rel_tol=1e-9)
+
+
+def test_attribute_lager_rows_takes_the_first_link_after_each_row(
+    spark: Any, tmp_path: Any
+) -> None:
+    """Rows journaled unattributed take the key of the first lager-attribution or
+    lager-registration record of their uuid after them (docs/protocols/lager.md); the rest
+    keep their stream; a row no record names keeps a null key."""
+    from taproom.journal import Journal
+    from taproom.records import BatchBuilder
+
+    u1, u2, u3, u4 = (f"00000000-0000-4000-8000-00000000000{n}" for n in range(1, 5))
+    plan = [  # (content type, stream, producer, unattributed) at offsets 0..
+        ("lager-registration", "/r1/arm", u1, False),  # 0
+        ("lager", "/r1/arm", u1, False),  # 1
+        ("lager", "", u2, True),  # 2: -> /r2/arm (the link at 5)
+        ("lager", "", u2, True),  # 3: -> /r2/arm
+        ("lager", "", u4, True),  # 4: -> /r4/arm (a registration at 9 after a restart)
+        ("lager-attribution", "/r2/arm", u2, False),  # 5
+        ("lager", "/r2/arm", u2, False),  # 6
+        ("lager", "", u2, True),  # 7: the key moved away; -> /r5/arm (the link at 8)
+        ("lager-attribution", "/r5/arm", u2, False),  # 8
+        ("lager-registration", "/r4/arm", u4, False),  # 9
+        ("lager", "", u3, True),  # 10: nothing names u3
+    ]
+    journal = Journal(tmp_path / "j")
+    builder = BatchBuilder()
+    for content_type, stream, producer, unattributed in plan:
+        attrs = {"version": "4245455252303031", "flags": "0"}
+        if unattributed:
+            attrs["unattributed"] = "true"
+        builder.add("lager", b"\0" * 12, stream=stream, producer=producer,
+                    content_type=content_type, attrs=attrs)  # fmt: skip
+    journal.commit([builder.build()])
+    journal.close()
+    events = spark.read.format("taproom").load(str(tmp_path / "j"))
+    got = {
+        r["offset"]: (r["key"], r["attributed_later"])
+        for r in T.attribute_lager_rows(events).collect()
+    }
+    assert got == {
+        1: ("/r1/arm", False),
+        2: ("/r2/arm", True),
+        3: ("/r2/arm", True),
+        4: ("/r4/arm", True),
+        6: ("/r2/arm", False),
+        7: ("/r5/arm", True),
+        10: (None, False),
+    }

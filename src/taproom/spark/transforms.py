@@ -37,6 +37,7 @@ __all__ = [
     "PERCENTILE_FLOOR_MS",
     "PERCENTILE_RELATIVE_ERROR",
     "SEVERITY_NAMES",
+    "attribute_lager_rows",
     "exception_rollup",
     "log_rollup",
     "logjam_requests",
@@ -409,4 +410,42 @@ def telemetry_rollup(
             "mean",
             "last",
         )
+    )
+
+
+def attribute_lager_rows(events: DataFrame) -> DataFrame:
+    """Lager data rows with their tap's ``key`` (docs/protocols/lager.md, "Restarted taps").
+
+    A row journaled with its key has it as its stream. A row journaled unattributed (stream
+    empty, ``attrs.unattributed``: no registration named its uuid yet) belongs to the key of
+    the first ``lager-attribution`` or ``lager-registration`` record of the same journal whose
+    producer is its uuid, at a higher offset; ``key`` is null while there is none. Adds
+    ``key`` and ``attributed_later`` (the key came from such a link). Batch only: the link
+    follows the rows it names."""
+    lager = events.filter(F.col("protocol") == "lager")
+    rows = lager.filter(F.col("content_type") == "lager")
+    unattributed = F.coalesce(F.col("attrs")["unattributed"] == "true", F.lit(False))
+    links = lager.filter(F.col("content_type").isin("lager-attribution", "lager-registration"))
+    first_link = (
+        rows.filter(unattributed)
+        .select("journal", "offset", "producer")
+        .join(
+            links.select(
+                F.col("journal").alias("link_journal"),
+                F.col("producer").alias("link_producer"),
+                F.col("offset").alias("link_offset"),
+                F.col("stream").alias("link_key"),
+            ),
+            (F.col("journal") == F.col("link_journal"))
+            & (F.col("producer") == F.col("link_producer"))
+            & (F.col("link_offset") > F.col("offset")),
+        )
+        .groupBy("journal", "offset")
+        .agg(F.min_by("link_key", "link_offset").alias("linked_key"))
+    )
+    return (
+        rows.join(first_link, ["journal", "offset"], "left")
+        .withColumn("attributed_later", unattributed & F.col("linked_key").isNotNull())
+        .withColumn("key", F.when(unattributed, F.col("linked_key")).otherwise(F.col("stream")))
+        .drop("linked_key")
     )
