@@ -25,7 +25,12 @@ from taproom.protocols.lager.chp import (
     valid_key,
 )
 from taproom.protocols.lager.formats import FormatError
-from taproom.protocols.lager.messages import DataMessage, MessageError, parse_data_message
+from taproom.protocols.lager.messages import (
+    DataMessage,
+    MessageError,
+    check_row_header,
+    parse_data_message,
+)
 from tests.support import fuzz_examples
 
 XML = '<format version="BEERR01"><item name="a" type="uint8" size="1" offset="0"/></format>'
@@ -179,6 +184,31 @@ class TestDataMessage:
     def test_malformed(self, frames: list[bytes], reason: str) -> None:
         with pytest.raises(MessageError) as info:
             parse_data_message(frames)
+        assert info.value.reason == reason
+
+    @pytest.mark.parametrize(
+        ("version", "flags", "reason"),
+        [
+            (b"BEERR01", b"\x00", None),  # nasa/lager's Tap: the format's version, uint8_t flags
+            (b"\x01\x00", b"\x00\x00", None),  # the seed's: version 1.0, 2 bytes of flags
+            (b"\x01\x02", b"\x00\x05", None),  # a minor version only adds
+            (b"BEERR99", b"\x00", "bad_version"),
+            (b"BEERR0", b"\x00", "bad_version"),
+            (b"\x02\x00", b"\x00\x00", "bad_version"),
+            (b"BEERR01", b"\x00\x00", "bad_flags"),
+            (b"\x01\x00", b"\x00", "bad_flags"),
+        ],
+    )
+    def test_row_header_against_the_format(
+        self, version: bytes, flags: bytes, reason: str | None
+    ) -> None:
+        """Issue 28: the version and flags frames are checked as a registration's version is:
+        a row whose header is not its format's was journaled and forwarded."""
+        if reason is None:
+            check_row_header(version, flags, "BEERR01")
+            return
+        with pytest.raises(MessageError) as info:
+            check_row_header(version, flags, "BEERR01")
         assert info.value.reason == reason
 
 

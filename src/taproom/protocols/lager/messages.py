@@ -116,22 +116,17 @@ def check_row_header(version: bytes, flags: bytes, format_version: str) -> None:
     layout is not the one registered. Raises :class:`MessageError` (``bad_version``,
     ``bad_flags``)."""
     if len(version) == 2:
-        if version[0] != MESSAGE_VERSION[0]:
-            raise MessageError(
-                f"message version {version[0]}.{version[1]}, taproom reads 1.x",
-                reason="bad_version",
-            )
-        if len(flags) != 2:
-            raise MessageError(
-                f"flags frame is {len(flags)} bytes, the seed's framing has 2", reason="bad_flags"
-            )
-        return
-    if version != format_version.encode():
+        framing, version_ok, flags_size = "the seed's", version[0] == MESSAGE_VERSION[0], 2
+    else:
+        framing, version_ok, flags_size = "nasa/lager's", version == format_version.encode(), 1
+    if not version_ok:
         raise MessageError(
-            f"version frame {bytes(version)[:8]!r}, the tap's format is {format_version}",
+            f"version frame {bytes(version)[:8]!r} is neither 1.x nor the format's "
+            f"{format_version}",
             reason="bad_version",
         )
-    if len(flags) != 1:
+    if len(flags) != flags_size:
         raise MessageError(
-            f"flags frame is {len(flags)} bytes, nasa/lager's framing has 1", reason="bad_flags"
+            f"flags frame is {len(flags)} bytes, {framing} framing has {flags_size}",
+            reason="bad_flags",
         )
