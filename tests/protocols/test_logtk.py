@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import struct
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 import taproom.protocols.logtk as logtk
 import taproom.protocols.logtk.frames as frames_module
+from taproom.eventtime import EventTimes
 from taproom.payloads import decode_payload
 from taproom.protocols.logtk import (
     Ack,
@@ -736,6 +738,75 @@ def test_bson_reference_record_decodes():
     assert decoded["blob"] == {"base64": "AAE="}
 
 
+def logtkjs_bson(doc: dict[str, object]) -> bytes:
+    """A flat document as logtkjs writes BSON (its lib/format.js, as PEERS.md describes it):
+    right total size, but a string's length prefix is JavaScript's ``length + 1``, in UTF-16
+    code units, while its bytes are UTF-8. Strings, ints, doubles and dates only."""
+    import datetime
+
+    body = b""
+    for key, value in doc.items():
+        name = key.encode() + b"\x00"
+        if isinstance(value, str):
+            units = len(value.encode("utf-16-le")) // 2
+            body += b"\x02" + name + struct.pack("<I", units + 1) + value.encode() + b"\x00"
+        elif isinstance(value, datetime.datetime):
+            ms = int(value.timestamp() * 1000)
+            body += b"\x09" + name + struct.pack("<q", ms)
+        elif isinstance(value, float):
+            body += b"\x01" + name + struct.pack("<d", value)
+        else:
+            assert isinstance(value, int)
+            body += b"\x10" + name + struct.pack("<i", value)
+    return struct.pack("<I", len(body) + 5) + body + b"\x00"
+
+
+class TestLogtkjsBson:
+    """Issue 25: logtkjs's BSON with non-ASCII text is invalid BSON (UTF-16 string lengths);
+    taproom reads it as logtkjs meant it, so its time is read and tail shows it."""
+
+    WHEN_MS = 1_795_464_988_673
+
+    def _doc(self) -> bytes:
+        import datetime
+
+        when = datetime.datetime.fromtimestamp(self.WHEN_MS / 1000, datetime.UTC)
+        return logtkjs_bson(
+            {"$message": "héllo wörld ✓ 😀", "$time": when, "$level": 6, "n": "ascii"}
+        )
+
+    def test_strict_bson_refuses_it(self):
+        import bson
+
+        with pytest.raises(bson.errors.InvalidBSON):
+            bson.decode(self._doc())
+
+    def test_its_time_is_read(self):
+        assert time_reader("bson")(self._doc(), EventTimes()) == self.WHEN_MS * 10**6
+
+    def test_tail_shows_it(self):
+        decoded = decode_payload("bson", self._doc())
+        assert decoded == {
+            "$message": "héllo wörld ✓ 😀",
+            "$time": "2026-11-23T20:16:28.673000+00:00",
+            "$level": 6,
+            "n": "ascii",
+        }
+
+    def test_a_length_that_is_neither_bytes_nor_code_units_is_refused(self):
+        doc = bytearray(self._doc())
+        at = doc.index(b"h\xc3\xa9llo") - 4
+        doc[at : at + 4] = struct.pack("<I", 5)  # too short for either reading
+        assert decode_payload("bson", bytes(doc)) == {"base64": base64.b64encode(doc).decode()}
+
+    def test_the_12_byte_entry_that_hung_the_hub(self):
+        """A string element of length -7 sent the old walker back to the same element
+        forever (issue 25, part 2): now it is refused at once and the entry has no time."""
+        entry = bytes.fromhex("0c000000026100f9ffffff00")
+        assert time_reader("bson")(entry, EventTimes()) == 0
+        assert isinstance(decode_payload("bson", entry), dict | str)
+
+
 class TestEventTime:
     """Issue 17 item 3: records get ``ts_ns`` from the entry's own time field."""
 
@@ -743,10 +814,10 @@ class TestEventTime:
 
     def test_protobuf_time_field_is_milliseconds(self):
         entry = encode_log_entry(time_ms=self.NS // 10**6, level=6, message="hi")
-        assert time_reader("protobuf")(entry) == self.NS
+        assert time_reader("protobuf")(entry, EventTimes()) == self.NS
         # field 1 anywhere among the others, as a protobuf writer may order them
         later = encode_log_entry(message="hi") + encode_log_entry(time_ms=self.NS // 10**6)
-        assert time_reader("protobuf")(later) == self.NS
+        assert time_reader("protobuf")(later, EventTimes()) == self.NS
 
     def test_bson_time_as_logtkjs_writes_it(self):
         import datetime
@@ -761,8 +832,10 @@ class TestEventTime:
             "$time": when,
             "$trace": {"file": "index.js", "line": 10, "col": 2},
         }
-        assert time_reader("bson")(bson.encode(record)) == self.NS
-        assert time_reader("bson")(bson.encode({"$time": self.NS // 10**6})) == self.NS
+        assert time_reader("bson")(bson.encode(record), EventTimes()) == self.NS
+        assert (
+            time_reader("bson")(bson.encode({"$time": self.NS // 10**6}), EventTimes()) == self.NS
+        )
 
     @pytest.mark.parametrize(
         "payload",
@@ -780,10 +853,10 @@ class TestEventTime:
         ],
     )
     def test_json_time_fields(self, payload):
-        assert time_reader("json")(payload) == self.NS
+        assert time_reader("json")(payload, EventTimes()) == self.NS
 
     def test_json_seconds(self):
-        assert time_reader("json")(b'{"time": 1795464988}') == 1_795_464_988 * 10**9
+        assert time_reader("json")(b'{"time": 1795464988}', EventTimes()) == 1_795_464_988 * 10**9
 
     @pytest.mark.parametrize(
         ("content_type", "payload"),
@@ -791,7 +864,6 @@ class TestEventTime:
             ("json", b'{"message": "no time"}'),
             ("json", b'{"time": true}'),
             ("json", b'{"time": "yesterday"}'),
-            ("json", b'{"time": -5}'),
             ("json", b'[{"time": 1795464988}]'),
             ("json", b'{"nested": {"time": 1795464988}}'),
             ("json", b"not json, time"),
@@ -803,9 +875,39 @@ class TestEventTime:
         ],
     )
     def test_no_readable_time_is_zero(self, content_type, payload):
-        assert time_reader(content_type)(payload) == 0
+        assert time_reader(content_type)(payload, EventTimes()) == 0
+
+    def test_a_time_before_1970_is_a_time(self):
+        assert time_reader("json")(b'{"time": -5}', EventTimes()) == -5 * 10**9
+
+    @pytest.mark.parametrize(
+        ("content_type", "payload"),
+        [
+            ("json", b'{"$time": "2426-01-01T00:00:00Z"}'),
+            ("json", b'{"time": 1e30}'),
+            ("json", b'{"ts": 18446744073709551615}'),
+            ("protobuf", encode_log_entry(time_ms=2**62)),
+            ("protobuf", b"\x08" + b"\xff" * 9 + b"\x01"),  # 2^64-1 ms
+        ],
+    )
+    def test_a_time_the_journal_cannot_hold_is_absent_and_counted(self, content_type, payload):
+        times = EventTimes()
+        assert time_reader(content_type)(payload, times) == 0
+        assert times.take() == 1
+
+    def test_bson_times_out_of_range(self):
+        import datetime
+
+        import bson
+
+        times = EventTimes()
+        year_9999 = datetime.datetime(9999, 1, 1, tzinfo=datetime.UTC)
+        assert time_reader("bson")(bson.encode({"$time": year_9999}), times) == 0
+        assert time_reader("bson")(bson.encode({"$time": 2**62}), times) == 0
+        assert times.take() == 2
 
     @settings(max_examples=fuzz_examples(200, 5000), deadline=None)
     @given(content_type=st.sampled_from(["json", "bson", "protobuf"]), payload=st.binary())
     def test_never_raises(self, content_type, payload):
-        assert time_reader(content_type)(payload) >= 0
+        ts_ns = time_reader(content_type)(payload, EventTimes())
+        assert -(2**63) <= ts_ns < 2**63

@@ -24,6 +24,7 @@ from taproom.protocols.logtk import (
 )
 from taproom.servers.logtk import DedupIndex, hash_token
 from taproom.servers.logtk.dedup import read_checkpoint, write_checkpoint
+from tests.protocols.test_logtk import logtkjs_bson
 from tests.support import HubProcess, queued_connects, running_app, write_config
 
 TOKEN = bytes(range(64))
@@ -583,6 +584,56 @@ class TestPingsAndLimits:
             await ws_frames(ws, 1)
             await ws.close()
         assert [r.getMessage() for r in caplog.records if r.name.startswith("websockets")] == []
+
+
+class TestPoisonEntries:
+    """Issue 25, part 2: entries whose BSON lies about its lengths."""
+
+    async def _acks(self, reader, want):
+        decoder = FrameDecoder()
+        frames: list[object] = []
+        while not all(Ack(i) in frames for i in want):
+            frames += decoder.feed(await asyncio.wait_for(reader.read(4096), 10))
+        return frames
+
+    async def test_the_12_byte_entry_that_hung_the_hub_is_stored_and_acked(self, tmp_path):
+        """One data entry whose BSON string length is -7 looped forever on the event loop
+        (no ack, /health timed out, SIGTERM ignored). Now: acked, stored without a time,
+        and the hub goes on serving this and other connections."""
+        init = encode_frame(Init("bson", 0x1234, None, False))
+        poison = bytes.fromhex("03010c0c000000026100f9ffffff00020000000200")
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            reader, writer = await TestPingsAndLimits()._raw_tcp(app, init + poison)
+            await self._acks(reader, [2])
+            writer.write(encode_frame(Data(logtkjs_bson({"$message": "ok"}), 3)))
+            await self._acks(reader, [3])
+            writer.close()
+            other, other_writer = await TestPingsAndLimits()._raw_tcp(
+                app, encode_frame(Init("bson", 0x5678, None, False))
+            )
+            other_writer.write(encode_frame(Data(logtkjs_bson({"$message": "next"}), 1)))
+            await self._acks(other, [1])
+            other_writer.close()
+            stored = {r.seq: r for r in records(app)}
+            assert stored[2].payload == bytes.fromhex("0c000000026100f9ffffff00")
+            assert stored[2].ts_ns == 0
+            assert app.readiness() == []
+
+    async def test_logtkjs_non_ascii_bson_gets_its_time(self, tmp_path):
+        import datetime
+
+        when = datetime.datetime(2026, 11, 23, 20, 16, 28, 673000, tzinfo=datetime.UTC)
+        entry = logtkjs_bson({"$message": "grüße ✓", "$time": when})
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            init = encode_frame(Init("bson", 0x1234, None, False))
+            reader, writer = await TestPingsAndLimits()._raw_tcp(
+                app, init + encode_frame(Data(entry, 1))
+            )
+            await self._acks(reader, [1])
+            writer.close()
+            (record,) = records(app)
+            assert record.ts_ns == 1_795_464_988_673_000_000
+            assert record.to_json_dict()["payload"]["$message"] == "grüße ✓"
 
 
 class TestIdleWebSocket:

@@ -1,21 +1,23 @@
 """The payload formats LogTK carries: decoded off the ack path, and their event time.
 
 ``protobuf`` is taproom's ``LogEntry`` (``logtk_entry.proto`` next to this module), ``bson`` the
-reference client's documents. Both decoders register with :mod:`taproom.payloads`.
-:func:`time_reader` gives the ack path a cheap reader of each format's time field, for the
-records' ``ts_ns``.
+reference client's documents (read leniently where logtkjs breaks BSON: :mod:`.bsonwalk`).
+Both decoders register with :mod:`taproom.payloads`. :func:`time_reader` gives the ack path a
+cheap reader of each format's time field, for the records' ``ts_ns``, by the event-time rule
+(:mod:`taproom.eventtime`).
 """
 
 from __future__ import annotations
 
-import datetime
 import re
 import struct
 from collections.abc import Callable, Mapping
 
 import orjson
 
+from ...eventtime import EventTimes
 from ...payloads import json_ready, register_decoder
+from .bsonwalk import BsonError, decode_lenient, top_level_value
 
 __all__ = [
     "JSON_TIME_FIELDS",
@@ -168,7 +170,11 @@ def decode_log_entry(payload: bytes) -> dict[str, object]:
 
 
 def decode_bson_payload(payload: bytes) -> object:
-    """A BSON document (the reference client's ``$level``/``$message``/... records)."""
+    """A BSON document (the reference client's ``$level``/``$message``/... records).
+
+    pymongo's strict decoder first; a document it refuses is read leniently
+    (:func:`.bsonwalk.decode_lenient`), which takes logtkjs's UTF-16 string lengths
+    (docs/compat.md). Raises ``ValueError`` when neither can read it."""
     import bson  # from pymongo; imported here so the wire path never pays for it
 
     # Dates as aware UTC datetimes (printed with their zone); one outside Python's range stays
@@ -176,12 +182,20 @@ def decode_bson_payload(payload: bytes) -> object:
     options: bson.CodecOptions[dict[str, object]] = bson.CodecOptions(
         tz_aware=True, datetime_conversion=bson.DatetimeConversion.DATETIME_AUTO
     )
-    return json_ready(bson.decode(payload, codec_options=options))
+    try:
+        return json_ready(bson.decode(payload, codec_options=options))
+    except bson.errors.InvalidBSON as strict:
+        try:
+            return json_ready(decode_lenient(payload))
+        except BsonError:
+            raise ValueError(f"not BSON: {strict}") from None
 
 
 # --- event time -----------------------------------------------------------------------------
-# Each reader returns nanoseconds since the epoch (UTC), or 0 when the entry carries no time it
-# can read: a missing or malformed time never costs the entry, it only leaves ts_ns unset.
+# Each reader returns nanoseconds since the epoch (UTC) by the event-time rule
+# (taproom.eventtime: a time the journal cannot hold is absent and counted in ``times``), or 0
+# when the entry carries no time it can read: a missing or malformed time never costs the
+# entry, it only leaves ts_ns unset. Every loop below moves forward by construction (issue 25).
 
 # Top-level JSON fields read as the entry's time, first found wins: logtkjs's own name first,
 # then the names loggers commonly use.
@@ -189,49 +203,37 @@ JSON_TIME_FIELDS = ("$time", "time", "timestamp", "@timestamp", "ts")
 _JSON_TIME_HINT = re.compile(rb'"(?:\$time|time|timestamp|@timestamp|ts)"')
 # logtkjs's "json" format is JavaScript-flavoured text, not JSON: "$time": [Date: <ISO>Z]
 _JS_DATE = re.compile(rb'"\$time"\s*:\s*\[Date: ([0-9T:.+\-Z]{10,40})\]')
-_MAX_NS = (1 << 63) - 1  # the record's ts_ns is an i64
 _I64 = struct.Struct("<q")
 _I32 = struct.Struct("<i")
 _F64 = struct.Struct("<d")
 
 
-def _checked(ns: int) -> int:
-    return ns if 0 < ns <= _MAX_NS else 0
-
-
-def _number_ns(value: int | float) -> int:
+def _number_ns(value: int | float, times: EventTimes) -> int:
     """A number's unit from its size: seconds, milliseconds, microseconds or nanoseconds
     since the epoch (each reading covers the years 1973-5138)."""
     size = abs(value)
     scale = 1 if size >= 1e17 else 1_000 if size >= 1e14 else 10**6 if size >= 1e11 else 10**9
     if isinstance(value, int):
-        return _checked(value * scale)
+        return times.ns(value * scale)
+    if value != value or size == float("inf"):
+        return 0
     # A double holds ~16 digits: keep microseconds, not float noise in the nanoseconds.
-    return _checked(round(value * scale / 1_000) * 1_000 if scale >= 1_000 else round(value))
+    return times.ns(round(value * scale / 1_000) * 1_000 if scale >= 1_000 else round(value))
 
 
-def _iso_ns(text: str) -> int:
-    """RFC 3339 / ISO 8601 text; without a zone it is UTC."""
-    when = datetime.datetime.fromisoformat(text)
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    delta = when - datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-    return _checked((delta.days * 86_400 + delta.seconds) * 10**9 + delta.microseconds * 1_000)
-
-
-def _protobuf_time_ns(payload: bytes) -> int:
+def _protobuf_time_ns(payload: bytes, times: EventTimes) -> int:
     """``LogEntry.time`` (field 1, milliseconds), as logtkjs's ``LogMessage._time`` too."""
     pos = 0
     end = len(payload)
     while pos < end:
-        key, pos = _pb_read_varint(payload, pos)
+        key, pos = _pb_read_varint(payload, pos)  # always past at least one byte
         number, wire = key >> 3, key & 7
         if wire == 0:
             value, pos = _pb_read_varint(payload, pos)
             if number == 1:
-                return _checked(value * 1_000_000)
+                return times.ms(value)
         elif wire == 2:
-            n, pos = _pb_read_varint(payload, pos)
+            n, pos = _pb_read_varint(payload, pos)  # n >= 0: never backwards
             pos += n
         elif wire == 1:
             pos += 8
@@ -242,47 +244,29 @@ def _protobuf_time_ns(payload: bytes) -> int:
     return 0
 
 
-# BSON element sizes after the name, by type: fixed ones, and those with a length prefix.
-_BSON_FIXED = {0x01: 8, 0x06: 0, 0x07: 12, 0x08: 1, 0x09: 8, 0x0A: 0, 0x10: 4, 0x11: 8}
-_BSON_FIXED |= {0x12: 8, 0x13: 16, 0x7F: 0, 0xFF: 0}
-
-
-def _bson_time_ns(doc: bytes) -> int:
-    """The top-level ``$time``: a UTC datetime (logtkjs), or a number of milliseconds."""
-    end = min(len(doc), _I32.unpack_from(doc)[0]) - 1
-    pos = 4
-    while pos < end:
-        etype = doc[pos]
-        nul = doc.index(b"\x00", pos + 1, end)
-        name = doc[pos + 1 : nul]
-        pos = nul + 1
-        if name == b"$time":
-            if etype in (0x09, 0x12):
-                return _checked(_I64.unpack_from(doc, pos)[0] * 1_000_000)
-            if etype == 0x10:
-                return _checked(_I32.unpack_from(doc, pos)[0] * 1_000_000)
-            if etype == 0x01:
-                return _checked(int(_F64.unpack_from(doc, pos)[0] * 1_000_000))
-            return 0
-        size = _BSON_FIXED.get(etype)
-        if size is not None:
-            pos += size
-        elif etype in (0x02, 0x0D, 0x0E):  # string, code, symbol: int32 length + bytes
-            pos += 4 + _I32.unpack_from(doc, pos)[0]
-        elif etype in (0x03, 0x04, 0x0F):  # document, array, code with scope: length inclusive
-            pos += _I32.unpack_from(doc, pos)[0]
-        elif etype == 0x05:  # binary: length, subtype, bytes
-            pos += 5 + _I32.unpack_from(doc, pos)[0]
-        elif etype == 0x0B:  # regex: two cstrings
-            pos = doc.index(b"\x00", doc.index(b"\x00", pos, end) + 1, end) + 1
-        elif etype == 0x0C:  # DBPointer: string + 12-byte id
-            pos += 16 + _I32.unpack_from(doc, pos)[0]
-        else:
-            return 0
+def _bson_time_ns(doc: bytes, times: EventTimes) -> int:
+    """The top-level ``$time``: a UTC datetime (logtkjs), or a number of milliseconds. Read
+    with :mod:`.bsonwalk` (every length checked; logtkjs's UTF-16 string lengths taken)."""
+    found = top_level_value(doc, b"$time")
+    if found is None:
+        return 0
+    etype, pos = found
+    if etype in (0x09, 0x12) and pos + 8 <= len(doc):
+        return times.ms(_I64.unpack_from(doc, pos)[0])
+    if etype == 0x10 and pos + 4 <= len(doc):
+        return times.ms(_I32.unpack_from(doc, pos)[0])
+    if etype == 0x01 and pos + 8 <= len(doc):
+        return times.float_ms(_F64.unpack_from(doc, pos)[0])
     return 0
 
 
-def _json_time_ns(payload: bytes) -> int:
+def _iso_ns(text: str, times: EventTimes) -> int:
+    """RFC 3339 / ISO 8601 text (no zone: UTC); 0 when it is not a date-time."""
+    ns = times.iso(text)
+    return 0 if ns is None else ns
+
+
+def _json_time_ns(payload: bytes, times: EventTimes) -> int:
     """The first of :data:`JSON_TIME_FIELDS` at the top level: a number (unit by size) or an
     ISO 8601 string. logtkjs's JavaScript-flavoured text gives its ``[Date: ...]``."""
     if _JSON_TIME_HINT.search(payload) is None:
@@ -291,7 +275,7 @@ def _json_time_ns(payload: bytes) -> int:
         doc = orjson.loads(payload)
     except orjson.JSONDecodeError:
         match = _JS_DATE.search(payload)
-        return _iso_ns(match.group(1).decode("ascii")) if match else 0
+        return _iso_ns(match.group(1).decode("ascii"), times) if match else 0
     if not isinstance(doc, dict):
         return 0
     for name in JSON_TIME_FIELDS:
@@ -299,36 +283,40 @@ def _json_time_ns(payload: bytes) -> int:
         if value is None or isinstance(value, bool):
             continue
         if isinstance(value, int | float):
-            return _number_ns(value)
+            return _number_ns(value, times)
         if isinstance(value, str):
-            return _iso_ns(value)
+            return _iso_ns(value, times)
         return 0
     return 0
 
 
-def _never_raises(read: Callable[[bytes], int]) -> Callable[[bytes], int]:
-    def safe(payload: bytes) -> int:
+TimeReader = Callable[[bytes, EventTimes], int]
+
+
+def _never_raises(read: TimeReader) -> TimeReader:
+    def safe(payload: bytes, times: EventTimes) -> int:
         try:
-            return read(payload)
+            return read(payload, times)
         except (ValueError, IndexError, OverflowError, struct.error):
             return 0
 
     return safe
 
 
-_TIME_READERS = {
+_TIME_READERS: dict[str, TimeReader] = {
     "protobuf": _never_raises(_protobuf_time_ns),
     "bson": _never_raises(_bson_time_ns),
     "json": _never_raises(_json_time_ns),
 }
 
 
-def _no_time(payload: bytes) -> int:
+def _no_time(payload: bytes, times: EventTimes) -> int:
     return 0
 
 
-def time_reader(content_type: str) -> Callable[[bytes], int]:
-    """The event-time reader of ``content_type``: payload -> ns since the epoch, or 0."""
+def time_reader(content_type: str) -> TimeReader:
+    """The event-time reader of ``content_type``: ``(payload, times) -> ns`` since the epoch,
+    or 0 (absent); a time the journal cannot hold is counted in ``times``."""
     return _TIME_READERS.get(content_type, _no_time)
 
 

@@ -13,6 +13,7 @@ import orjson
 from websockets.exceptions import ConnectionClosed
 
 from ...errors import HubStopped
+from ...eventtime import TIME_OUT_OF_RANGE, EventTimes
 from ...hub.core import Commit
 from ...protocols.logtk import (
     Authenticated,
@@ -65,6 +66,7 @@ class Session:
         self._producer = ""
         self._id_prefix = ""
         self._time_of = time_reader("")
+        self._times = EventTimes()  # the entries' times by the one rule (taproom.eventtime)
         self._attrs = orjson.dumps({"peer": peer, "transport": transport})
 
     def handle(self, events: list[Any]) -> None:
@@ -109,6 +111,7 @@ class Session:
         prefix = self._id_prefix
         fmt = self.conn.format
         time_of = self._time_of
+        times = self._times
         duplicates = 0
         for frame in datas:
             idem = frame.idem
@@ -133,7 +136,7 @@ class Session:
                 producer=self._producer,
                 seq=idem,
                 event_id=f"{prefix}{idem:08x}",
-                ts_ns=time_of(frame.data),
+                ts_ns=time_of(frame.data, times),
                 content_type=fmt,
                 attrs=self._attrs if isinstance(frame, Data) else self._cut(frame),
             )
@@ -142,6 +145,9 @@ class Session:
             batch_idems.append(idem)
         if duplicates:
             svc.m_duplicates.inc(duplicates)
+        odd = times.take()
+        if odd:
+            svc.hub.metrics.odd("logtk", TIME_OUT_OF_RANGE, odd)
         if at_once:
             self.ack(at_once)
         for future, idems in waits.items():
