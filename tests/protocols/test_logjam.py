@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from taproom.eventtime import EventTimes
 from taproom.protocols import logjam as lj
 from taproom.protocols.logjam import Compression, LogjamError, LogjamLimit
 from taproom.records import BatchBuilder, Record, decode_batch
@@ -603,13 +604,26 @@ def test_fuzz_frame_decoder_never_crashes(data):
         assert ping == msg and len(builder) == 0 and _PARSER.pending() == 0
 
 
-def test_created_ms_beyond_i64_nanoseconds_is_stored_as_unknown():
-    frames = [b"app-prod", b"logs", b"{}", lj.encode_meta(0, 1, (1 << 64) - 1, 1)]
+@pytest.mark.parametrize("created", [1 << 62, (1 << 64) - 1, lj.MAX_CREATED_MS + 1])
+def test_created_ms_beyond_i64_nanoseconds_is_absent_and_counted(created):
+    """The event-time rule (issue 25 part 4): stored absent (0), counted, never refused; on
+    both ingest paths (add and the fast push)."""
+    frames = [b"app-prod", b"logs", b"{}", lj.encode_meta(0, 1, created, 1)]
+    parser = lj.IngestParser(max_body=4096, max_decompressed=4096)
     builder = BatchBuilder()
-    _PARSER.add(builder, frames)
+    parser.add(builder, frames)
+    parser.start_batch(1)
+    parser.pusher()(*frames)
+    fast = parser.take_batch()
+    times = EventTimes()
     parse(frames).add_to(builder)
     assert [r.ts_ns for r in decode_batch(builder.build().body, 0)] == [0, 0]
+    assert [r.ts_ns for r in decode_batch(fast.body, 0)] == [0]
+    assert parser.times.take() == 2  # add and push; parse() here counts into its own tally
+    assert lj.created_ns(created, times) == 0 and times.take() == 1
+    assert lj.created_ns(lj.MAX_CREATED_MS) == lj.MAX_CREATED_MS * 1_000_000
     assert lj.created_ns(1_700_000_000_000) == 1_700_000_000_000_000_000
+    assert lj.created_ns(0, times) == 0 and times.take() == 0  # "unknown": absent, not odd
 
 
 def test_fuzz_generator_reaches_valid_messages():

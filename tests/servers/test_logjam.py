@@ -73,6 +73,42 @@ QUIET = {"heartbeat_interval_s": 3600.0, "hostname": "hub.example"}
 
 
 class TestIngest:
+    async def test_created_ms_the_journal_cannot_hold_is_absent_and_counted(self, tmp_path):
+        """Issue 25 part 4, on both ingest paths (the compiled lj_build counts its own): a
+        created-ms of 2^62 or 2^64-1 is stored without a time and counted, never refused."""
+        async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
+            created = [1_700_000_000_000, 1 << 62, (1 << 64) - 1, 0]
+
+            def work():
+                push = zmq.Context.instance().socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 1000)
+                push.connect(url(app, "logjam_pull"))
+                for i, ms in enumerate(created):
+                    push.send_multipart(
+                        lj.encode_message(
+                            b"app-production",
+                            b"logs.t",
+                            b"{}",
+                            compression=0,
+                            device=1,
+                            created_ms=ms,
+                            sequence=i + 1,
+                        )
+                    )
+                push.close()
+
+            await asyncio.to_thread(work)
+            await asyncio.to_thread(wait_committed, app, 4)
+            ts = [r.ts_ns for r in app.hub.journal.read(0)]
+            assert ts == [1_700_000_000_000 * 1_000_000, 0, 0, 0]
+            odd = sample(
+                app,
+                "taproom_ingest_odd_events_total",
+                protocol="logjam",
+                reason="time_out_of_range",
+            )
+            assert odd == 2  # created-ms 0 is the device's "unknown": absent, not odd
+
     async def test_dealer_reply_comes_after_the_commit(self, tmp_path):
         async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
 

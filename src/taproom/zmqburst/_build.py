@@ -28,7 +28,7 @@ int tb_json_valid(const char *text, size_t len);
 typedef struct lj_ingest lj_ingest;
 typedef struct {
     int next; size_t next_frame; int slow; int budget_full; size_t out_bytes; int records;
-    int acks; size_t ack_frames; size_t ack_bytes;
+    int acks; size_t ack_frames; size_t ack_bytes; int time_out_of_range;
 } lj_built;
 lj_ingest *lj_ingest_new(int router, int device_grammar, size_t max_body,
                          size_t max_decompressed, int max_entries, int meta_tag,

@@ -637,6 +637,7 @@ typedef struct {
     int acks;          /* 202s written to the ack burst */
     size_t ack_frames;
     size_t ack_bytes;
+    int time_out_of_range; /* records whose created-ms the journal cannot hold: stored 0 */
 } lj_built;
 
 /* Records for messages [start, n) of a received burst (`start_frame`: the index of message
@@ -659,7 +660,7 @@ void lj_build(lj_ingest *st, const char *buf, const size_t *frame_end, const int
     static const char accepted[] = "202 Accepted";
     size_t frame = start_frame, o = 0, ack_frames = 0, ack_pos = 0;
     size_t pos = frame ? frame_end[frame - 1] : 0;
-    int acks = 0, records = 0, i;
+    int acks = 0, records = 0, out_of_range = 0, i;
     res->slow = 0;
     res->budget_full = 0;
     for (i = start; i < n; i++) {
@@ -737,7 +738,13 @@ void lj_build(lj_ingest *st, const char *buf, const size_t *frame_end, const int
         unsigned char *h = (unsigned char *)out + o;
         lj_le(h, size - 4, 4);
         lj_le(h + 4, (uint64_t)received_ns, 8);
-        lj_le(h + 12, created <= st->max_created_ms ? created * 1000000ULL : 0, 8);
+        /* the event-time rule (taproom.eventtime): a time the journal's i64 nanoseconds
+         * cannot hold is absent (0) and counted; created-ms 0 ("unknown") is 0 anyway */
+        if (created > st->max_created_ms) {
+            created = 0;
+            out_of_range++;
+        }
+        lj_le(h + 12, created * 1000000ULL, 8);
         lj_le(h + 20, seq, 8);
         h[28] = 6;
         h[29] = 4;
@@ -791,6 +798,7 @@ void lj_build(lj_ingest *st, const char *buf, const size_t *frame_end, const int
     res->acks = acks;
     res->ack_frames = ack_frames;
     res->ack_bytes = ack_pos;
+    res->time_out_of_range = out_of_range;
 }
 
 /* ---- logjam PUB: committed records out as logjam messages -------------------------------- */

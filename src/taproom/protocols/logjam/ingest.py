@@ -9,6 +9,7 @@ from itertools import islice
 
 import orjson
 
+from ...eventtime import EventTimes
 from ...records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, BatchBuilder, EncodedBatch
 from .codec import (
     _META22,
@@ -91,6 +92,7 @@ class IngestParser:
         "max_decompressed",
         "not_json",
         "received_ns",
+        "times",
     )
 
     _CACHE = 4096  # distinct app-envs/topics remembered; beyond it they are checked each time
@@ -100,6 +102,9 @@ class IngestParser:
         self.max_decompressed = max_decompressed
         self.grammar = grammar
         self.not_json = 0
+        # The event-time rule (taproom.eventtime): its tally of created-ms the journal cannot
+        # hold (stored 0); the compiled path adds its own count (lj_built.time_out_of_range).
+        self.times = EventTimes()
         self._app_envs: dict[bytes, str] = {}
         self._topics: dict[bytes, str] = {}
         self._producers: dict[int, str] = {}
@@ -181,6 +186,7 @@ class IngestParser:
         pack_head = _pack_head
         max_body, max_decompressed = self.max_body, self.max_decompressed
         max_created = MAX_CREATED_MS
+        times = self.times
         tag_ok, version_ok, ping, field_max = META_TAG, META_VERSION, PING, _FIELD_MAX
 
         def push(app_env: bytes, topic: bytes, body: bytes, meta_frame: bytes) -> Pushed:
@@ -232,12 +238,15 @@ class IngestParser:
             else:
                 content_type_size = 4
             fixed_bytes, after_len, ls, lt, lr = fixed
+            if created > max_created:  # times.ms(created), inline on the hot path
+                created = 0
+                times.out_of_range += 1
             extend(
                 (
                     pack_head(
                         after_len + n,
                         parser.received_ns,
-                        created * 1_000_000 if created <= max_created else 0,
+                        created * 1_000_000,
                         seq,
                         6,
                         content_type_size,
@@ -380,6 +389,6 @@ class IngestParser:
             topic=topic_str,
             producer=producer,
             seq=seq,
-            ts_ns=created * 1_000_000 if created <= MAX_CREATED_MS else 0,
+            ts_ns=self.times.ms(created),
             content_type=content_type,
         )

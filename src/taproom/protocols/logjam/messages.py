@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import orjson
 
+from ...eventtime import MAX_MS, EventTimes
 from ...records import BatchBuilder
 from .codec import (
     PING,
@@ -129,13 +130,15 @@ class DataMessage:
         )
 
 
-# Event times are stored as i64 nanoseconds; a created-ms beyond that (year 2262) is garbage
-# from the sender and is stored as 0, "unknown", rather than refusing the message.
-MAX_CREATED_MS = ((1 << 63) - 1) // 1_000_000
+# Event times are stored as i64 nanoseconds (taproom.eventtime); a created-ms beyond that
+# (year 2262) is garbage from the sender and is stored as 0, absent, and counted, rather than
+# refusing the message. 0 is logjam-device's "unknown" and stays 0.
+MAX_CREATED_MS = MAX_MS
 
 
-def created_ns(created_ms: int) -> int:
-    return created_ms * 1_000_000 if created_ms <= MAX_CREATED_MS else 0
+def created_ns(created_ms: int, times: EventTimes | None = None) -> int:
+    """A meta frame's created-ms as a record's ``ts_ns`` by the event-time rule."""
+    return (times or EventTimes()).ms(created_ms)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,6 +21,7 @@ import zmq.asyncio
 
 from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
+from ...eventtime import TIME_OUT_OF_RANGE
 from ...hub import Hub
 from ...metrics import Metrics
 from ...protocols import logjam as lj
@@ -86,6 +87,9 @@ class Ingest:
             "Events accepted and stored with a caveat, by reason",
             ("protocol", "reason"),
         ).labels(protocol="logjam", reason="not_json")
+        # One message's unexpected error refuses it alone (taproom.supervise).
+        self._router_guard = hub.supervisor.guard("logjam.router", protocol="logjam", logger=log)
+        self._pull_guard = hub.supervisor.guard("logjam.pull", protocol="logjam", logger=log)
 
     def _parser(self) -> lj.IngestParser:
         cfg = self.config
@@ -105,6 +109,9 @@ class Ingest:
         self.hub.metrics.accepted("logjam", batch.count, len(batch.body))
         if parser.not_json != not_json_before:
             self._m_not_json.inc(parser.not_json - not_json_before)
+        out_of_range = parser.times.take()
+        if out_of_range:
+            self.hub.metrics.odd("logjam", TIME_OUT_OF_RANGE, out_of_range)
         self.pending.add(future)
         return future
 
@@ -171,9 +178,8 @@ class Ingest:
             except ProtocolError as exc:
                 self._refuse(sock, exc.reason, str(exc), None, ())
                 return False
-            except Exception:  # a bug must not stop ingest
-                log.exception("logjam: internal error on a message")
-                self._refuse(sock, "internal_error", "", None, ())
+            except Exception as exc:  # a bug must not stop ingest (taproom.supervise)
+                self._pull_guard.failed(exc, "PULL message")
                 return False
             if pushed is None:
                 return False
@@ -206,9 +212,9 @@ class Ingest:
         except ProtocolError as exc:
             self._refuse(sock, exc.reason, str(exc), reply_to, content)
             return False
-        except Exception:  # a bug must not stop ingest; nothing of this one is stored
-            log.exception("logjam: internal error on a message")
-            self._refuse(sock, "internal_error", "", reply_to, content)
+        except Exception as exc:  # a bug must not stop ingest; nothing of this one is stored
+            self._router_guard.failed(exc, "ROUTER message")  # counted and logged there
+            self._refuse(sock, "", "", reply_to, content)  # 400, as for any refusal
             return False
         if isinstance(pushed, lj.PingMessage):
             self._answer_ping(sock, reply_to)
@@ -235,8 +241,10 @@ class Ingest:
         reply_to: bytes | None,
         content: Sequence[bytes],
     ) -> None:
-        """Count and log a bad message; DEALERs that asked get ``400 Bad Request``."""
-        self._reject(reason, detail)
+        """Count and log a bad message (``reason`` "": already counted); DEALERs that asked
+        get ``400 Bad Request``."""
+        if reason:
+            self._reject(reason, detail)
         if reply_to is not None:
             with contextlib.suppress(zmq.ZMQError):
                 sock.send_multipart(lj.reply_frames(reply_to, content, lj.BAD_REQUEST), zmq.NOBLOCK)
@@ -378,6 +386,7 @@ def _compiled_take(
                 built,
             )
             parser.budget = budget[0]
+            parser.times.out_of_range += built.time_out_of_range
             if built.records:
                 # uncopied: take_batch joins it into the batch before the next take
                 parser.add_records(memoryview(unpack(out + used, built.out_bytes)), built.records)

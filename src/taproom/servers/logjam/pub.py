@@ -177,12 +177,15 @@ class PubOutput:
             pub.setsockopt(zmq.XPUB_NODROP, 1)
 
     async def publish_loop(self) -> None:
+        """Supervised as ``logjam.pub``: a batch whose publishing fails unexpectedly is
+        counted (``output="logjam_pub"``) and logged, and the next batch goes out."""
+        guard = self.hub.supervisor.guard("logjam.pub", output="logjam_pub", logger=log)
         async for batch in self.subscription:
             self._drain_subscriptions()
             try:
                 self._publish_batch(batch)
-            except Exception:  # a bug must not stop the output; the next batch goes out
-                log.exception("logjam: publishing a batch failed")
+            except Exception as exc:  # a bug must not stop the output; the next batch goes out
+                guard.failed(exc, "committed batch", batch.count)
 
     def _publish_batch(self, batch: CommittedBatch) -> None:
         """Send one committed batch. Logjam records take a fast path straight off the batch

@@ -36,6 +36,7 @@ class ReplayChannel:
         self.pub = pub
         self.mapper = pub.mapper
         self._reject = reject
+        self._guard = hub.supervisor.guard("logjam.replay", protocol="logjam", logger=log)
         self._m_replay = hub.metrics.counter(
             "logjam", "replay_requests", "requests", "Replay requests by outcome", ("kind",)
         )
@@ -126,8 +127,8 @@ class ReplayChannel:
                 self._reject(exc.reason, str(exc))
                 self._m_replay.labels(kind="bad").inc()
                 reply = lj.replay_error(lj.BAD_REQUEST, str(exc))
-            except Exception:
-                log.exception("logjam replay failed")
+            except Exception as exc:  # a bug: this request gets a 500, the loop goes on
+                self._guard.failed(exc, "replay request")
                 reply = lj.replay_error(b"500 Internal Server Error", "replay failed")
             envelope = [routing_id, b""] if has_delim else [routing_id]
             with contextlib.suppress(zmq.ZMQError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from functools import partial
 
 import zmq
 import zmq.asyncio
@@ -101,12 +102,14 @@ class LogjamService:
             self._close_sockets()
             raise
         self.pub.attach(pub_sync, self.addresses["logjam_pub"].rsplit(":", 1)[1])
+        # Every loop supervised (taproom.supervise): restarted if it dies, shown on /ready.
+        spawn = self.hub.supervisor.spawn
         self._tasks = [
-            asyncio.create_task(self.ingest.router_loop(router, router_sync), name="logjam-router"),
-            asyncio.create_task(self.ingest.pull_loop(pull, pull_sync), name="logjam-pull"),
-            asyncio.create_task(self.pub.publish_loop(), name="logjam-pub"),
-            asyncio.create_task(self.pub.heartbeat_loop(), name="logjam-heartbeat"),
-            asyncio.create_task(self.replay.replay_loop(replay, replay_sync), name="logjam-replay"),
+            spawn("logjam.router", partial(self.ingest.router_loop, router, router_sync)),
+            spawn("logjam.pull", partial(self.ingest.pull_loop, pull, pull_sync)),
+            spawn("logjam.pub", self.pub.publish_loop),
+            spawn("logjam.heartbeat", self.pub.heartbeat_loop),
+            spawn("logjam.replay", partial(self.replay.replay_loop, replay, replay_sync)),
         ]
         return dict(self.addresses)
 
