@@ -242,3 +242,42 @@ class TestHubLoops:
             assert await asyncio.wait_for(two(broken), 10) == ["a", "b"]
             labels = {"output": "hub", "reason": "internal_error"}
             assert _sample(hub.metrics, "taproom_hub_output_errors_items_total", labels) == 1
+
+
+class TestEveryLoop:
+    async def test_every_long_lived_task_of_a_hub_is_supervised(self, tmp_path: Path) -> None:
+        """With every service on, each task the hub runs is a supervised loop (or one of the
+        helper waits a Subscription makes while it waits for a batch)."""
+        from tests.support import running_app
+
+        services = ["lumberjack", "logtk", "logjam", "eventbus", "lager"]
+        async with running_app(tmp_path, enable=services, eventbus={"chp": True}) as app:
+            await asyncio.sleep(0)
+            me = asyncio.current_task()
+            helpers = {"Queue.get", "Event.wait"}  # Subscription.__anext__'s own waits
+            unsupervised = sorted(
+                task.get_name()
+                for task in asyncio.all_tasks()
+                if task is not me
+                and getattr(task.get_coro(), "__qualname__", "")
+                not in {"Supervisor._run", *helpers}
+            )
+            assert unsupervised == []
+            loops = set(app.hub.supervisor.loops)
+            for name in (
+                "hub.commit",
+                "web.stats",
+                "lumberjack.sweep",
+                "logtk.expire",
+                "logtk.checkpoint",
+                "logjam.router",
+                "logjam.pull",
+                "logjam.pub",
+                "logjam.replay",
+                "eventbus.collector",
+                "eventbus.chp_collector",
+                "eventbus.broadcast",
+                "lager.forwarder.data",
+                "lager.registrar.collector",
+            ):
+                assert name in loops, name

@@ -184,6 +184,33 @@ class TestRecords:
         recs = decode_batch(window.batch.body, 0)
         assert [(r.stream, r.topic) for r in recs] == [(f"app{i}", f"t{i % 7}") for i in range(600)]
 
+    @pytest.mark.parametrize(
+        ("when", "ts_ns", "odd"),
+        [
+            ("2024-05-01T12:00:00.123Z", 1_714_564_800_123_000_000, 0),  # Filebeat's form
+            ("2024-05-01T12:00:00.123456789Z", 1_714_564_800_123_456_789, 0),  # Logstash ns
+            ("2024-05-01T14:00:00+02:00", 1_714_564_800_000_000_000, 0),
+            ("1969-12-31T23:59:59Z", -1_000_000_000, 0),
+            ("9999-12-31T23:59:59.999Z", 0, 1),  # the journal cannot hold it: absent, counted
+            ("0001-01-01T00:00:00Z", 0, 1),
+            ("1970-01-01T00:00:00Z", 0, 0),  # 0 is absent
+            ("yesterday", 0, 0),
+            (1714564800, 0, 0),  # not the ISO text Beats send: no time
+        ],
+    )
+    def test_timestamp_is_the_event_time(self, when: object, ts_ns: int, odd: int) -> None:
+        """Issue 25 part 4: ``@timestamp`` becomes ``ts_ns`` by the event-time rule, in J
+        (v2) and D (v1) frames; a time the journal cannot hold is absent and counted."""
+        conn = ServerConnection("p")
+        data = W(2) + J(1, {"@timestamp": when, "message": "m"})
+        data += W(1, V1) + D(2, {"@timestamp": str(when), "line": "l"})
+        windows = conn.receive_data(data, 1)
+        records = [r for w in windows for r in decode_batch(w.batch.body, 0)]
+        json_ts = ts_ns if isinstance(when, str) else 0
+        kv_ts = ts_ns if isinstance(when, str) else 0
+        assert [r.ts_ns for r in records] == [json_ts, kv_ts]
+        assert conn.times.take() == 2 * odd
+
     def test_invalid_utf8_in_d_becomes_replacement_char(self) -> None:
         frame = struct.pack(">BBII", V1, 0x44, 1, 1) + b"\0\0\0\x01k\0\0\0\x02\xff\xfe"
         (window,) = ServerConnection("p").receive_data(W(1, V1) + frame, 1)

@@ -830,3 +830,25 @@ def test_stdin_and_count_cli(tmp_path: Path) -> None:
         {"message": "plain line", "fields": {"app": "cli"}},
     ]
     assert recs[-1].stream == "cli" and recs[0].attrs == {"v": "1"}
+
+
+class TestEventTime:
+    async def test_timestamp_is_the_event_time_and_out_of_range_is_counted(
+        self, tmp_path: Path
+    ) -> None:
+        """Issue 25 part 4: @timestamp in year 9999 or 0001 was silently stored as 0; it is
+        stored absent and counted (odd event time_out_of_range), the events all kept."""
+        async with running_app(tmp_path, enable=["lumberjack"]) as app:
+            stamps = ["2026-01-01T00:00:00.250Z", "9999-12-31T23:59:59Z", "0001-01-01T00:00:00Z"]
+            data = W(3) + b"".join(
+                J(i + 1, {"@timestamp": stamp, "message": "m"}) for i, stamp in enumerate(stamps)
+            )
+            with socket.create_connection(addr(app)) as sock:
+                sock.sendall(data)
+                assert await asyncio.to_thread(recv_exact, sock, 6) == ack(V2, 3)
+            assert [r.ts_ns for r in records(app)] == [1_767_225_600_250_000_000, 0, 0]
+            labels = {"protocol": "lumberjack", "reason": "time_out_of_range"}
+            odd = app.hub.metrics.registry.get_sample_value(
+                "taproom_ingest_odd_events_total", labels
+            )
+            assert odd == 2

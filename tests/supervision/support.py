@@ -15,7 +15,15 @@ import pytest
 
 from taproom.app import App
 
-__all__ = ["INJECTED", "assert_supervised", "inject", "internal_errors", "output_errors", "until"]
+__all__ = [
+    "INJECTED",
+    "assert_supervised",
+    "first_call",
+    "inject",
+    "internal_errors",
+    "output_errors",
+    "until",
+]
 
 INJECTED = "injected by the test"
 
@@ -48,6 +56,17 @@ def inject(
 
     monkeypatch.setattr(owner, name, handler)
     return raised
+
+
+def first_call() -> Callable[..., bool]:
+    """A ``poisoned`` predicate for :func:`inject` that is true for the first call only."""
+    calls = [0]
+
+    def first(*_: object, **__: object) -> bool:
+        calls[0] += 1
+        return calls[0] == 1
+
+    return first
 
 
 def _sample(app: App, name: str, labels: dict[str, str]) -> float:

@@ -31,6 +31,7 @@ from taproom.servers.eventbus.broadcast import Broadcaster
 from taproom.servers.eventbus.collector import Collector
 from tests.supervision.support import (
     assert_supervised,
+    first_call,
     inject,
     internal_errors,
     output_errors,
@@ -135,13 +136,7 @@ class TestEventBusLoops:
         monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture,
     ) -> None:
-        calls = [0]
-
-        def first_call(*_: object) -> bool:
-            calls[0] += 1
-            return calls[0] == 1
-
-        raised = inject(monkeypatch, snapshot, "parse_syncstart", first_call)
+        raised = inject(monkeypatch, snapshot, "parse_syncstart", first_call())
         async with running_app(tmp_path, enable=["eventbus"]) as app:
             address = app.addresses["eventbus_snapshot"]
             # The poisoned request goes unanswered (the seed has no refusal for it)...

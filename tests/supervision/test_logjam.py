@@ -17,6 +17,7 @@ from taproom.servers.logjam.pub import PubOutput
 from taproom.servers.logjam.replay import ReplayChannel
 from tests.supervision.support import (
     assert_supervised,
+    first_call,
     inject,
     internal_errors,
     output_errors,
@@ -145,13 +146,7 @@ class TestLogjamLoops:
         monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture,
     ) -> None:
-        calls = [0]
-
-        def first(*_: object) -> bool:
-            calls[0] += 1
-            return calls[0] == 1
-
-        raised = inject(monkeypatch, ReplayChannel, "_answer_replay", first)
+        raised = inject(monkeypatch, ReplayChannel, "_answer_replay", first_call())
         async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
             dealer = ctx.socket(zmq.DEALER)
             dealer.connect("tcp://" + app.addresses["logjam_replay"])

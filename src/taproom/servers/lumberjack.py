@@ -28,6 +28,7 @@ from typing import Any
 
 from ..config import config_section, setting
 from ..errors import ConfigError, HubStopped, ProtocolError
+from ..eventtime import TIME_OUT_OF_RANGE
 from ..hub import Commit, Hub
 from ..protocols.lumberjack import (
     PROTOCOL,
@@ -278,7 +279,11 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.parser is None or self._closing:
             return
-        self._receive(data)
+        try:
+            self._receive(data)
+        except Exception as exc:  # a bug after the parse: drop this connection, nothing more
+            self.server.guard.failed(exc, f"read from {self.producer}")
+            self._abort("internal error")
 
     def eof_received(self) -> bool:
         # The sender half-closed: flush, let pending acks go out, then close.
@@ -314,9 +319,11 @@ class _Connection(asyncio.Protocol):
         except ProtocolError as exc:  # records-level limits (over-long fields)
             self._violation(exc)
             return
-        except Exception:  # a bug: close without leaking detail
-            log.exception("%s: internal error while parsing", self.producer)
-            self._violation(ProtocolError("internal error", reason="internal_error"))
+        except Exception as exc:  # a bug: close without leaking detail (taproom.supervise)
+            # Counted (internal_error) and logged rate-limited by the guard; Lumberjack's only
+            # refusal is the close, after the windows already complete are acked.
+            self.server.guard.failed(exc, f"read from {self.producer}")
+            self._violation(ProtocolError("internal error", reason=""))
             return
         if parser.buffered_bytes < held_before:
             # The parser consumes whole frames only: a trickle of bytes is not activity.
@@ -391,6 +398,10 @@ class _Connection(asyncio.Protocol):
 
     def _submit(self, windows: list[Window]) -> None:
         hub = self.server.hub
+        parser = self.parser
+        out_of_range = parser.times.take() if parser is not None else 0
+        if out_of_range:  # @timestamp the journal cannot hold: stored absent (eventtime)
+            hub.metrics.odd(PROTOCOL, TIME_OUT_OF_RANGE, out_of_range)
         events = nbytes = 0
         for window in windows:
             future: asyncio.Future[Commit] | None = None
@@ -474,8 +485,9 @@ class _Connection(asyncio.Protocol):
 
     def _violation(self, exc: ProtocolError) -> None:
         reason = exc.reason
-        self.server.hub.metrics.rejected(PROTOCOL, reason)
-        log.warning("%s: closing connection: %s (%s)", self.producer, exc, reason)
+        if reason:  # "": counted already (an internal error, by the guard)
+            self.server.hub.metrics.rejected(PROTOCOL, reason)
+            log.warning("%s: closing connection: %s (%s)", self.producer, exc, reason)
         self._closing = True
         self.transport.pause_reading()
         self._close_when_acked()
@@ -509,6 +521,9 @@ class LumberjackServer:
         self.loop = asyncio.get_event_loop()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        # Per-read supervision of the connections (taproom.supervise): a read the decoder
+        # fails on unexpectedly closes that connection, counted and logged rate-limited.
+        self.guard = hub.supervisor.guard("lumberjack.connection", protocol=PROTOCOL, logger=log)
         m = hub.metrics
         self.m_connections = m.connections(PROTOCOL, "lumberjack")
         # Bytes of max_buffered_bytes reserved by incomplete frames, and the connections
@@ -642,7 +657,7 @@ class LumberjackServer:
             ssl_shutdown_timeout=cfg.tls_shutdown_timeout_s if ssl_ctx else None,
             backlog=cfg.accept_backlog,
         )
-        self._sweeper = self.loop.create_task(self._sweep())
+        self._sweeper = self.hub.supervisor.spawn("lumberjack.sweep", self._sweep)
         host, port = self._server.sockets[0].getsockname()[:2]
         log.info("lumberjack listening on %s:%d (%s)", host, port, "TLS" if ssl_ctx else "TCP")
         return {"lumberjack": f"{host}:{port}"}

@@ -73,10 +73,12 @@ class StatsRing:
         self._latency: dict[float, float] = {}
         self._last_at: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._guard = hub.supervisor.guard("web.stats", output="console_stats")
 
     def start(self) -> None:
         self.sample()  # the first sample sets the baselines for rates
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        # Supervised (taproom.supervise): restarted if it dies, shown on /ready.
+        self._task = self.hub.supervisor.spawn("web.stats", self._run)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -92,7 +94,10 @@ class StatsRing:
             # (samples a few milliseconds apart would turn counters into noisy rates).
             next_at = max(next_at + 1.0, loop.time())
             await asyncio.sleep(max(0.0, next_at - loop.time()))
-            self.sample()
+            try:
+                self.sample()
+            except Exception as exc:  # a bug: this second has no sample, the next one will
+                self._guard.failed(exc, "stats sample")
 
     def sample(self) -> dict[str, float | None]:
         """Read the registry once and append a row (also called by tests)."""

@@ -27,6 +27,7 @@ from typing import Any
 
 from ..hub import Hub
 from ..records import Record, iter_batch, shown
+from ..supervise import Guard
 
 __all__ = ["TailClient", "TailFilter", "TailHub", "event_json"]
 
@@ -79,9 +80,12 @@ class TailClient:
         self.after = -1  # offsets at or below this were sent (backlog and live may overlap)
         self.wakeup = asyncio.Event()
 
-    def offer(self, records: list[Record], rows: dict[int, dict[str, Any]]) -> None:
+    def offer(
+        self, records: list[Record], rows: dict[int, dict[str, Any]], guard: Guard | None = None
+    ) -> None:
         """Queue the matching ``records``; ``rows`` caches their tail rows across pages, so
-        each record is turned into a row once however many pages show it."""
+        each record is turned into a row once however many pages show it. A record whose row
+        cannot be made (a bug) is counted by ``guard`` and shown to the page as skipped."""
         for record in records:
             if record.offset <= self.after or not self.filter.matches(record):
                 continue
@@ -90,7 +94,14 @@ class TailClient:
                 continue
             row = rows.get(record.offset)
             if row is None:
-                row = rows[record.offset] = event_json(record)
+                try:
+                    row = rows[record.offset] = event_json(record)
+                except Exception as exc:
+                    if guard is None:
+                        raise
+                    guard.failed(exc, "event for the live tail")
+                    self.skipped += 1
+                    continue
             self.queue.append(row)
         if self.queue or self.skipped:
             self.wakeup.set()
@@ -118,6 +129,7 @@ class TailHub:
         self.max_clients = max_clients
         self.clients: set[TailClient] = set()
         self._task: asyncio.Task[None] | None = None
+        self._guard = hub.supervisor.guard("web.tail", output=OUTPUT_NAME)
         self._m_skipped = hub.metrics.counter(
             "web",
             "tail_skipped",
@@ -133,7 +145,8 @@ class TailHub:
     def add(self, client: TailClient) -> None:
         self.clients.add(client)
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            # Supervised (taproom.supervise): restarted if it dies, shown on /ready.
+            self._task = self.hub.supervisor.spawn("web.tail", self._run)
 
     def remove(self, client: TailClient) -> None:
         self.clients.discard(client)
@@ -188,7 +201,12 @@ class TailHub:
                 if take < batch.count:
                     self._skip_all(batch.count - take, "decode_budget")
                 if take:
-                    self._fan_out(list(islice(iter_batch(batch.body, batch.base_offset), take)))
+                    try:
+                        records = list(islice(iter_batch(batch.body, batch.base_offset), take))
+                    except Exception as exc:  # a bug: the pages miss this batch, not the next
+                        self._guard.failed(exc, "committed batch", take)
+                        continue
+                    self._fan_out(records)
         finally:
             sub.close()
 
@@ -196,7 +214,11 @@ class TailHub:
         rows: dict[int, dict[str, Any]] = {}
         for client in list(self.clients):
             before = client.skipped
-            client.offer(records, rows)
+            try:
+                client.offer(records, rows, self._guard)
+            except Exception as exc:  # one page's failure costs that page these events only
+                self._guard.failed(exc, "events for a page", len(records))
+                continue
             if client.skipped > before:
                 self._m_skipped.labels(reason="page_queue_full").inc(client.skipped - before)
 

@@ -70,6 +70,7 @@ import zmq.asyncio
 
 from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
+from ...eventtime import TIME_OUT_OF_RANGE, EventTimes
 from ...hub import Hub
 from ...protocols.lager.chp import Registrar, Registration
 from ...protocols.lager.formats import FORMAT_VERSION
@@ -113,6 +114,7 @@ _NASA_ITEM_SIZES = frozenset((1, 2, 4, 8))
 
 # The record head split around ts_ns: [length, received_ns] | ts_ns | [seq, field lengths].
 _PREFIX = struct.Struct("<Iq")
+_NO_TIME = bytes(8)  # a row's timestamp frame as journaled when the journal cannot hold it
 _TAIL = struct.Struct("<" + RECORD_HEAD.format[4:])
 assert _PREFIX.size + 8 + _TAIL.size == RECORD_HEAD.size
 _PROTOCOL = b"lager"
@@ -213,6 +215,15 @@ class Forwarder:
         # Counts restart at zero with the process: the epoch tells a mug to take a new baseline.
         self._epoch = time.time_ns().to_bytes(8, "big")
         self._uuid_text: dict[bytes, str] = {}
+        # Rows' times by the event-time rule (its tally: rows from 2^63 ns on, stored absent),
+        # and the per-row supervision of the data loop (taproom.supervise).
+        self._times = EventTimes()
+        self._data_guard = hub.supervisor.guard(
+            "lager.forwarder.data", protocol="lager", logger=log
+        )
+        self._forward_guard = hub.supervisor.guard(
+            "lager.forwarder.forward", output="lager_forwarder", logger=log
+        )
         # Topics some mug subscribes to on each output; an output with none is not sent to.
         self._plain_topics: set[bytes] = set()
         self._counted_topics: set[bytes] = set()
@@ -326,6 +337,8 @@ class Forwarder:
         records = self._records
         reader = zmqburst.reader(raw, max_frames)
         replay = self._replay
+        times = self._times
+        guard = self._data_guard
         while True:
             await hub.wait_capacity()
             if not replay and not readable(raw):
@@ -344,73 +357,86 @@ class Forwarder:
             else:  # one burst (taproom.zmqburst: compiled, or pyzmq per frame)
                 messages = reader.recv(max_batch, cfg.burst_bytes).messages()
             for count, frames in messages:
-                if count > max_frames:
-                    self._reject("frame_count", f"data message over {max_frames} frames")
-                    continue
-                n = count
-                if (
-                    n >= 5
-                    and len(frames[0]) == 16
-                    and 1 <= len(frames[1]) <= 8
-                    and 1 <= len(frames[2]) <= 2
-                    and len(frames[3]) == 8
-                    and frames[3][0] < 0x80
-                ):
-                    # The header of both framings, checked inline (the common case).
-                    raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
-                else:
-                    try:
-                        parse_data_message(frames, max_frames=max_frames)
-                    except ProtocolError as exc:
-                        self._reject(exc.reason, str(exc))
+                # One row's unexpected error refuses it alone (taproom.supervise); nothing of
+                # it is journaled or forwarded, the burst's other rows are.
+                try:
+                    if count > max_frames:
+                        self._reject("frame_count", f"data message over {max_frames} frames")
                         continue
-                    raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
-                tap = records.get(raw_uuid + flags + version)
-                if tap is None:
-                    reg = self.registrar.by_uuid.get(raw_uuid)
-                    if reg is None:
-                        try:  # no format yet: BEERR01 is the only version any format has
-                            check_row_header(version, flags, FORMAT_VERSION)
+                    n = count
+                    if (
+                        n >= 5
+                        and len(frames[0]) == 16
+                        and 1 <= len(frames[1]) <= 8
+                        and 1 <= len(frames[2]) <= 2
+                        and len(frames[3]) == 8
+                    ):
+                        # The header of both framings, checked inline (the common case).
+                        raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
+                    else:
+                        try:
+                            parse_data_message(frames, max_frames=max_frames)
                         except ProtocolError as exc:
-                            self._reject(exc.reason, f"uuid {raw_uuid.hex()}: {exc}")
+                            self._reject(exc.reason, str(exc))
                             continue
-                        if raw_uuid not in self._unattributed:
-                            self._hold(raw_uuid, frames)
-                            continue
-                        # no registration names it (a restarted tap): journaled without a key
-                        unattributed = self._unattributed_row(raw_uuid, version, flags, frames)
-                        if unattributed is None:
-                            continue
-                        tap, payload, plain = unattributed
-                        parts += tap.parts(received_ns, ts, payload)
-                        if not plain:
-                            not_plain.append(len(forwards))
-                        forwards.append(frames)
-                        self._unattributed[raw_uuid] += 1
-                        unattributed_rows += 1
-                        continue
-                    tap = self._tap_records(reg, raw_uuid, version, flags)
+                        raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
+                    if ts[0] >= 0x80:
+                        # 2^63 ns and on (year 2262): a valid u64 for the seed, but the
+                        # journal cannot hold it: stored absent (0) and counted, forwarded as
+                        # received (the event-time rule, taproom.eventtime).
+                        ts = _NO_TIME
+                        times.out_of_range += 1
+                    tap = records.get(raw_uuid + flags + version)
                     if tap is None:
-                        continue
-                if n == 5:  # the seed's one payload frame, or nasa/lager's single item
-                    payload = frames[4]
-                    if len(payload) != tap.row_size:
-                        self._refuse_row(raw_uuid, [len(payload)], tap)
-                        continue
-                    if tap.cuts is not None:
-                        reframe.append((len(forwards), tap.cuts))
-                else:  # nasa/lager: one frame per item, each of the item's size
-                    items = frames[4:]
-                    if list(map(len, items)) != tap.item_sizes:
-                        self._refuse_row(raw_uuid, list(map(len, items)), tap)
-                        continue
-                    payload = b"".join(items)
-                parts += tap.parts(received_ns, ts, payload)
-                forwards.append(frames)  # forwarded as received, as nasa/lager's forwarder does
+                        reg = self.registrar.by_uuid.get(raw_uuid)
+                        if reg is None:
+                            try:  # no format yet: BEERR01 is the only version any format has
+                                check_row_header(version, flags, FORMAT_VERSION)
+                            except ProtocolError as exc:
+                                self._reject(exc.reason, f"uuid {raw_uuid.hex()}: {exc}")
+                                continue
+                            if raw_uuid not in self._unattributed:
+                                self._hold(raw_uuid, frames)
+                                continue
+                            # no registration names it (a restarted tap): journaled without a key
+                            unattributed = self._unattributed_row(raw_uuid, version, flags, frames)
+                            if unattributed is None:
+                                continue
+                            tap, payload, plain = unattributed
+                            parts += tap.parts(received_ns, ts, payload)
+                            if not plain:
+                                not_plain.append(len(forwards))
+                            forwards.append(frames)
+                            self._unattributed[raw_uuid] += 1
+                            unattributed_rows += 1
+                            continue
+                        tap = self._tap_records(reg, raw_uuid, version, flags)
+                        if tap is None:
+                            continue
+                    if n == 5:  # the seed's one payload frame, or nasa/lager's single item
+                        payload = frames[4]
+                        if len(payload) != tap.row_size:
+                            self._refuse_row(raw_uuid, [len(payload)], tap)
+                            continue
+                        if tap.cuts is not None:
+                            reframe.append((len(forwards), tap.cuts))
+                    else:  # nasa/lager: one frame per item, each of the item's size
+                        items = frames[4:]
+                        if list(map(len, items)) != tap.item_sizes:
+                            self._refuse_row(raw_uuid, list(map(len, items)), tap)
+                            continue
+                        payload = b"".join(items)
+                    parts += tap.parts(received_ns, ts, payload)
+                    forwards.append(frames)  # forwarded as received, as nasa/lager's forwarder does
+                except Exception as exc:
+                    guard.failed(exc, "data message")
             if self._held_over:
                 self._release_oldest()
             if unattributed_rows:
                 self._m_unattributed.inc(unattributed_rows)
+            out_of_range = times.take()
+            if out_of_range:
+                hub.metrics.odd("lager", TIME_OUT_OF_RANGE, out_of_range)
             if forwards:
                 batch = EncodedBatch(len(forwards), b"".join(parts))
                 hub.metrics.accepted("lager", len(forwards), len(batch.body))
@@ -524,6 +550,9 @@ class Forwarder:
                 _send_messages(self._counted_raw, forwards)
         except zmq.ZMQError as exc:
             log.warning("lager: forwarding stopped: %s", exc)
+            return
+        except Exception as exc:  # a bug: these rows are not forwarded (they are journaled)
+            self._forward_guard.failed(exc, "committed batch", len(forwards))
             return
         self._m_forwarded.inc(len(forwards))
         counts = self._forwarded_by_tap

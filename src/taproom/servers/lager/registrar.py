@@ -84,6 +84,10 @@ class RegistrarServer:
         self._on_change = on_change
         self._on_applied = on_applied
         self._on_hugz = on_hugz
+        # Per-message supervision of the collector and snapshot loops (taproom.supervise).
+        supervisor = hub.supervisor
+        self._collector_guard = supervisor.guard("lager.registrar.collector", protocol="lager")
+        self._snapshot_guard = supervisor.guard("lager.registrar.snapshot", protocol="lager")
         # Only one change of the map at a time (collector bursts and takeovers both commit
         # first, then apply: the checks must still hold when they apply).
         self._map_lock = asyncio.Lock()
@@ -334,6 +338,9 @@ class RegistrarServer:
                     if holder is not None:
                         echoes.append(holder.frames())
                 continue
+            except Exception as exc:  # a bug: this registration is refused alone
+                self._collector_guard.failed(exc, "registration")
+                continue
             if changes and reg.key not in pending_keys:
                 pending_keys[reg.key] = reg
                 pending_uuids[reg.uuid] = reg
@@ -459,6 +466,9 @@ class RegistrarServer:
                     subtree = parse_snapshot_request(request, max_key_bytes=cfg.max_key_bytes)
                 except ChpError as exc:
                     self._reject(exc.reason, str(exc))
+                    continue
+                except Exception as exc:  # a bug: this request goes unanswered, the loop on
+                    self._snapshot_guard.failed(exc, "snapshot request")
                     continue
                 self._m_snapshots.inc()
                 try:

@@ -105,6 +105,13 @@ class LogTKService:
             lambda: float(self.dedup.evicted),
         )
         self._gauges = {name: m.connections("logtk", name) for name in ("logtk_ws", "logtk_tcp")}
+        # Per-message supervision of the connections' read loops (taproom.supervise): a data
+        # entry that fails is refused alone; a read the state machine fails on closes that
+        # connection with 0xf8 (internal error).
+        self.guards = {
+            transport: hub.supervisor.guard(f"logtk.{transport}", protocol="logtk", logger=log)
+            for transport in ("tcp", "ws")
+        }
 
     def _size(self) -> float:
         return float(len(self.dedup))
@@ -183,8 +190,9 @@ class LogTKService:
         deepen_accept_queue(self._ws_server.sockets, c.listen_backlog)
         tcp = self._tcp_server.sockets[0].getsockname()
         ws = next(iter(self._ws_server.sockets)).getsockname()
-        self._expire_task = asyncio.create_task(self._expire_loop())
-        self._checkpoint_task = asyncio.create_task(self._checkpoint_loop())
+        # Supervised (taproom.supervise): restarted if they die, shown on /ready.
+        self._expire_task = self.hub.supervisor.spawn("logtk.expire", self._expire_loop)
+        self._checkpoint_task = self.hub.supervisor.spawn("logtk.checkpoint", self._checkpoint_loop)
         return {"logtk_ws": f"{ws[0]}:{ws[1]}", "logtk_tcp": f"{tcp[0]}:{tcp[1]}"}
 
     async def stop(self) -> None:
@@ -300,8 +308,8 @@ class LogTKService:
                 if not data:
                     break
                 session.handle(conn.receive_data(data, loop.time()))
-        except Exception:
-            log.exception("tcp %s: internal error", peer)
+        except Exception as exc:
+            self.guards["tcp"].failed(exc, f"read from {peer}")
             conn.close(CloseCode.INTERNAL_ERROR, "internal error")
         finally:
             session.wake.set()
@@ -413,8 +421,8 @@ class LogTKService:
                     session.wake.set()
                     break
                 session.handle(conn.receive_data(message, loop.time()))
-        except Exception:
-            log.exception("ws %s: internal error", peer)
+        except Exception as exc:
+            self.guards["ws"].failed(exc, f"message from {peer}")
             conn.close(CloseCode.INTERNAL_ERROR, "internal error")
         finally:
             session.wake.set()

@@ -112,7 +112,8 @@ class Session:
         fmt = self.conn.format
         time_of = self._time_of
         times = self._times
-        duplicates = 0
+        guard = svc.guards[self.transport]
+        duplicates = refused = 0
         for frame in datas:
             idem = frame.idem
             key = slot | idem
@@ -129,22 +130,32 @@ class Session:
                 at_once.append(idem)
                 duplicates += 1
                 continue
-            builder.add(
-                "logtk",
-                frame.data,
-                stream=self.stream,
-                producer=self._producer,
-                seq=idem,
-                event_id=f"{prefix}{idem:08x}",
-                ts_ns=time_of(frame.data, times),
-                content_type=fmt,
-                attrs=self._attrs if isinstance(frame, Data) else self._cut(frame),
-            )
+            try:
+                builder.add(
+                    "logtk",
+                    frame.data,
+                    stream=self.stream,
+                    producer=self._producer,
+                    seq=idem,
+                    event_id=f"{prefix}{idem:08x}",
+                    ts_ns=time_of(frame.data, times),
+                    content_type=fmt,
+                    attrs=self._attrs if isinstance(frame, Data) else self._cut(frame),
+                )
+            except Exception as exc:
+                # One entry's unexpected error refuses it alone (taproom.supervise): LogTK has
+                # no refusal for one entry, so it is neither stored nor acked; the client keeps
+                # it and resends it. The connection and the entries around it go on.
+                guard.failed(exc, "data entry")
+                refused += 1
+                continue
             seen_here.add(key)
             stored.append(key)
             batch_idems.append(idem)
         if duplicates:
             svc.m_duplicates.inc(duplicates)
+        if refused:
+            self.settle(refused)  # out of the unacked window: the client owns them again
         odd = times.take()
         if odd:
             svc.hub.metrics.odd("logtk", TIME_OUT_OF_RANGE, odd)
@@ -261,11 +272,13 @@ class Session:
         while not self.conn.closed:
             interval = self.conn.ping_interval_s
             await asyncio.sleep(min(0.5, interval / 2) if interval else 0.5)
-            events = self.conn.tick(self.loop.time())
-            if events:
-                self.handle(events)
-            elif self.conn.closed:
-                self.wake.set()
+            try:
+                events = self.conn.tick(self.loop.time())
+                if events:
+                    self.handle(events)
+            except Exception as exc:  # a bug: this connection closes (0xf8), others go on
+                self.service.guards[self.transport].failed(exc, "timer tick")
+                self.conn.close(CloseCode.INTERNAL_ERROR, "internal error")
             self.wake.set()
 
     async def ws_keepalive(self, ws: Any, interval: float, timeout: float) -> None:
