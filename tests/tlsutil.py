@@ -3,7 +3,8 @@
 ``make_tls(tmp_path)`` writes PEM files and returns their paths. The server certificate is for
 ``localhost`` and ``127.0.0.1``; its key is written twice, as PKCS#8 (``BEGIN PRIVATE KEY``)
 and PKCS#1 (``BEGIN RSA PRIVATE KEY``), because servers must accept both. The client
-certificate's subject CN is ``client_cn`` (default ``taproom-test-client``).
+certificate's subject CN is ``client_cn`` (default ``taproom-test-client``); ``client_expired_cert`` is a certificate for the
+same client key that expired yesterday.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class TLSFiles:
     client_cert: Path
     client_key: Path
     client_cn: str
+    client_expired_cert: Path  # the same client key, a certificate that expired yesterday
 
 
 def _key() -> rsa.RSAPrivateKey:
@@ -50,8 +52,11 @@ def _cert(
     ca: bool = False,
     sans: list[x509.GeneralName] | None = None,
     usage: list[x509.ObjectIdentifier] | None = None,
+    expired: bool = False,
 ) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
+    if expired:
+        now -= datetime.timedelta(days=3)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))
@@ -125,8 +130,18 @@ def make_tls(tmp_path: Path, *, client_cn: str = "taproom-test-client") -> TLSFi
         client_cert=d / "client.pem",
         client_key=d / "client.key",
         client_cn=client_cn,
+        client_expired_cert=d / "client-expired.pem",
+    )
+    expired = _cert(
+        client_cn,
+        client_key,
+        "taproom test CA",
+        ca_key,
+        usage=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        expired=True,
     )
     pem = serialization.Encoding.PEM
+    files.client_expired_cert.write_bytes(expired.public_bytes(pem))
     files.ca.write_bytes(ca.public_bytes(pem))
     files.cert.write_bytes(server.public_bytes(pem))
     files.client_cert.write_bytes(client.public_bytes(pem))

@@ -38,6 +38,7 @@ CLI_PLUGINS = (
     "taproom.clients.lager",
     "taproom.spark.cli",
     "taproom.web.top",
+    "taproom.zmqaccess",
 )
 
 EX_CONFIG = 78  # sysexits.h EX_CONFIG

@@ -281,6 +281,23 @@ class WebConfig:
         min=1,
         max=65535,
     )
+    max_connections_per_peer: int = setting(
+        64,
+        "connections one address may hold: a browser opens ~6, a scraper or a Spark "
+        "executor host a few; a quarter of max_connections stays one address's most",
+        min=1,
+        max=65536,
+    )
+    peer_connections_per_s: float = setting(
+        256.0,
+        "new connections one address may open a second once its burst is spent: Spark "
+        "executors open one per partition read (HubJournal), hundreds a second on small "
+        "segments; pages poll every second over keep-alive connections",
+        min=0.01,
+    )
+    peer_connection_burst: int = setting(
+        512, "new connections one address may open at once: a Spark job's first reads", min=1
+    )
     accept_batch: int = setting(
         100,
         "connections accepted per loop wakeup, and how far a burst may pass max_connections "
@@ -290,7 +307,35 @@ class WebConfig:
         max=65535,
     )
     token: str = setting(
-        "", "required (bearer header or login cookie) for all but /health; needed off loopback"
+        "",
+        "required (bearer header or login session) for all but /health; off loopback it, or "
+        "an [access] allowlist, is needed",
+    )
+    session_ttl_s: float = setting(
+        12 * 3600.0,
+        "a console sign-in lasts a working day, then the token is asked again",
+        min=1,
+        max=30 * 86400,
+    )
+    max_sessions: int = setting(
+        10_000, "signed-in browsers remembered (~100 B each); the oldest is signed out", min=1
+    )
+    secure_cookies: bool = setting(
+        False,
+        "true behind a TLS proxy: the session cookie gets Secure (it does anyway when the "
+        "request itself came over TLS)",
+    )
+    login_free_failures: int = setting(
+        5, "wrong tokens one address may try before it has to wait (typos)", min=1
+    )
+    login_backoff_s: float = setting(
+        1.0,
+        "the first wait after the free failures, doubled after each further failure: 50 "
+        "wrong tries cost a guesser days, a person a few seconds",
+        min=0.01,
+    )
+    login_backoff_max_s: float = setting(
+        900.0, "the longest wait: an operator who mistyped is never locked out for long", min=1
     )
     max_header_bytes: int = setting(
         8192, "longest request line or header field; browsers send well under 8 KiB", min=1024

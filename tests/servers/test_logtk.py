@@ -6,6 +6,8 @@ import asyncio
 import base64
 import contextlib
 import logging
+import socket
+import time
 
 import pytest
 from websockets.asyncio.client import connect
@@ -40,6 +42,14 @@ MALFORMED_CLOSE = encode_frame(Close(0xFE, "malformed frame received"))
 def addr(app, name):
     host, port = app.addresses[name].rsplit(":", 1)
     return host, int(port)
+
+
+def refused(app, listener, reason):
+    """Connections a listener's gate refused (taproom_access_refused_connections_total)."""
+    value = app.hub.metrics.registry.get_sample_value(
+        "taproom_access_refused_connections_total", {"listener": listener, "reason": reason}
+    )
+    return value or 0
 
 
 def rejected(app, reason):
@@ -274,7 +284,10 @@ class TestTCP:
             assert rejected(app, "auth_frame_too_large") == 1
 
     async def test_1000_wrong_tries_are_rate_limited(self, tmp_path):
-        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+        # The authentication throttle alone: the connection gate's per-address rate (which
+        # would refuse most of these connections before their auth frame) is lifted.
+        cfg = {**APPS, "peer_connection_burst": 2000}
+        async with running_app(tmp_path, enable=["logtk"], logtk=cfg) as app:
             wrong = b"\x01\x01" + OTHER + b"\x00"
             for _ in range(1000):
                 assert await tcp_exchange(app, wrong) == AUTH_DENY + INVALID_AUTH_CLOSE
@@ -517,7 +530,8 @@ class TestPingsAndLimits:
             busy[1].close()
             writer.close()
             await first.close()
-            assert rejected(app, "too_many_connections") == 2
+            assert refused(app, "logtk_ws", "max_connections") == 1
+            assert refused(app, "logtk_tcp", "max_connections") == 1
 
     async def test_oversized_entry_is_stored_cut_and_acked(self, tmp_path):
         # Issue 17 item 6: closing with 0xfc left the entry unacked, resent on every reconnect.
@@ -702,3 +716,56 @@ class TestConfig:
         with pytest.raises(ConfigError) as info:
             load_config(text=text, env={})
         assert info.value.key == key
+
+
+class TestConnectionGate:
+    """Issue 25: logtkjs answers a LogTK close over WebSocket with a reconnect storm (1,026
+    sockets in about 2 s, the old ones never closed); with one limit per listener it took
+    every slot and locked out every other LogTK client."""
+
+    async def test_a_storm_from_one_address_leaves_room_for_others(self, tmp_path):
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+            address = addr(app, "logtk_ws")
+
+            def storm() -> list[bytes]:
+                # As logtkjs does: one new WebSocket after another, none ever closed.
+                held = []
+                try:
+                    for _ in range(1026):
+                        sock = socket.create_connection(
+                            address, timeout=30, source_address=("127.0.0.2", 0)
+                        )
+                        held.append(sock)
+                        with contextlib.suppress(OSError):
+                            sock.sendall(raw_upgrade())
+                    statuses = []
+                    for sock in held:
+                        try:
+                            statuses.append(sock.recv(12))
+                        except OSError:
+                            statuses.append(b"")  # refused at accept: reset
+                    return statuses
+                finally:
+                    for sock in held:
+                        sock.close()
+
+            stormed = asyncio.ensure_future(asyncio.to_thread(storm))
+            deadline = time.monotonic() + 60
+            # Once the storm holds its share, another address still connects and is acked.
+            while refused(app, "logtk_ws", "max_connections_per_peer") == 0:
+                assert time.monotonic() < deadline and not stormed.done(), "no per-peer cap"
+                await asyncio.sleep(0.01)
+            ws = await ws_open(app, local_addr=("127.0.0.3", 0))
+            await ws.send(INIT)
+            await ws_frames(ws, 1)
+            await ws.send(encode_frame(Data(b'{"other": "address"}', 7)))
+            assert await ws_frames(ws, 1) == [Ack(7)]
+            await ws.close()
+            statuses = await stormed
+            admitted = sum(s.startswith(b"HTTP/1.1 101") for s in statuses)
+            turned_away = sum(s.startswith((b"HTTP/1.1 503", b"HTTP/1.1 429")) for s in statuses)
+            assert 0 < admitted <= 256 and admitted + turned_away == 1026
+            gate = refused(app, "logtk_ws", "max_connections_per_peer") + refused(
+                app, "logtk_ws", "peer_connection_rate"
+            )
+            assert gate == turned_away

@@ -239,10 +239,11 @@ class TestTLS:
             await plain.drain()
             _, silent = await asyncio.open_connection(host, port)
             registry = app.hub.metrics.registry
-            labels = {"protocol": "lumberjack", "reason": "tls_handshake_failed"}
-            name = "taproom_ingest_rejected_items_total"
+            name = "taproom_access_refused_connections_total"
+            causes = ("tls_plaintext", "tls_handshake_timeout")
+            labels = [{"listener": "lumberjack", "reason": cause} for cause in causes]
             deadline = time.monotonic() + 10
-            while (registry.get_sample_value(name, labels) or 0) < 2:
+            while [registry.get_sample_value(name, label) for label in labels] != [1, 1]:
                 assert time.monotonic() < deadline, "failed handshakes were not counted"
                 await asyncio.sleep(0.1)
             plain.close()
@@ -257,8 +258,8 @@ class TestTLS:
                     return c.send([{"m": i} for i in range(10)])
 
             assert await asyncio.to_thread(good) == 10
-            assert registry.get_sample_value(name, labels) == 2
-            assert app.services["lumberjack"].handshaking == {}
+            assert [registry.get_sample_value(name, label) for label in labels] == [1, 1]
+            assert app.services["lumberjack"].handshaking == set()
 
     def test_context_minimum_is_tls_1_2(self, tmp_path: Path) -> None:
         from taproom.servers.lumberjack import server_ssl_context
@@ -317,6 +318,14 @@ class TestTLS:
 
 def _metric(app: App, reason: str) -> float:
     return _gauge(app, "taproom_ingest_rejected_items_total", f'reason="{reason}"')
+
+
+def _refused(app: App, reason: str) -> float:
+    """Connections the listener's gate refused (taproom_access_refused_connections_total)."""
+    value = app.hub.metrics.registry.get_sample_value(
+        "taproom_access_refused_connections_total", {"listener": "lumberjack", "reason": reason}
+    )
+    return value or 0.0
 
 
 def _gauge(app: App, name: str, label: str = "") -> float:
@@ -472,7 +481,7 @@ class TestLimits:
 
             refused, too_large = await asyncio.to_thread(run)
             assert refused == b"" and too_large == b""
-            assert _metric(app, "max_connections") == 1
+            assert _refused(app, "max_connections") == 1
             assert _metric(app, "window_too_large") == 1
 
     async def test_idle_timeout(self, tmp_path: Path) -> None:
@@ -564,7 +573,7 @@ class TestLimits:
 
             refused, other_ack, held_ack = await asyncio.to_thread(run)
             assert refused == b"" and other_ack == ack(V2, 1) and held_ack == ack(V2, 1)
-            assert _metric(app, "max_connections_per_peer") == 1
+            assert _refused(app, "max_connections_per_peer") == 1
 
     async def test_incomplete_frames_share_max_buffered_bytes(self, tmp_path: Path) -> None:
         # Issue 19 item 9: 20 connections each holding 15 MiB of an unfinished frame took

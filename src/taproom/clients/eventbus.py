@@ -52,6 +52,7 @@ from ..protocols.eventbus import (
     pub_frames,
     syncstart_frames,
 )
+from ..zmqaccess import Curve, add_curve_arguments, curve_client, curve_from_args
 from ..zmqframes import recv_frames
 
 __all__ = ["EventBusClient", "register_send", "register_tail"]
@@ -115,6 +116,7 @@ class EventBusClient:
         limits: Limits | None = None,
         on_update: Callable[[Event, str], None] | None = None,
         on_resync: Callable[[], None] | None = None,
+        curve: Curve | None = None,
     ) -> None:
         if not servers:
             raise ValueError("at least one server")
@@ -128,6 +130,7 @@ class EventBusClient:
         self.limits = limits or Limits()
         self.on_update = on_update
         self.on_resync = on_resync
+        self.curve = curve  # every server of a Binary Star pair has the same key pair
         self.state: dict[str, Event] = {}
         self.last_seq = 0
         self.server_index = 0
@@ -285,6 +288,9 @@ class EventBusClient:
         snap.setsockopt(zmq.RCVHWM, 1_000_000)
         col.setsockopt(zmq.IMMEDIATE, 1)
         col.setsockopt(zmq.SNDHWM, 100_000)
+        if self.curve is not None:
+            for sock in sockets:
+                curve_client(sock, *self.curve)
         try:
             sub.connect(_endpoint(host, base + 1))
             snap.connect(_endpoint(host, base))
@@ -450,7 +456,11 @@ def _cmd_send(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         client = EventBusClient(
-            args.server, producer=args.producer, server_timeout=args.timeout, subtrees=["/"]
+            args.server,
+            producer=args.producer,
+            server_timeout=args.timeout,
+            subtrees=["/"],
+            curve=curve_from_args(args),
         )
         await client.start(timeout=args.timeout * 2)
         try:
@@ -483,6 +493,7 @@ def register_send(subparsers: Any) -> None:
     p.add_argument("--count", type=int, default=1)
     p.add_argument("--producer", default=None)
     p.add_argument("--timeout", type=float, default=5.0, help="seconds")
+    add_curve_arguments(p)
     p.set_defaults(func=_cmd_send_default)
 
 
@@ -510,6 +521,7 @@ def register_tail(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
         metavar="S",
         help="with --eventbus: give up when no server sends a snapshot within S seconds",
     )
+    add_curve_arguments(parser)
     return _tail_handler
 
 
@@ -536,7 +548,9 @@ def _tail_handler(args: argparse.Namespace) -> int | None:
             done.set()
 
     async def go() -> None:
-        client = EventBusClient(args.eventbus, args.subtree or (), on_update=emit)
+        client = EventBusClient(
+            args.eventbus, args.subtree or (), on_update=emit, curve=curve_from_args(args)
+        )
         await client.start(timeout=args.eventbus_timeout)
         try:
             if args.follow:

@@ -24,6 +24,7 @@ import zmq
 
 from ..protocols import logjam as lj
 from ..protocols.logjam import Compression, Meta
+from ..zmqaccess import Curve, add_curve_arguments, curve_client, curve_from_args
 
 __all__ = [
     "ConsumedMessage",
@@ -68,6 +69,7 @@ class LogjamAgent:
         timeout: float = 5.0,
         sndhwm: int = 100_000,
         context: zmq.Context | None = None,
+        curve: Curve | None = None,
     ) -> None:
         if mode not in ("dealer", "push"):
             raise ValueError("mode is 'dealer' or 'push'")
@@ -86,6 +88,8 @@ class LogjamAgent:
         self.socket = self._ctx.socket(zmq.DEALER if mode == "dealer" else zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 2000)
         self.socket.setsockopt(zmq.SNDHWM, sndhwm)
+        if curve is not None:
+            curve_client(self.socket, *curve)
         self.socket.connect(endpoint)
 
     def frames(
@@ -220,8 +224,10 @@ class LogjamConsumer:
         rcvbuf: int = 0,
         timeout: float = 5.0,
         context: zmq.Context | None = None,
+        curve: Curve | None = None,
     ) -> None:
         self._ctx = context or zmq.Context.instance()
+        self.curve = curve
         self.prefixes = tuple(p.encode() for p in prefixes)
         self.return_heartbeats = return_heartbeats
         self.max_decompressed = max_decompressed
@@ -235,6 +241,8 @@ class LogjamConsumer:
             self.socket.setsockopt(zmq.SUBSCRIBE, prefix)
         if b"" not in self.prefixes:
             self.socket.setsockopt(zmq.SUBSCRIBE, lj.HEARTBEAT_APP_ENV)
+        if curve is not None:
+            curve_client(self.socket, *curve)
         self.socket.connect(endpoint)
         self.replay_endpoint = replay_endpoint
         self._replay: zmq.Socket | None = None
@@ -351,6 +359,8 @@ class LogjamConsumer:
                 raise ValueError("no replay endpoint")
             self._replay = self._ctx.socket(zmq.DEALER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            if self.curve is not None:
+                curve_client(self._replay, *self.curve)
             self._replay.connect(self.replay_endpoint)
         return self._replay
 
@@ -441,6 +451,7 @@ def _cmd_send(args: argparse.Namespace) -> int:
         compression=args.compression,
         device=args.device,
         timeout=args.timeout,
+        curve=curve_from_args(args),
     ) as agent:
         if args.ping:
             print(" ".join(f.decode("utf-8", "replace") for f in agent.ping()))
@@ -480,6 +491,7 @@ def register_send(subparsers: Any) -> None:
     p.add_argument("--count", type=int, default=1, help="send each body N times")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for a reply")
     p.add_argument("--ping", action="store_true", help="ping the device and print the reply")
+    add_curve_arguments(p)
     p.set_defaults(func=_cmd_send)
 
 
@@ -494,6 +506,7 @@ def register_tail(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
         "--logjam-idle", type=float, metavar="S", help="exit after S seconds without a message"
     )
     group.add_argument("--logjam-heartbeats", action="store_true", help="print heartbeats too")
+    add_curve_arguments(parser)
 
     def handler(args: argparse.Namespace) -> int | None:
         if not args.logjam:
@@ -503,6 +516,7 @@ def register_tail(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespa
             args.logjam_prefix or ("",),
             replay_endpoint=args.logjam_replay,
             return_heartbeats=args.logjam_heartbeats,
+            curve=curve_from_args(args),
         )
         out = sys.stdout.buffer
         count = 0

@@ -22,10 +22,11 @@ import logging
 import os
 import ssl
 import time
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ..access import ConnectionGate, access_for
 from ..config import config_section, setting
 from ..errors import ConfigError, HubStopped, ProtocolError
 from ..eventtime import TIME_OUT_OF_RANGE
@@ -39,6 +40,7 @@ from ..protocols.lumberjack import (
     Window,
     encode_ack,
 )
+from .tlsaccept import start_server_tls, tls_refusal
 
 __all__ = ["LumberjackConfig", "LumberjackServer", "create_service", "server_ssl_context"]
 
@@ -113,6 +115,18 @@ class LumberjackConfig:
         256,
         "Filebeat opens one per worker; room for a NAT gateway in front of a fleet, while one "
         "host can hold at most 1/16 of max_connections",
+        min=1,
+    )
+    peer_connections_per_s: float = setting(
+        64.0,
+        "new connections one address may open a second once its burst is spent: shippers "
+        "reconnect after errors with backoff; a connect loop costs a TLS handshake each",
+        min=0.01,
+    )
+    peer_connection_burst: int = setting(
+        256,
+        "new connections one address may open at once: a NAT gateway's whole fleet "
+        "reconnecting after a restart of the hub (max_connections_per_peer)",
         min=1,
     )
     max_buffered_bytes: int = setting(
@@ -232,7 +246,7 @@ class _Connection(asyncio.Protocol):
         "wanted",
     )
 
-    def __init__(self, server: LumberjackServer) -> None:
+    def __init__(self, server: LumberjackServer, admitted: str | None = None) -> None:
         self.server = server
         self.transport: Any = None
         self.parser: ServerConnection | None = None
@@ -245,7 +259,9 @@ class _Connection(asyncio.Protocol):
         self.wanted = 0  # bytes asked for while waiting in the server's queue
         self.last_frame = time.monotonic()  # the last complete frame (idleness)
         self.producer = ""
-        self.peer_host: str | None = None
+        # The peer's address, once the connection gate counted it in (TLS connections pass
+        # the gate before their handshake: they arrive admitted).
+        self.peer_host: str | None = admitted
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -253,13 +269,12 @@ class _Connection(asyncio.Protocol):
         self.transport = transport
         assert isinstance(transport, asyncio.Transport)
         server = self.server
-        server.handshaking.pop(self, None)
         peer = transport.get_extra_info("peername")
-        refusal = server.admit(self, peer[0] if peer else None)
-        if refusal:
-            server.refuse(refusal)
+        if self.peer_host is None and not server.admit(self, peer):
             transport.abort()
             return
+        server.connections.add(self)
+        server.m_connections.inc()
         producer = f"{peer[0]}:{peer[1]}" if peer else ""
         cert = transport.get_extra_info("peercert")
         if cert:
@@ -507,6 +522,29 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
 
+class _TLSAccept(asyncio.Protocol):
+    """A TLS listener's new connection: the gate first, then the handshake (tlsaccept), then
+    a :class:`_Connection` takes over."""
+
+    __slots__ = ("server",)
+
+    def __init__(self, server: LumberjackServer) -> None:
+        self.server = server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        server = self.server
+        peer = transport.get_extra_info("peername")
+        if not server.admit(None, peer):
+            transport.abort()
+            return
+        host = peer[0] if peer else ""
+        where = f"{peer[0]}:{peer[1]}" if peer else "?"
+        task = server.loop.create_task(server.handshake(transport, host, where))
+        server.handshaking.add(task)
+        task.add_done_callback(server.handshaking.discard)
+
+
 class LumberjackServer:
     """The listener: accepts, limits connections (in total and per peer) and the bytes of
     incomplete frames, sweeps idle connections and failed TLS handshakes."""
@@ -516,8 +554,15 @@ class LumberjackServer:
         self.config = config
         self.limits = config.limits
         self.connections: set[_Connection] = set()
-        self.per_peer: dict[str, int] = {}
-        self._refused: Counter[str] = Counter()  # since the last sweep, by reason
+        self.access = access_for(hub.config, "lumberjack", hub.metrics)
+        self.gate = ConnectionGate(
+            self.access,
+            max_connections=config.max_connections,
+            max_per_peer=config.max_connections_per_peer,
+            per_peer_per_s=config.peer_connections_per_s,
+            per_peer_burst=config.peer_connection_burst,
+            max_tracked_peers=hub.config.access.max_tracked_peers,
+        )
         self.loop = asyncio.get_event_loop()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
@@ -550,40 +595,43 @@ class LumberjackServer:
             "calls",
             "Times a connection waited for room in max_buffered_bytes",
         )
-        # TLS connections accepted but not yet through the handshake, with their accept time.
-        # asyncio tells the protocol nothing about a failed handshake (it never calls
-        # connection_made or connection_lost), so the sweep counts the ones that never arrive.
-        self.handshaking: dict[_Connection, float] = {}
-        self._tls = False
+        # TLS handshakes under way (tlsaccept: each failure is counted with its cause at once).
+        self.handshaking: set[asyncio.Task[None]] = set()
+        self._tls: ssl.SSLContext | None = None
 
-    def _accept(self) -> _Connection:
-        conn = _Connection(self)
-        if self._tls:
-            self.handshaking[conn] = time.monotonic()
-        return conn
+    def _accept(self) -> asyncio.Protocol:
+        return _Connection(self) if self._tls is None else _TLSAccept(self)
+
+    async def handshake(self, transport: asyncio.BaseTransport, host: str, peer: str) -> None:
+        """TLS on a connection the gate let in; a failure is counted and logged with its
+        cause at once, and frees the gate's slot."""
+        assert self._tls is not None
+        cfg = self.config
+        conn = _Connection(self, admitted=host)
+        try:
+            await start_server_tls(
+                transport,
+                self._tls,
+                conn,
+                handshake_timeout=cfg.handshake_timeout_s,
+                shutdown_timeout=cfg.tls_shutdown_timeout_s,
+            )
+        except Exception as exc:
+            reason, detail = tls_refusal(exc)
+            self.access.refused(peer, reason, detail)
+            self.gate.leave(host)
 
     # -- connection and buffer accounting ----------------------------------------------------
 
-    def admit(self, conn: _Connection, host: str | None) -> str:
-        """Count a new connection in; the rejection reason when a limit refuses it, else ''."""
-        cfg = self.config
-        if len(self.connections) >= cfg.max_connections:
-            return "max_connections"
-        if host is not None:
-            count = self.per_peer.get(host, 0)
-            if count >= cfg.max_connections_per_peer:
-                return "max_connections_per_peer"
-            self.per_peer[host] = count + 1
+    def admit(self, conn: _Connection | None, peer: Any) -> bool:
+        """The connection gate (allowlist, max_connections, per peer: count and rate):
+        True and counted in, or False, counted and logged (rate-limited) by reason."""
+        host, port = (peer[0], peer[1]) if peer else ("", None)
+        if self.gate.admit(host, port):
+            return False
+        if conn is not None:
             conn.peer_host = host
-        self.connections.add(conn)
-        self.m_connections.inc()
-        return ""
-
-    def refuse(self, reason: str) -> None:
-        """Count a refused connection; the sweep logs them once a second, not once each (a
-        connect flood would otherwise cost a log line per connection)."""
-        self.hub.metrics.rejected(PROTOCOL, reason)
-        self._refused[reason] += 1
+        return True
 
     def forget(self, conn: _Connection) -> None:
         """The connection is gone: its slot, its peer count and its reservation are free."""
@@ -591,13 +639,7 @@ class LumberjackServer:
             return
         self.connections.discard(conn)
         self.m_connections.dec()
-        host = conn.peer_host
-        if host is not None:
-            left = self.per_peer[host] - 1
-            if left:
-                self.per_peer[host] = left
-            else:
-                del self.per_peer[host]
+        self.gate.leave(conn.peer_host)
         if conn.wanted:
             self._buffer_queue.remove(conn)
             conn.wanted = 0
@@ -647,15 +689,10 @@ class LumberjackServer:
         self.loop = asyncio.get_running_loop()
         cfg = self.config
         ssl_ctx = server_ssl_context(cfg) if cfg.tls_cert else None
-        self._tls = ssl_ctx is not None
+        self._tls = ssl_ctx
+        # TLS is started per connection after the gate (tlsaccept), not by the server.
         self._server = await self.loop.create_server(
-            self._accept,
-            cfg.host,
-            cfg.port,
-            ssl=ssl_ctx,
-            ssl_handshake_timeout=cfg.handshake_timeout_s if ssl_ctx else None,
-            ssl_shutdown_timeout=cfg.tls_shutdown_timeout_s if ssl_ctx else None,
-            backlog=cfg.accept_backlog,
+            self._accept, cfg.host, cfg.port, backlog=cfg.accept_backlog
         )
         self._sweeper = self.hub.supervisor.spawn("lumberjack.sweep", self._sweep)
         host, port = self._server.sockets[0].getsockname()[:2]
@@ -663,17 +700,12 @@ class LumberjackServer:
         return {"lumberjack": f"{host}:{port}"}
 
     async def _sweep(self) -> None:
-        """Idle timeouts and failed TLS handshakes, one wake-up per second at most."""
+        """Idle timeouts, one wake-up per second at most."""
         cfg = self.config
         period = min(1.0, cfg.idle_timeout_s / 2)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            if self._refused:
-                log.warning("connections refused: %s", dict(self._refused))
-                self._refused.clear()
-            if self.handshaking:
-                self._count_failed_handshakes(now)
             for conn in [c for c in self.connections if c.idle(now, cfg.idle_timeout_s)]:
                 # Counted and logged once: the abort drops the socket at once, TLS included
                 # (nothing is owed to an idle sender, so there is nothing to flush).
@@ -684,21 +716,11 @@ class LumberjackServer:
                 conn._closing = True
                 conn.transport.abort()
 
-    def _count_failed_handshakes(self, now: float) -> None:
-        """Accepted TLS connections older than the handshake timeout that never completed it:
-        asyncio has already closed them (bad handshake, wrong or missing client certificate,
-        plain TCP on the TLS port, or silence)."""
-        cutoff = now - self.config.handshake_timeout_s - 1.0
-        failed = [conn for conn, accepted in self.handshaking.items() if accepted < cutoff]
-        for conn in failed:
-            del self.handshaking[conn]
-        if failed:
-            self.hub.metrics.rejected(PROTOCOL, "tls_handshake_failed", len(failed))
-            log.warning("%d TLS handshake(s) failed or timed out", len(failed))
-
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        for task in list(self.handshaking):
+            task.cancel()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -40,10 +40,12 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 
+from ..access import ConnectionGate, access_for
 from ..config import ConsoleConfig, WebConfig
 from ..hub import Hub
 from ..servers import deepen_accept_queue, defer_accept
 from . import auth, journalapi, ops
+from .auth import LoginThrottle, Sessions
 
 __all__ = ["SECURITY_HEADERS", "STATIC_DIR", "WebServer"]
 
@@ -73,6 +75,20 @@ EVICT_AFTER_S = 0.5
 MAX_BODY_BYTES = 4096
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# What a connection the gate refuses reads (written at once, its request never read): the
+# JSON error every /api/ refusal has.
+_GATE_RESPONSES = {
+    reason: (
+        f"HTTP/1.1 {status} {phrase}\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        f"Retry-After: 1\r\n\r\n{body}"
+    ).encode()
+    for reason, status, phrase in (
+        ("max_connections_per_peer", 503, "Service Unavailable"),
+        ("peer_connection_rate", 429, "Too Many Requests"),
+    )
+    for body in (f'{{"error": "too_many_connections", "reason": "{reason}"}}\n',)
+}
 
 
 class _Refused(asyncio.Protocol):
@@ -91,19 +107,37 @@ class _Slot(asyncio.Protocol):
     Until its first request head is whole it is in ``owner.waiting`` (head timeout, eviction).
     """
 
-    __slots__ = ("handler", "owner", "transport")
+    __slots__ = ("handler", "host", "owner", "transport")
 
     def __init__(self, owner: WebServer) -> None:
         self.owner = owner
         self.transport: asyncio.Transport | None = None
         self.handler: _Connection | None = None
+        self.host: str | None = None  # set once the connection gate let it in
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if peer else ""
+        reason = self.owner.gate.admit(host, peer[1] if peer else None)
+        if reason:
+            # Counted and logged by the gate; HTTP's own refusal, unless the address is not
+            # allowed at all (told nothing).
+            response = _GATE_RESPONSES.get(reason)
+            assert isinstance(transport, asyncio.Transport)
+            if response is None:
+                transport.abort()
+            else:
+                transport.write(response)
+                transport.close()
+            return
+        self.host = host
         self.owner.admit(self)
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
+        if self.host is None:
+            return  # refused by the gate, closing
         handler = self.handler = self.owner.make_handler(self)
         self.transport.set_protocol(handler)
         handler.connection_made(self.transport)
@@ -213,6 +247,23 @@ class WebServer:
         self._m_requests = hub.metrics.counter(
             "web", "requests", "calls", "HTTP requests by outcome", ("reason",)
         )
+        self.sessions = Sessions(config.session_ttl_s, config.max_sessions)
+        self.throttle = LoginThrottle(
+            config.login_free_failures,
+            config.login_backoff_s,
+            config.login_backoff_max_s,
+            hub.config.access.max_tracked_peers,
+        )
+        # The allowlist and the per-address limits; the total is this listener's own
+        # (max_connections with eviction, then the hard limit).
+        self.gate = ConnectionGate(
+            access_for(hub.config, "web", hub.metrics),
+            max_connections=0,
+            max_per_peer=config.max_connections_per_peer,
+            per_peer_per_s=config.peer_connections_per_s,
+            per_peer_burst=config.peer_connection_burst,
+            max_tracked_peers=hub.config.access.max_tracked_peers,
+        )
         self._runner: web.AppRunner | None = None
         self._server: asyncio.Server | None = None
         self._on_stop: list[Callable[[], Awaitable[None]]] = []
@@ -289,6 +340,7 @@ class WebServer:
             self._open.discard(slot)
             self.open_connections -= 1
             self.waiting.pop(slot, None)
+            self.gate.leave(slot.host)
 
     def make_handler(self, slot: _Slot) -> _Connection:
         assert self._manager is not None
@@ -373,4 +425,5 @@ def _reason(status: int) -> str:
         404: "not_found",
         405: "method_not_allowed",
         413: "body_too_large",
+        429: "throttled",
     }.get(status, "ok" if status < 400 or status == 503 else f"status_{status // 100}xx")

@@ -16,6 +16,7 @@ import numpy as np
 
 from ...protocols.lager.formats import DataFormat
 from ...protocols.lager.keg import KegError, read_keg
+from ...zmqaccess import add_curve_arguments, curve_from_args
 from .keg import KegWriter
 
 __all__ = ["register_commands"]
@@ -103,6 +104,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
         taps=args.tap or None,
         metadata=dict(m.split("=", 1) for m in args.meta),
         flush_interval_s=args.flush_interval,
+        curve=curve_from_args(args),
     )
     writer.start(args.timeout)
     if args.ready_file:
@@ -152,4 +154,5 @@ def register_commands(subparsers: Any) -> None:
     p.add_argument("--duration", type=float, default=None, help="seconds, then finish")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--ready-file", default=None, help="written once recording")
+    add_curve_arguments(p)
     p.set_defaults(func=_cmd_record)

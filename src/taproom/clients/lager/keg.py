@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterable, Mapping
 
 from ...protocols.lager.keg import KegContents, KegFileWriter
+from ...zmqaccess import Curve
 from .common import LagerClientError
 from .mug import Mug
 
@@ -34,8 +35,10 @@ class KegWriter:
         metadata: Mapping[str, str] | None = None,
         flush_interval_s: float = 0.1,
         fsync: bool = False,
+        curve: Curve | None = None,
     ) -> None:
         self.path = os.fspath(path)
+        self.curve = curve
         self.registrar = registrar
         self.forwarder = forwarder
         self.subtree = subtree
@@ -52,7 +55,7 @@ class KegWriter:
         self._file: KegFileWriter | None = None
 
     def start(self, timeout: float = 10.0) -> KegWriter:
-        mug = self._mug = Mug(registrar=self.registrar, forwarder=self.forwarder)
+        mug = self._mug = Mug(registrar=self.registrar, forwarder=self.forwarder, curve=self.curve)
         mug.sync(self.subtree, timeout)
         keys = self.keys if self.keys is not None else list(mug.taps)
         chosen = []

@@ -44,6 +44,7 @@ from zmq.utils.monitor import recv_monitor_message
 from ...errors import ProtocolError
 from ...protocols.lager.chp import Command, Registration, parse_update, snapshot_request_frames
 from ...protocols.lager.messages import DataMessage, parse_data_message
+from ...zmqaccess import Curve, curve_client
 from ...zmqframes import recv_frames
 from .common import HELLO_PREFIX, MARK_PREFIX, LagerClientError, base, forwarder_base, tcp
 
@@ -89,6 +90,7 @@ class Mug:
         on_update: Callable[[Registration], None] | None = None,
         on_gap: Callable[[str, int], None] | None = None,
         context: zmq.Context[Any] | None = None,
+        curve: Curve | None = None,
     ) -> None:
         self.on_gap = on_gap
         self.lost = 0
@@ -108,6 +110,7 @@ class Mug:
         # None until the first subscribe() finds out which bartender this is.
         self.counted: bool | None = None
         self._ctx = context or zmq.Context.instance()
+        self._curve = curve
         self.silence_s = silence_s
         self.on_silence = on_silence
         self.on_update = on_update
@@ -118,9 +121,9 @@ class Mug:
         self.silent = False
         self.hugz = 0
         self._last_heard = time.monotonic()
-        self._updates = self._ctx.socket(zmq.SUB)
+        self._updates = self._socket(zmq.SUB)
         self._updates.setsockopt(zmq.LINGER, 0)
-        self._data = self._ctx.socket(zmq.SUB)
+        self._data = self._socket(zmq.SUB)
         self._data.setsockopt(zmq.LINGER, 0)
         self._data.setsockopt(zmq.RCVHWM, recv_hwm)
         self._handshakes: zmq.Socket[bytes] | None = self._data.get_monitor_socket(
@@ -134,6 +137,13 @@ class Mug:
 
     # --- registration flow ----------------------------------------------------------------
 
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        """A socket of our context, a CURVE client when the bartender wants one."""
+        sock: zmq.Socket[bytes] = self._ctx.socket(kind)
+        if self._curve is not None:
+            curve_client(sock, *self._curve)
+        return sock
+
     def sync(self, subtree: str = "", timeout: float = 10.0) -> dict[str, Registration]:
         """Snapshot of the taps under ``subtree`` (CHP: subscribe to updates first, then
         ``ICANHAZ?``; updates older than the snapshot are ignored)."""
@@ -141,7 +151,7 @@ class Mug:
         self._updates.setsockopt(zmq.SUBSCRIBE, subtree.encode("utf-8"))
         self._updates.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
         self._updates.connect(tcp(self._reg_host, self._reg_port + 1))
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(tcp(self._reg_host, self._reg_port))
         try:

@@ -27,6 +27,7 @@ from ...protocols.lager.chp import (
     snapshot_request_frames,
 )
 from ...protocols.lager.formats import DataFormat, FormatError, parse_format_xml
+from ...zmqaccess import Curve, curve_client
 from .common import DuplicateTap, LagerClientError, base, forwarder_base, tcp
 
 __all__ = ["Tap"]
@@ -84,6 +85,7 @@ class Tap:
         send_hwm: int = 100_000,
         on_duplicate: Callable[[Registration], None] | None = None,
         context: zmq.Context[Any] | None = None,
+        curve: Curve | None = None,
     ) -> None:
         self.key = key
         self.format = parse_format_xml(format) if isinstance(format, str) else format
@@ -104,12 +106,20 @@ class Tap:
         # Where each item's frame starts and ends in a row (items tile the row in order).
         self._cuts = [(item.offset, item.offset + item.size) for item in self.format.items]
         self._ctx = context or zmq.Context.instance()
+        self._curve = curve
         self._send_hwm = send_hwm
         self._last_heard = 0.0
         self._next_check = 0.0
         self._collector: zmq.Socket[bytes] | None = None
         self._updates: zmq.Socket[bytes] | None = None
         self._data: zmq.Socket[bytes] | None = None
+
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        """A socket of our context, a CURVE client when the bartender wants one."""
+        sock: zmq.Socket[bytes] = self._ctx.socket(kind)
+        if self._curve is not None:
+            curve_client(sock, *self._curve)
+        return sock
 
     @property
     def uuid_str(self) -> str:
@@ -118,17 +128,16 @@ class Tap:
     def register(self, timeout: float = 10.0) -> Tap:
         """Register, and return once the data path to the bartender is up."""
         deadline = time.monotonic() + timeout
-        ctx = self._ctx
-        self._collector = ctx.socket(zmq.XPUB)
+        self._collector = self._socket(zmq.XPUB)
         self._collector.setsockopt(zmq.LINGER, 1000)
         self._collector.connect(tcp(self._reg_host, self._reg_port + 2))
         if self.watch:
-            self._updates = ctx.socket(zmq.SUB)
+            self._updates = self._socket(zmq.SUB)
             self._updates.setsockopt(zmq.LINGER, 0)
             self._updates.setsockopt(zmq.SUBSCRIBE, self.key.encode("utf-8"))
             self._updates.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
             self._updates.connect(tcp(self._reg_host, self._reg_port + 1))
-        self._data = ctx.socket(zmq.XPUB)
+        self._data = self._socket(zmq.XPUB)
         self._data.setsockopt(zmq.LINGER, 2000)
         self._data.setsockopt(zmq.SNDHWM, self._send_hwm)
         # At the HWM a send fails (log() returns False and counts it) instead of ZeroMQ
@@ -161,7 +170,7 @@ class Tap:
         """Without a publisher subscription: ask the snapshot socket for our key until the
         registrar holds it, so data sent after register() is never refused as unknown."""
         assert self._collector is not None
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(tcp(self._reg_host, self._reg_port))
         try:

@@ -15,6 +15,7 @@ from ...eventtime import EventTimes
 from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.eventbus import BinaryStar, Event
+from ...zmqaccess import ZmqAccess
 from .config import EventBusConfig
 from .state import PROTOCOL, Dedup, Entry
 
@@ -97,6 +98,7 @@ class BusBase:
         self._snapshot_tasks: set[asyncio.Task[None]] = set()
         self._checkpointed_offset = 0
         self._ctx: zmq.asyncio.Context | None = None
+        self._zmq_access: ZmqAccess | None = None
         self._sockets: list[zmq.Socket[Any]] = []
         self._reject_log_budget = 0.0
         self._stopping = False

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 import uuid as uuid_mod
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -48,11 +49,25 @@ class BinaryStarPeer(Acceptor):
         # acks, ~50 bytes each) and REPLICATED (18 bytes).
         self._peer_sub = self._socket(zmq.SUB, RCVHWM=1000, MAXMSGSIZE=256 * 1024)
         self._peer_sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+        self._peer_curve(self._peer_sub, "eventbus_publisher")
         self._peer_sub.connect(endpoint(host, self._peer_base + 1))
         self._peer_sub_raw = zmq.Socket.shadow(self._peer_sub.underlying)
         self._peer_dealer = self._socket(zmq.DEALER, SNDHWM=10_000, IMMEDIATE=1, MAXMSGSIZE=1024)
+        self._peer_curve(self._peer_dealer, "eventbus_collector")
         self._peer_dealer.connect(endpoint(host, self._peer_base + 2))
         self._peer_dealer_raw = zmq.Socket.shadow(self._peer_dealer.underlying)
+
+    def _peer_curve(self, sock: zmq.Socket[Any], listener: str) -> None:
+        """With CURVE on our own ``listener``, the peer's is taken to use it too: a Binary
+        Star pair is one service to its clients (who fail over with one server key), so both
+        servers share a key pair, and each connects to the other with it as a client (its
+        public key must then be among curve_allowed_clients, when a list is given)."""
+        assert self._zmq_access is not None
+        keys = self._zmq_access.policy(listener).curve
+        if keys is not None:
+            sock.curve_serverkey = keys.public_z85
+            sock.curve_publickey = keys.public_z85
+            sock.curve_secretkey = keys.secret_z85
 
     # --- mirror (passive side) ----------------------------------------------------------------
 
@@ -119,6 +134,7 @@ class BinaryStarPeer(Acceptor):
         dealer.setsockopt(zmq.MAXMSGSIZE, self._max_frame)
         raw: zmq.Socket[bytes] = zmq.Socket.shadow(dealer.underlying)
         try:
+            self._peer_curve(dealer, "eventbus_snapshot")
             dealer.connect(endpoint(self._peer_host, self._peer_base))
             await dealer.send_multipart([Command.COPY.value])
             timeout = self.config.snapshot_timeout_ms

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -14,7 +13,7 @@ import zmq
 import zmq.asyncio
 
 from ...hub import Hub
-from ...zmqmonitor import watch_handshakes
+from ...zmqaccess import ZmqAccess
 from .checkpoint import BusState, checkpoint_path, rebuild_state, write_checkpoint
 from .config import EventBusConfig
 from .snapshot import SnapshotServer
@@ -27,7 +26,6 @@ class EventBusService(SnapshotServer):
     """The sockets, the broadcaster, the heartbeat and the Binary Star peer link."""
 
     _broadcaster: asyncio.Task[None] | None = None
-    _watched: list[tuple[str, zmq.asyncio.Socket]]
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -43,6 +41,7 @@ class EventBusService(SnapshotServer):
         for key, seq in state.recent_uuids:
             self.dedup.add(key, seq)
         self._ctx = zmq.asyncio.Context()
+        self._zmq_access = ZmqAccess(self._ctx, self.hub.config, self.hub.metrics, "eventbus")
         addresses = self._bind()
         self._install(state.hashmap)
         log.info(
@@ -74,15 +73,9 @@ class EventBusService(SnapshotServer):
                 ("eventbus.peer_ack", self._peer_ack_loop),
             ]
         self._tasks = [spawn(name, factory) for name, factory in loops]
-        for listener, sock in self._watched:
-            count = self._refused_handshake(listener)
-            self._tasks.append(
-                spawn(
-                    f"eventbus.handshakes.{listener}",
-                    functools.partial(watch_handshakes, sock, count),
-                    first=watch_handshakes(sock, count),
-                )
-            )
+        # The ZAP handler and the listeners' handshake monitors (eventbus.zap,
+        # eventbus.handshakes.<listener>), supervised too.
+        self._zmq_access.start(spawn)
         self._broadcaster = spawn("eventbus.broadcast", self._broadcast_loop)
         return addresses
 
@@ -100,6 +93,7 @@ class EventBusService(SnapshotServer):
         max_subscription = self.limits.max_topic_bytes + 64
         snapshot, publisher, collector, base = self._bind_group(
             cfg.port,
+            ("eventbus_snapshot", "eventbus_publisher", "eventbus_collector"),
             (
                 zmq.ROUTER,
                 {
@@ -112,13 +106,6 @@ class EventBusService(SnapshotServer):
             (zmq.ROUTER, {"RCVHWM": cfg.collector_hwm, "MAXMSGSIZE": self._max_frame}),
         )
         self._snapshot, self._publisher, self._collector = snapshot, publisher, collector
-        # Peers of the wrong kind (a PUSH or PUB on the ROUTER COLLECTOR...) are refused by
-        # ZeroMQ without a word to the application: their monitors count them.
-        self._watched = [
-            ("eventbus_snapshot", snapshot),
-            ("eventbus_publisher", publisher),
-            ("eventbus_collector", collector),
-        ]
         # Synchronous shadows of the same sockets: NOBLOCK sends and receives in hot loops
         # without a future per call.
         self._snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
@@ -134,6 +121,7 @@ class EventBusService(SnapshotServer):
         collector_kind = zmq.SUB if cfg.chp_collector == "sub" else zmq.PULL
         snapshot, publisher, collector, base = self._bind_group(
             cfg.chp_port,
+            ("eventbus_chp_snapshot", "eventbus_chp_publisher", "eventbus_chp_collector"),
             (
                 zmq.ROUTER,
                 {
@@ -148,11 +136,6 @@ class EventBusService(SnapshotServer):
         if collector_kind == zmq.SUB:
             collector.setsockopt(zmq.SUBSCRIBE, b"")
         self._chp_snapshot, self._chp_collector = snapshot, collector
-        self._watched += [
-            ("eventbus_chp_snapshot", snapshot),
-            ("eventbus_chp_publisher", publisher),
-            ("eventbus_chp_collector", collector),
-        ]
         self._chp_snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
         self._chp_publisher_raw = zmq.Socket.shadow(publisher.underlying)
         self._chp_collector_raw = zmq.Socket.shadow(collector.underlying)
@@ -162,13 +145,20 @@ class EventBusService(SnapshotServer):
         return addresses
 
     def _bind_group(
-        self, port: int, *kinds: tuple[int, dict[str, int]]
+        self, port: int, names: tuple[str, str, str], *kinds: tuple[int, dict[str, int]]
     ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Socket, int]:
         """Three sockets at P, P+1, P+2; port 0 finds three consecutive free ones (the OS
-        picks P, and all three are closed and tried again if P+1 or P+2 is taken)."""
+        picks P, and all three are closed and tried again if P+1 or P+2 is taken).
+
+        Each gets its listener's access policy before it binds; peers of the wrong kind (a
+        PUSH or PUB on the ROUTER COLLECTOR...) are refused by ZeroMQ without a word to the
+        application: their monitors count them (``handshake_refused``)."""
         host = self.config.host
+        assert self._zmq_access is not None
         for _attempt in range(100):
             sockets = [self._socket(kind, **options) for kind, options in kinds]
+            for sock, name in zip(sockets, names, strict=True):
+                self._zmq_access.secure(sock, name, self._refused_handshake(name))
             try:
                 if port:
                     base = port
@@ -184,6 +174,7 @@ class EventBusService(SnapshotServer):
                 sockets[2].bind(endpoint(host, base + 2))
             except zmq.ZMQError as exc:
                 for sock in sockets:
+                    self._zmq_access.forget(sock)
                     sock.close(0)
                     self._sockets.remove(sock)
                 if port or exc.errno != errno.EADDRINUSE:
@@ -212,6 +203,8 @@ class EventBusService(SnapshotServer):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
+        if self._zmq_access is not None:
+            await self._zmq_access.stop()
         if self.config.checkpoint_interval_s:
             try:
                 await self.checkpoint()

@@ -13,6 +13,7 @@ import zmq
 import zmq.asyncio
 
 from ...hub import Hub
+from ...zmqaccess import ZmqAccess
 from .config import FORWARDER_FOLLOWS_REGISTRAR, FORWARDER_OFFSET, LagerConfig
 from .forwarder import Forwarder
 from .registrar import RegistrarServer
@@ -22,6 +23,16 @@ __all__ = ["LagerService", "create_service"]
 
 log = logging.getLogger("taproom.lager")
 
+# The registrar's sockets, then the forwarder's, in the order their ``sockets`` give them.
+_LISTENERS = (
+    "lager_registrar_snapshot",
+    "lager_registrar_publisher",
+    "lager_registrar_collector",
+    "lager_forwarder_in",
+    "lager_forwarder_out",
+    "lager_forwarder_counted",
+)
+
 
 class LagerService:
     """The Bartender: registrar + forwarder. ``start()`` binds; ``stop()`` checkpoints."""
@@ -30,6 +41,7 @@ class LagerService:
         self.hub = hub
         self.config = config
         self._ctx: zmq.asyncio.Context | None = None
+        self._access: ZmqAccess | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._last_log: dict[str, float] = {}
         self.forwarder = Forwarder(
@@ -53,12 +65,19 @@ class LagerService:
         self._ctx = ctx = zmq.asyncio.Context()
         self.registrar.open(ctx)
         self.forwarder.open(ctx)
+        self._access = access = ZmqAccess(ctx, self.hub.config, self.hub.metrics, "lager")
         try:
+            for sock, name in zip(
+                (*self.registrar.sockets, *self.forwarder.sockets), _LISTENERS, strict=True
+            ):
+                access.secure(sock, name)  # allowlist and CURVE, before bind
             addresses = self._bind()
         except (zmq.ZMQError, OSError):
+            access.close()
             ctx.destroy(linger=0)  # the app never calls stop() for a service that failed
             self._ctx = None
             raise
+        access.start(self.hub.supervisor.spawn)  # lager.zap, lager.handshakes.<listener>
         # Every loop supervised (taproom.supervise): restarted if it dies, shown on /ready.
         for part, loops in (
             ("registrar", self.registrar.loops),
@@ -97,6 +116,8 @@ class LagerService:
         self.forwarder.closing = True
         await self.registrar.close()
         self.forwarder.close()
+        if self._access is not None:
+            await self._access.stop()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

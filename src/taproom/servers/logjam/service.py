@@ -13,6 +13,7 @@ import zmq.asyncio
 from ...hub import Hub
 from ...payloads import decode_payload
 from ...protocols import logjam as lj
+from ...zmqaccess import ZmqAccess
 from .config import LogjamConfig
 from .ingest import Ingest, RejectLog
 from .pub import PubOutput
@@ -62,6 +63,7 @@ class LogjamService:
         self.pub = PubOutput(hub, config, self.hostname, mapper)
         self.replay = ReplayChannel(hub, config, self.pub, reject)
         self._ctx: zmq.asyncio.Context | None = None
+        self._access: ZmqAccess | None = None
         self._sockets: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.addresses: dict[str, str] = {}
@@ -79,6 +81,8 @@ class LogjamService:
         if kind == zmq.XPUB:
             sock.setsockopt(zmq.XPUB_NODROP, 1)
         self._sockets.append(sock)
+        assert self._access is not None
+        self._access.secure(sock, name)  # allowlist and CURVE, before bind
         sock.bind(f"tcp://{cfg.host}:{port or '*'}")
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.addresses[name] = endpoint.removeprefix("tcp://")
@@ -87,6 +91,7 @@ class LogjamService:
     async def start(self) -> dict[str, str]:
         cfg = self.config
         self._ctx = zmq.asyncio.Context()
+        self._access = ZmqAccess(self._ctx, self.hub.config, self.hub.metrics, "logjam")
         try:
             router, router_sync = self._bind(
                 zmq.ROUTER, cfg.router_port, "logjam_router", cfg.max_frame_bytes
@@ -104,6 +109,7 @@ class LogjamService:
         self.pub.attach(pub_sync, self.addresses["logjam_pub"].rsplit(":", 1)[1])
         # Every loop supervised (taproom.supervise): restarted if it dies, shown on /ready.
         spawn = self.hub.supervisor.spawn
+        self._access.start(spawn)  # logjam.zap, logjam.handshakes.<listener> (CURVE)
         self._tasks = [
             spawn("logjam.router", partial(self.ingest.router_loop, router, router_sync)),
             spawn("logjam.pull", partial(self.ingest.pull_loop, pull, pull_sync)),
@@ -125,12 +131,16 @@ class LogjamService:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self.pub.subscription.close()
+        if self._access is not None:
+            await self._access.stop()
         self._close_sockets()
 
     def _close_sockets(self) -> None:
         for sock in self._sockets:
             sock.close(linger=0)
         self._sockets = []
+        if self._access is not None:
+            self._access.close()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

@@ -68,6 +68,22 @@ class LogTKConfig:
     max_connections: int = setting(
         1024, "per listener; each costs a task and buffers", min=1, max=1_000_000
     )
+    max_connections_per_peer: int = setting(
+        256,
+        "per listener and address: a logtkjs reconnect storm (1,026 sockets in 2 s from one "
+        "address) leaves 3/4 of max_connections to everyone else; a NAT of 256 browsers fits",
+        min=1,
+        max=1_000_000,
+    )
+    peer_connections_per_s: float = setting(
+        64.0,
+        "new connections one address may open a second once its burst is spent (a storm "
+        "runs at ~500/s; an app reconnects once)",
+        min=0.01,
+    )
+    peer_connection_burst: int = setting(
+        256, "new connections one address may open at once (max_connections_per_peer)", min=1
+    )
     listen_backlog: int = setting(
         4096,
         "each listener's kernel accept queue (capped by net.core.somaxconn): with asyncio's "

@@ -21,6 +21,7 @@ from websockets.asyncio.server import ServerConnection as WSServerConnection
 from websockets.exceptions import ConnectionClosed, InvalidHeader, PayloadTooBig
 from websockets.headers import parse_subprotocol
 
+from ...access import ConnectionGate, access_for
 from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.logtk import CloseCode, ServerConnection
@@ -82,7 +83,19 @@ class LogTKService:
         self._tcp_server: asyncio.Server | None = None
         self._ws_server: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._counts = {"logtk_ws": 0, "logtk_tcp": 0}
+        # One connection gate per listener (allowlist, max_connections, per peer: count and
+        # rate), applied at TCP accept, before a byte is read.
+        self.gates = {
+            name: ConnectionGate(
+                access_for(hub.config, name, hub.metrics),
+                max_connections=config.max_connections,
+                max_per_peer=config.max_connections_per_peer,
+                per_peer_per_s=config.peer_connections_per_s,
+                per_peer_burst=config.peer_connection_burst,
+                max_tracked_peers=hub.config.access.max_tracked_peers,
+            )
+            for name in ("logtk_ws", "logtk_tcp")
+        }
         m = hub.metrics
         self.m_duplicates = m.counter(
             "logtk", "duplicates", "events", "Data frames already stored, acked again"
@@ -165,8 +178,15 @@ class LogTKService:
         from websockets.asyncio.server import serve
 
         c = self.config
-        self._tcp_server = await asyncio.start_server(
-            self._on_tcp, c.host, c.tcp_port, limit=c.max_frame_bytes, backlog=ACCEPT_BATCH
+        loop = asyncio.get_running_loop()
+        gate = self.gates["logtk_tcp"]
+
+        def tcp_connection() -> asyncio.Protocol:
+            reader = asyncio.StreamReader(limit=c.max_frame_bytes, loop=loop)
+            return _GatedStream(gate, reader, self._on_tcp)
+
+        self._tcp_server = await loop.create_server(
+            tcp_connection, c.host, c.tcp_port, backlog=ACCEPT_BATCH
         )
         if logging.getLogger("websockets.server").level == logging.NOTSET:
             # It logs INFO per connection opened and closed; taproom logs what matters.
@@ -184,7 +204,7 @@ class LogTKService:
             open_timeout=c.handshake_timeout_s,
             close_timeout=2,
             backlog=ACCEPT_BATCH,
-            create_connection=_ws_connections(self._message_too_big),
+            create_connection=_ws_connections(self._message_too_big, self.gates["logtk_ws"]),
         )
         deepen_accept_queue(self._tcp_server.sockets, c.listen_backlog)
         deepen_accept_queue(self._ws_server.sockets, c.listen_backlog)
@@ -256,26 +276,32 @@ class LogTKService:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _enter(self, listener: str) -> bool:
-        if self._counts[listener] >= self.config.max_connections:
-            self.hub.metrics.rejected("logtk", "too_many_connections")
-            return False
-        self._counts[listener] += 1
+    def _enter(self, listener: str) -> None:
         self._gauges[listener].inc()
-        return True
 
     def _leave(self, listener: str) -> None:
-        self._counts[listener] -= 1
         self._gauges[listener].dec()
 
     # --- TCP ------------------------------------------------------------------------------
 
     async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peername = writer.get_extra_info("peername") or ("?", 0)
+        raw = writer.get_extra_info("peername")
+        peername = raw or ("?", 0)
         peer = f"{peername[0]}:{peername[1]}"
-        if not self._enter("logtk_tcp"):
-            writer.close()
-            return
+        self._enter("logtk_tcp")
+        try:
+            await self._serve_tcp(reader, writer, peername, peer)
+        finally:
+            self._leave("logtk_tcp")
+            self.gates["logtk_tcp"].leave(raw[0] if raw else "")  # _GatedStream let it in
+
+    async def _serve_tcp(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peername: tuple[str, int],
+        peer: str,
+    ) -> None:
         loop = asyncio.get_running_loop()
         conn = ServerConnection(
             self.settings,
@@ -322,7 +348,6 @@ class LogTKService:
                 await asyncio.wait_for(asyncio.shield(sender), timeout=5)
             self.sessions.discard(session)
             session.finish()
-            self._leave("logtk_tcp")
 
     # --- WebSocket ------------------------------------------------------------------------
 
@@ -345,10 +370,6 @@ class LogTKService:
         known = namespace in self._tokens
         if not known and not (c.wildcard_namespace and APP_NAME.match(namespace)):
             return self._reject(connection, http.HTTPStatus.NOT_FOUND, "unknown_namespace")
-        if self._counts["logtk_ws"] >= c.max_connections:
-            return self._reject(
-                connection, http.HTTPStatus.SERVICE_UNAVAILABLE, "too_many_connections"
-            )
         peer = connection.remote_address[0] if connection.remote_address else "?"
         header = request.headers.get("X-LogTK-Auth")
         token = b""
@@ -387,9 +408,14 @@ class LogTKService:
         namespace = path[len(c.path_prefix) :]
         remote = ws.remote_address or ("?", 0)
         peer = f"{remote[0]}:{remote[1]}"
-        if not self._enter("logtk_ws"):
-            await ws.close()
-            return
+        self._enter("logtk_ws")
+        try:
+            await self._serve_ws(ws, namespace, peer)
+        finally:
+            self._leave("logtk_ws")
+
+    async def _serve_ws(self, ws: Any, namespace: str, peer: str) -> None:
+        c = self.config
         loop = asyncio.get_running_loop()
         conn = ServerConnection(self.settings, now=loop.time(), app=namespace)
 
@@ -437,29 +463,117 @@ class LogTKService:
                 await asyncio.wait_for(asyncio.shield(sender), timeout=5)
             self.sessions.discard(session)
             session.finish()
-            self._leave("logtk_ws")
+
+
+# What a WebSocket client refused by the connection gate reads instead of a 101: HTTP's own
+# refusal (websockets and browsers report the status), written at accept, without reading the
+# request. An address outside the allowlist is told nothing.
+_GATE_RESPONSES = {
+    reason: (
+        f"HTTP/1.1 {status.value} {status.phrase}\r\nConnection: close\r\n"
+        f"Content-Type: text/plain\r\nContent-Length: {len(body)}\r\nRetry-After: 1\r\n"
+        f"\r\n{body}"
+    ).encode()
+    for reason, status, body in (
+        ("max_connections", http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n"),
+        (
+            "max_connections_per_peer",
+            http.HTTPStatus.SERVICE_UNAVAILABLE,
+            "too many connections from this address\n",
+        ),
+        ("peer_connection_rate", http.HTTPStatus.TOO_MANY_REQUESTS, "too many connections\n"),
+    )
+}
+
+
+class _GatedStream(asyncio.StreamReaderProtocol):
+    """LogTK over TCP: the connection gate at accept; a refused connection is closed before
+    any stream, task or read is spent on it (the handler leaves the gate when it ends)."""
+
+    def __init__(self, gate: ConnectionGate, reader: asyncio.StreamReader, handler: Any) -> None:
+        super().__init__(reader, handler)
+        self._gate = gate
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        if self._gate.admit(peer[0] if peer else "", peer[1] if peer else None):
+            self._refused = True
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
+
+    def eof_received(self) -> bool:
+        return False if self._refused else bool(super().eof_received())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._refused:
+            super().connection_lost(exc)
 
 
 class _WSConnection(WSServerConnection):
-    """websockets' connection; reports a message it refused over ``max_size`` when the
-    connection ends. The handler cannot see them all: bytes that came with the upgrade request
-    in one read fail the connection during the handshake (websockets then sends neither the
-    101 nor a 1009 close frame, and never calls the handler)."""
+    """websockets' connection, behind the listener's connection gate; reports a message it
+    refused over ``max_size`` when the connection ends. The handler cannot see them all: bytes
+    that came with the upgrade request in one read fail the connection during the handshake
+    (websockets then sends neither the 101 nor a 1009 close frame, and never calls the
+    handler)."""
 
-    def __init__(self, too_big: Callable[[str], None], *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, too_big: Callable[[str], None], gate: ConnectionGate, *args: Any, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._too_big = too_big
+        self._gate = gate
+        self._admitted: str | None = None  # the peer's host while it holds a gate slot
+        self._refused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        host = peer[0] if peer else ""
+        reason = self._gate.admit(host, peer[1] if peer else None)
+        if reason:
+            # Neither websockets nor a handler ever sees it: no task, no parser.
+            self._refused = True
+            response = _GATE_RESPONSES.get(reason)
+            if response is None:
+                transport.abort()  # type: ignore[attr-defined]
+            else:
+                transport.write(response)  # type: ignore[attr-defined]
+                transport.close()
+            return
+        self._admitted = host
+        super().connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
+
+    def eof_received(self) -> None:
+        if not self._refused:
+            super().eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._refused:
+            return
+        if self._admitted is not None:
+            self._gate.leave(self._admitted)
+            self._admitted = None
         if isinstance(self.protocol.parser_exc, PayloadTooBig):
             remote = self.remote_address
             self._too_big(f"{remote[0]}:{remote[1]}" if remote else "?")
         super().connection_lost(exc)
 
 
-def _ws_connections(too_big: Callable[[str], None]) -> type[WSServerConnection]:
-    """``serve(create_connection=)`` takes a class: one that reports to ``too_big``."""
-    return functools.partial(_WSConnection, too_big)  # type: ignore[return-value]
+def _ws_connections(
+    too_big: Callable[[str], None], gate: ConnectionGate
+) -> type[WSServerConnection]:
+    """``serve(create_connection=)`` takes a class: one that reports to ``too_big`` and is
+    admitted by ``gate``."""
+    return functools.partial(_WSConnection, too_big, gate)  # type: ignore[return-value]
 
 
 def create_service(hub: Hub, section: LogTKConfig) -> LogTKService:
