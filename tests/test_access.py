@@ -307,3 +307,37 @@ def test_validate_exposed_configs(tmp_path: Path, section: str, listener: str) -
     assert done.returncode == 0, done.stderr
     warnings = [line for line in done.stderr.splitlines() if "warning" in line.lower()]
     assert len(warnings) == 1 and listener in warnings[0] and "open = true" in warnings[0]
+
+
+async def test_serve_warns_once_about_open_listeners(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`serve` (App.start) logs one WARNING naming every listener `open = true` lets through;
+    no listener is started here (only=[]), so nothing binds 0.0.0.0 in a test."""
+    from taproom.app import App
+
+    cfg = config(
+        f'[journal]\ndir = "{tmp_path / "journal"}"\n'
+        '[logjam]\nhost = "0.0.0.0"\n[lager]\nenabled = true\nhost = "0.0.0.0"\n'
+        '[access]\nopen = true\n[access.lager]\nallow = ["10.0.0.0/8"]\n'
+    )
+    with caplog.at_level(logging.WARNING, logger="taproom"):
+        app = App(cfg, only=[])
+        await app.start()
+        await app.stop()
+    lines = [r.getMessage() for r in caplog.records if "open = true" in r.getMessage()]
+    assert len(lines) == 1 and "logjam_router (0.0.0.0)" in lines[0]
+    assert "lager" not in lines[0]
+
+
+def test_serve_refuses_an_exposed_listener(tmp_path: Path) -> None:
+    path = tmp_path / "taproom.toml"
+    path.write_text(f'[journal]\ndir = "{tmp_path / "j"}"\n[logjam]\nhost = "0.0.0.0"\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "taproom", "serve", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 78 and "logjam_pull" in done.stderr
+    assert not (tmp_path / "j").exists()  # refused before anything was opened
