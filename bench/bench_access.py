@@ -15,37 +15,17 @@ import multiprocessing as mp
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import orjson
 import zmq
 import zmq.auth
 from tests.hubprocess import HubProcess
 
-from . import zmqloops
-from .bench_logjam import APP_ENV, BODY, TOPIC, _committed, _config_text, _Usage
+from .bench_logjam import _committed, _config_text, _push_agent, _Usage
 from .common import Figure
 
 _CTX = mp.get_context("spawn")
 ALLOW = ["10.0.0.0/8", "192.168.1.7", "127.0.0.1"]
-
-
-def _agent(endpoint: str, n: int, curve: tuple[str, str] | None, started: Any) -> None:
-    """A PUSH agent sending ``n`` logjam messages from a C loop, as a CURVE client when asked."""
-    from taproom.zmqaccess import curve_client
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 1_000_000)
-    if curve is not None:
-        curve_client(sock, *curve)
-    sock.connect(endpoint)
-    zmqloops.lib()
-    time.sleep(0.2)
-    started.value = time.time()
-    zmqloops.agent(sock, n, False, APP_ENV, TOPIC, BODY)
-    sock.close(linger=-1)
-    ctx.term()
 
 
 def _access_text(mode: str, keys: dict[str, str]) -> str:
@@ -72,7 +52,8 @@ def _run(tmp: Path, mode: str, n: int, keys: dict[str, str]) -> tuple[float, flo
         usage = _Usage(hub.pid)
         curve = (keys["hub"], keys["agent_secret"]) if mode == "curve" else None
         agent = _CTX.Process(
-            target=_agent, args=("tcp://" + hub.addresses["logjam_pull"], n, curve, started)
+            target=_push_agent,
+            args=("tcp://" + hub.addresses["logjam_pull"], n, started, curve),
         )
         agent.start()
         while _committed(hub) < base + n:

@@ -118,12 +118,17 @@ def _committed(hub: HubProcess) -> int:
     return int(hub.metric("taproom_journal_appended_events_total"))
 
 
-def _push_agent(endpoint: str, n: int, started: Any) -> None:
+def _push_agent(endpoint: str, n: int, started: Any, curve: tuple[str, str] | None = None) -> None:
     """The PUSH agent: its sends are C (bench/zmqloops.c), or on two cores a Python agent
-    would be what the figure measures."""
+    would be what the figure measures. ``curve``: (server key, client key file) for a CURVE
+    listener (bench_access)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 1_000_000)
+    if curve is not None:
+        from taproom.zmqaccess import curve_client
+
+        curve_client(sock, *curve)
     sock.connect(endpoint)
     zmqloops.lib()
     time.sleep(0.2)

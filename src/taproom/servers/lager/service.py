@@ -12,6 +12,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from ...access import LISTENERS
 from ...hub import Hub
 from ...zmqaccess import ZmqAccess
 from .config import FORWARDER_FOLLOWS_REGISTRAR, FORWARDER_OFFSET, LagerConfig
@@ -22,16 +23,6 @@ from .sockets import bind_offsets
 __all__ = ["LagerService", "create_service"]
 
 log = logging.getLogger("taproom.lager")
-
-# The registrar's sockets, then the forwarder's, in the order their ``sockets`` give them.
-_LISTENERS = (
-    "lager_registrar_snapshot",
-    "lager_registrar_publisher",
-    "lager_registrar_collector",
-    "lager_forwarder_in",
-    "lager_forwarder_out",
-    "lager_forwarder_counted",
-)
 
 
 class LagerService:
@@ -68,7 +59,10 @@ class LagerService:
         self._access = access = ZmqAccess(ctx, self.hub.config, self.hub.metrics, "lager")
         try:
             for sock, name in zip(
-                (*self.registrar.sockets, *self.forwarder.sockets), _LISTENERS, strict=True
+                # the registrar's sockets, then the forwarder's: access.LISTENERS' order
+                (*self.registrar.sockets, *self.forwarder.sockets),
+                LISTENERS["lager"],
+                strict=True,
             ):
                 access.secure(sock, name)  # allowlist and CURVE, before bind
             addresses = self._bind()
