@@ -137,6 +137,49 @@ def test_request_defaults_follow_the_importer(spark: Any) -> None:
     assert (front["apdex_happy"], front["apdex_satisfied"], front["apdex"]) == (0, 1, 1.0)
 
 
+def test_a_request_time_the_journal_cannot_hold_falls_back_to_ts_then_receive_time(
+    spark: Any,
+) -> None:
+    """Issue 25 part 4: started_at in 2426 or 0001, started_ms of 2^62 (which failed the
+    query in timestamp_millis) or the epoch are absent; the minute comes from the event's
+    ts, else from its receive time."""
+    import datetime
+
+    from pyspark.sql import functions as F
+
+    from taproom.spark.schemas import EVENT_SCHEMA
+
+    received = datetime.datetime(2026, 1, 2, 3, 4, 5)
+    ts = datetime.datetime(2026, 1, 2, 5, 6, 7)
+    bodies = [
+        (b'{"started_at": "2426-01-01T00:00:00Z"}', None),
+        (b'{"started_at": "0001-01-01T00:00:00Z"}', ts),
+        (b'{"started_ms": 4611686018427387904}', None),
+        (b'{"started_at": "1970-01-01T00:00:00Z", "started_ms": 0}', ts),
+        (b'{"started_at": "2026-01-02T07:08:09Z"}', ts),  # in range: it wins
+    ]
+    df = spark.createDataFrame(
+        [
+            ("j", o, received, "logjam", "app-env", "logs.app.env", "", 0, "", t, "json", p, {})
+            for o, (p, t) in enumerate(bodies)
+        ],
+        EVENT_SCHEMA,
+    )
+    minutes = {
+        r["offset"]: r["m"]
+        for r in df.transform(T.logjam_requests)
+        .select("offset", F.date_format("minute", "yyyy-MM-dd HH:mm").alias("m"))
+        .collect()
+    }
+    assert minutes == {
+        0: "2026-01-02 03:04",
+        1: "2026-01-02 05:06",
+        2: "2026-01-02 03:04",
+        3: "2026-01-02 05:06",
+        4: "2026-01-02 07:08",
+    }
+
+
 def test_exception_rollup_matches_reference(events_df: Any, logjam_events: Any) -> None:
     expected = reference_exceptions(logjam_events)
     rows = events_df.transform(T.logjam_requests).transform(T.exception_rollup).collect()

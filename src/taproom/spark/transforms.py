@@ -27,6 +27,7 @@ from __future__ import annotations
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from ..eventtime import MAX_MS, MAX_NS, MIN_MS, MIN_NS
 from .buckets import GAMMA, LOG_GAMMA, PERCENTILE_FLOOR_MS, PERCENTILE_RELATIVE_ERROR
 from .schemas import EVENT_PAYLOAD_SCHEMA, LOGJAM_RESOURCES, PARSED_EVENT_SCHEMA
 
@@ -129,9 +130,23 @@ def parse_events(events: DataFrame) -> DataFrame:
     action = F.when(
         F.col("r.action").isNull() | (F.col("r.action") == ""), F.lit(DEFAULT_ACTION)
     ).otherwise(F.col("r.action"))
+    # The event-time rule (taproom.eventtime, docs/spark.md): a started_at or started_ms the
+    # journal's i64 nanoseconds cannot hold (years 1-1677, 2262-9999; 2^62 ms), or the epoch
+    # itself ("unknown"), is absent, and the request falls back to the event's ts, then to its
+    # receive time. Checked before timestamp_millis, which fails the query (ANSI mode) on a
+    # number of milliseconds too large for a timestamp.
+    started_at = F.try_to_timestamp(F.col("r.started_at"))
+    started_at_us = F.unix_micros(started_at)
+    started_ms = F.col("r.started_ms")
     started = F.coalesce(
-        F.try_to_timestamp(F.col("r.started_at")),
-        F.timestamp_millis(F.col("r.started_ms")),
+        F.when(
+            started_at_us.between(MIN_NS // 1000 + 1, MAX_NS // 1000) & (started_at_us != 0),
+            started_at,
+        ),
+        F.when(
+            started_ms.between(MIN_MS, MAX_MS) & (started_ms != 0),
+            F.timestamp_millis(started_ms),
+        ),
         F.col("ts"),
         F.col("received"),
     )
