@@ -20,6 +20,7 @@ import zmq.auth
 
 from taproom.clients.eventbus import EventBusClient
 from taproom.clients.logjam import LogjamAgent, LogjamConsumer, ReplyError
+from taproom.journal import JournalReader
 from taproom.metrics import Metrics
 from taproom.protocols import logjam as lj
 from taproom.protocols.lager.chp import snapshot_request_frames
@@ -366,3 +367,42 @@ class TestZapRequests:
 
     def test_no_envelope_no_answer(self, tmp_path: Path) -> None:
         assert self.access(tmp_path).answer([b"1.0", b"7"]) is None
+
+
+async def test_a_binary_star_pair_over_curve(tmp_path: Path, keys: dict[str, Path]) -> None:
+    """Both servers of a pair share one key pair (their clients fail over with one server key)
+    and link to each other with it: the backup copies the primary's state and becomes a
+    synced passive; a CURVE client's update reaches both, a NULL peer neither."""
+    from tests.servers.test_eventbus import _wait_synced_passive, start_pair
+
+    # The hub's own public key is among the clients: the peer link connects with it.
+    (keys["clients"] / "hub.key").write_bytes(keys["hub"].read_bytes())
+    rule = {
+        "curve_secret_key_file": str(keys["hub_secret"]),
+        "curve_allowed_clients": str(keys["clients"]),
+    }
+    curve = (str(keys["hub"]), str(keys["known_secret"]))
+    primary, backup = await start_pair(tmp_path, access={"eventbus": rule}, curve=curve)
+    try:
+        servers = ["tcp://" + s.addresses["eventbus_snapshot"] for s in (primary, backup)]
+        client = await EventBusClient(servers, ["/"], curve=curve).start(timeout=20)
+        try:
+            future = await client.publish("/pair/curve/", 1)
+            sequence = await asyncio.wait_for(future, 20)
+        finally:
+            await client.stop()
+        assert sequence == 1
+        await _wait_synced_passive(backup.addresses["eventbus_publisher"], curve=curve)
+        stranger = EventBusClient(servers, ["/"], server_timeout=0.5)
+        with pytest.raises(TimeoutError):
+            await stranger.start(timeout=2)
+        await stranger.stop()
+    finally:
+        primary.stop()
+        backup.stop()
+    journals = [
+        [r.topic for r in JournalReader(str(tmp_path / name / "journal")).read(0)]
+        for name in ("p", "b")
+    ]
+    # replicated to the backup (whose journal also holds the copy's marker record)
+    assert journals[0] == ["/pair/curve/"] and "/pair/curve/" in journals[1]

@@ -37,6 +37,7 @@ from taproom.protocols.eventbus import (
     parse_snapshot_reply,
     syncstart_frames,
 )
+from taproom.zmqaccess import curve_client
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
 TS = "2026-11-22T08:00:00+00:00"
@@ -773,10 +774,14 @@ def _free_triple() -> int:
     raise RuntimeError("no three consecutive free ports")
 
 
-async def _wait_synced_passive(publisher: str, timeout: float = 20.0) -> None:
+async def _wait_synced_passive(
+    publisher: str, timeout: float = 20.0, curve: tuple[str, str] | None = None
+) -> None:
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+    if curve is not None:
+        curve_client(sub, *curve)
     sub.connect("tcp://" + publisher)
     deadline = time.monotonic() + timeout
     try:
@@ -795,10 +800,18 @@ async def _wait_synced_passive(publisher: str, timeout: float = 20.0) -> None:
 PAIR_TIMING = {"heartbeat_ms": 100, "peer_timeout_ms": 3000, "replicate_timeout_ms": 2000}
 
 
-async def start_pair(tmp_path: Path, **eventbus: object) -> tuple[HubProcess, HubProcess]:
+async def start_pair(
+    tmp_path: Path,
+    *,
+    access: dict[str, object] | None = None,
+    curve: tuple[str, str] | None = None,
+    **eventbus: object,
+) -> tuple[HubProcess, HubProcess]:
     """A backup (journal in tmp_path/b), then a primary (tmp_path/p) on three free ports, the
     backup synced passive. The primary's ports are chosen before the backup starts (it must
-    know them), so another process may take them in between: then both start again."""
+    know them), so another process may take them in between: then both start again.
+    ``access``: both hubs' [access] tables; ``curve``: the client keys that watch the backup."""
+    sections: dict[str, object] = {"access": access} if access else {}
     for _attempt in range(5):
         primary_port = _free_triple()
         for name in ("b", "p"):
@@ -814,6 +827,7 @@ async def start_pair(tmp_path: Path, **eventbus: object) -> tuple[HubProcess, Hu
                     **PAIR_TIMING,
                     **eventbus,
                 },
+                **sections,  # type: ignore[arg-type]
             )
         ).start()
         primary = HubProcess(
@@ -827,6 +841,7 @@ async def start_pair(tmp_path: Path, **eventbus: object) -> tuple[HubProcess, Hu
                     **PAIR_TIMING,
                     **eventbus,
                 },
+                **sections,  # type: ignore[arg-type]
             )
         )
         try:
@@ -837,7 +852,7 @@ async def start_pair(tmp_path: Path, **eventbus: object) -> tuple[HubProcess, Hu
                 continue
             raise
         try:
-            await _wait_synced_passive(backup.addresses["eventbus_publisher"])
+            await _wait_synced_passive(backup.addresses["eventbus_publisher"], curve=curve)
         except BaseException:
             primary.kill()
             backup.kill()
