@@ -15,6 +15,7 @@ import importlib
 import logging
 import os
 import signal
+import time
 from typing import Any
 
 import orjson
@@ -163,14 +164,30 @@ async def run_app(config: Config, ready_file: str | None = None) -> int:
         app.hub.journal.next_offset,
     )
     await stop.wait()
+    grace = config.hub.grace_period_s
+    # Batches the journal still cannot take (disk full) are given up before the grace period
+    # ends, so the services have the rest of it to stop (their waits end with those batches).
+    app.hub.begin_shutdown(time.monotonic() + grace - min(2.0, grace / 2))
     try:
-        await asyncio.wait_for(app.stop(), timeout=config.hub.grace_period_s)
+        await asyncio.wait_for(app.stop(), timeout=grace)
     except TimeoutError:
-        log.error("grace period of %.1fs exceeded; exiting", config.hub.grace_period_s)
+        log.error("grace period of %.1fs exceeded; exiting", grace)
         return 1
     finally:
         if ready_file:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(ready_file)
+    hub = app.hub
+    if hub.unwritten_batches:
+        # Not a failure of the stop: nothing of it was ever acknowledged, so the senders still
+        # hold it and resend it to the next hub.
+        log.warning(
+            "stopped; %d events (batches: %d) were not written (%s) and never acknowledged: "
+            "their senders resend them",
+            hub.unwritten_events,
+            hub.unwritten_batches,
+            hub.journal_problem or "the journal was not writable",
+        )
+        return 0
     log.info("stopped cleanly")
     return 0

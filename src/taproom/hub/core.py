@@ -297,7 +297,7 @@ class Hub:
         while self._waiting:
             held = self._waiting.popleft()
             self._pending.cancel(held.waiter)
-            _set_exception_if_pending(held.future, HubStopped("the hub stopped before room"))
+            _refuse_at_shutdown(held.future, HubStopped("the hub stopped before room"))
         self._waiting_bytes = 0
         if self._thread is not None:
             self._queue.put(None)
@@ -456,9 +456,13 @@ class Hub:
                 log.error("commit failed (%s); holding %d batches, acks paused", exc, len(group))
                 carry = group
                 time.sleep(0.5)  # retry the same batches; senders stay un-acked meanwhile
-                if stopping and not self._accepting and self._grace_expired():
-                    self._fail_all(group, HubStopped(f"journal unavailable at shutdown: {exc}"))
-                    return
+                if self._shutdown_due(stopping):
+                    # Shutting down and still not writable: these batches were never acked,
+                    # so their senders resend them; refuse them now, within the grace period.
+                    self._give_up(group, exc)
+                    carry = []
+                    if stopping:
+                        return
                 continue
             self.journal_problem = None
             self._in_hand = []
@@ -482,15 +486,40 @@ class Hub:
                 last_retention = self._housekeeping(last_retention)
 
     _grace_deadline: float | None = None
+    # Set by begin_shutdown (taproom serve, at the signal): when unwritable batches are given up.
+    _shutdown_deadline: float | None = None
+    unwritten_batches = 0  # given up at shutdown because the journal was not writable
+    unwritten_events = 0
+
+    def begin_shutdown(self, give_up_at: float) -> None:
+        """Shutdown began (a signal): batches the journal still cannot take (disk full) are
+        refused at ``give_up_at`` (monotonic), leaving the rest of the grace period for the
+        services to stop, instead of being retried until it runs out."""
+        self._shutdown_deadline = give_up_at
 
     def _grace_expired(self) -> bool:
         if self._grace_deadline is None:
             self._grace_deadline = time.monotonic() + self.config.hub.grace_period_s
         return time.monotonic() >= self._grace_deadline
 
+    def _shutdown_due(self, stopping: bool) -> bool:
+        """Time to give up on batches the journal cannot take: past begin_shutdown's deadline,
+        or (in-process stop) the stop sentinel came and the grace period ran out."""
+        deadline = self._shutdown_deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            return True
+        return stopping and not self._accepting and self._grace_expired()
+
+    def _give_up(self, group: list[_Pending], exc: Exception) -> None:
+        """Refuse ``group`` (never acked: the senders resend it) and count it for the exit."""
+        self.unwritten_batches += len(group)
+        self.unwritten_events += sum(p.batch.count for p in group)
+        self._fail_all(group, HubStopped(f"journal not writable at shutdown: {exc}"))
+        self._in_hand = []
+
     def _fail_all(self, group: list[_Pending], exc: Exception) -> None:
         for p in group:
-            p.loop.call_soon_threadsafe(_set_exception_if_pending, p.future, exc)
+            p.loop.call_soon_threadsafe(_refuse_at_shutdown, p.future, exc)
 
     def _sync_quietly(self) -> None:
         try:
@@ -579,6 +608,10 @@ class Hub:
         return self.journal.damage_summary() + self.supervisor.degraded()
 
 
-def _set_exception_if_pending(future: asyncio.Future[Commit], exc: Exception) -> None:
+def _refuse_at_shutdown(future: asyncio.Future[Commit], exc: Exception) -> None:
+    """Fail a batch's future at shutdown. Its server may be gone already, so the exception is
+    marked retrieved: an unacked batch at shutdown is expected (its sender resends it), not a
+    "Future exception was never retrieved" traceback at exit."""
     if not future.done():
         future.set_exception(exc)
+        future.exception()
