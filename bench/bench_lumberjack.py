@@ -123,12 +123,15 @@ def _drive(
     *,
     connections: int = CONNECTIONS,
     rate: float | None = None,
+    events: int = WINDOW,
 ) -> tuple[float, list[float]]:
-    """Send ``window`` over ``connections`` for ``seconds``; (acked events/s, ack latencies)."""
+    """Send ``window`` (of ``events`` events numbered from 1) over ``connections`` for
+    ``seconds``; (acked events/s, ack latencies). Partial acks (a large window's committed
+    parts) are read and passed over: a window counts once its last event is acked."""
     counts = [0] * connections
     latencies: list[float] = []
     stop_at = time.monotonic() + seconds
-    interval = connections / (rate / WINDOW) if rate else 0.0
+    interval = connections / (rate / events) if rate else 0.0
 
     def one(index: int) -> None:
         with socket.create_connection(address) as sock:
@@ -154,12 +157,12 @@ def _drive(
                     if not chunk:
                         raise ConnectionError("hub closed the connection")
                     data += chunk
-                if data[2:] == b"\0\0\0\0":
-                    continue  # keepalive
+                if int.from_bytes(data[2:], "big") != events:
+                    continue  # a keepalive, or a partial ack
                 t0 = sent.popleft()
                 if now < stop_at:
                     latencies.append(time.perf_counter() - t0)
-                    counts[index] += WINDOW
+                    counts[index] += events
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(connections)]
     started = time.perf_counter()
@@ -198,6 +201,53 @@ def _drain_server(window_len: int) -> tuple[subprocess.Popen[bytes], tuple[str, 
     assert proc.stdout is not None
     port = int(proc.stdout.readline())
     return proc, ("127.0.0.1", port)
+
+
+_WORDS = [f"w{i:x}" for i in range(64)] + ["GET", "POST", "/api/v1", "200", "500", "user=", "at"]
+
+
+def _large_window(event_bytes: int = 40 * 1024) -> bytes:
+    """Issue 24's window: 2,048 events of ~40 KiB of log-like text (85 MB inflated), zlib 3,
+    numbered 1..2048 (Filebeat's numbering)."""
+    import random
+
+    rng = random.Random(24)
+    base = " ".join(rng.choices(_WORDS, k=event_bytes))
+    events = [
+        {"message": base[i % 997 : i % 997 + event_bytes], "n": i, "fields": {"app": "big"}}
+        for i in range(WINDOW)
+    ]
+    return ClientSession(Version.V2, compression_level=3).encode_window(events).data
+
+
+def _large_events(seconds: float, connections: int = CONNECTIONS) -> list[Figure]:
+    """Issue 24's benchmark: 4 connections each sending 2,048 x 40 KiB windows; the hub's peak
+    RSS (a fresh hub) beside the goal, and the events/s of that run."""
+    window = _large_window()
+    figures: list[Figure] = []
+    with tempfile.TemporaryDirectory(prefix="bench-lj-large-") as tmp:
+        hub = Hub(Path(tmp))
+        try:
+            baseline = rss_of_pid_kib(hub.proc.pid, "VmRSS") / 1024
+            cpu0 = _cpu_seconds(hub.proc.pid)
+            rate, _ = _drive(hub.address, window, seconds, connections=connections)
+            cpu = _cpu_seconds(hub.proc.pid) - cpu0
+            peak = rss_of_pid_kib(hub.proc.pid, "VmHWM") / 1024
+        finally:
+            hub.stop()
+    goal = (2 * 64 * 1024 * 1024 + 100_000_000) / (1 << 20)
+    figures.append(
+        Figure(
+            f"v2 40 KiB events/s (2048/window = {len(window) / 1e6:.1f} MB zlib 3, 4 conns)",
+            rate,
+            "ev/s",
+        )
+    )
+    figures.append(Figure("v2 40 KiB events per hub CPU-second", rate * seconds / cpu, "ev/cpu-s"))
+    figures.append(Figure("v2 40 KiB: MB of events/s", rate * 40 * 1024 / 1e6, "MB/s"))
+    figures.append(Figure("v2 40 KiB: hub baseline RSS", baseline, "MiB"))
+    figures.append(Figure("v2 40 KiB: hub peak RSS (VmHWM)", peak, "MiB", f"<= {goal:.0f}"))
+    return figures
 
 
 def _idle_connections(hub: Hub, count: int) -> float:
@@ -282,4 +332,6 @@ def run(quick: bool) -> list[Figure]:
             drain.wait()
         figures.append(Figure("same client against a socket drain (ceiling)", ceiling, "ev/s"))
         figures.append(Figure("v2 rate / ceiling", rate2 / ceiling if ceiling else 0.0, "ratio"))
+    # Large events next to the ~300-byte ones above (issue 24).
+    figures += _large_events(seconds * 2)
     return figures

@@ -185,10 +185,10 @@ def slow_commits(hub: Any, delay: float) -> None:
     """A slow disk: every commit is reported durable ``delay`` s after it really is."""
     real_submit = hub.submit
 
-    def slow_submit(batch: Any) -> asyncio.Future[Any]:
+    def slow_submit(batch: Any, **kw: Any) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         delayed: asyncio.Future[Any] = loop.create_future()
-        real = real_submit(batch)
+        real = real_submit(batch, **kw)
         real.add_done_callback(lambda f: loop.call_later(delay, delayed.set_result, f.result()))
         return delayed
 

@@ -145,3 +145,19 @@ async def test_the_hub_pending_bytes_are_its_budget_holder(tmp_path: Path) -> No
         batch = builder.build()
         await hub.submit(batch, reserved=True)
         assert pending.used == 0 and pending.peak >= len(batch.body)
+
+
+async def test_waiters_holding_everything_held_are_not_deadlocked() -> None:
+    # Two parties each hold the start of a large frame and need more: nobody would ever
+    # release, so the oldest is granted beyond the bound; the other waits for it.
+    holder = Holder("h", 100)
+    assert holder.try_reserve(45) and holder.try_reserve(45)
+    first = asyncio.create_task(holder.reserve(40, holding=45))
+    await asyncio.sleep(0)
+    assert not first.done()  # one party alone is not a deadlock: the other may release
+    second = asyncio.create_task(holder.reserve(40, holding=45))
+    await asyncio.wait_for(first, 5)
+    assert holder.used == 130 and not second.done()
+    holder.release(85)  # the first finished its frame
+    await asyncio.wait_for(second, 5)
+    assert holder.used == 85 and holder.waiting == 0

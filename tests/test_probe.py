@@ -313,9 +313,11 @@ TCP_ATTACKS: dict[str, dict[str, tuple[bytes, tuple[str, ...] | None]]] = {
             WindowSizeFrame(1).serialize() + b"2J" + struct.pack(">II", 1, 0xFFFFFFFF),
             ("taproom_ingest_rejected_items_total", 'reason="frame_too_large"'),
         ),
+        # A C frame is streamed (no length bound, nothing allocated for it): an absurd length
+        # costs nothing, and what follows is judged as it arrives.
         "absurd_compressed": (
-            b"2C" + struct.pack(">I", 0xFFFFFFFF),
-            ("taproom_ingest_rejected_items_total", 'reason="frame_too_large"'),
+            b"2C" + struct.pack(">I", 0xFFFFFFFF) + GARBAGE[:1000],
+            ("taproom_ingest_rejected_items_total", 'reason="bad_compressed"'),
         ),
         "truncated": (
             WindowSizeFrame(1).serialize() + JsonFrame(1, b'{"cut": true}').serialize()[:-4],

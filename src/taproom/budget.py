@@ -144,11 +144,12 @@ def check_budget(config: Config) -> None:
 
 
 class _Waiter:
-    __slots__ = ("alive", "callback", "size")
+    __slots__ = ("alive", "callback", "holding", "size")
 
-    def __init__(self, size: int, callback: Callable[[], None]) -> None:
+    def __init__(self, size: int, callback: Callable[[], None], holding: int) -> None:
         self.size = size
         self.callback = callback
+        self.holding = holding  # what the waiting party already holds of this holder
         self.alive = True  # False once granted or cancelled
 
 
@@ -158,9 +159,15 @@ class Holder:
     A request larger than the bound is granted only when nothing else is held (it goes alone),
     so one oversized item can never wait forever; callers that must refuse such items (one
     event over its limit) check against ``bound`` themselves.
+
+    A party that waits for more while it holds part of what it needs (the start of a large
+    frame) says so with ``holding=``: when everything held belongs to parties that are all
+    waiting, nothing would ever be released, so the oldest waiter is granted beyond the bound
+    (one request at a time: once it is granted, not everything held belongs to waiters).
     """
 
     __slots__ = (
+        "_held_by_waiters",
         "_listeners",
         "_m_refusals",
         "_m_waits",
@@ -178,6 +185,7 @@ class Holder:
         self.used = 0
         self.peak = 0  # the most held at once since the start
         self.waiting_bytes = 0
+        self._held_by_waiters = 0
         self._waiters: deque[_Waiter] = deque()
         self._listeners: list[Callable[[], None]] = []
         metrics = metrics or Metrics()
@@ -229,9 +237,9 @@ class Holder:
         self._take(n)
         return True
 
-    async def reserve(self, n: int) -> None:
+    async def reserve(self, n: int, *, holding: int = 0) -> None:
         """Take ``n`` bytes, waiting in FIFO order until they fit. Cancelling the wait takes
-        nothing."""
+        nothing. ``holding``: what the caller already holds here (see the class)."""
         if n <= 0:
             return
         if not self._waiters and self._fits(n):
@@ -245,7 +253,7 @@ class Holder:
             else:
                 future.set_result(None)
 
-        waiter = self.wait(n, granted)
+        waiter = self.wait(n, granted, holding=holding)
         try:
             await future
         except asyncio.CancelledError:
@@ -253,13 +261,17 @@ class Holder:
                 self.release(n)  # granted just as the wait was cancelled
             raise
 
-    def wait(self, n: int, callback: Callable[[], None]) -> object:
-        """Queue a reservation of ``n`` bytes; ``callback()`` runs (inside a ``release``) once
-        they are taken for the caller. Returns a handle for :meth:`cancel`."""
-        waiter = _Waiter(n, callback)
+    def wait(self, n: int, callback: Callable[[], None], *, holding: int = 0) -> object:
+        """Queue a reservation of ``n`` bytes; ``callback()`` runs (inside a ``release``, or
+        at once when everything held belongs to waiters) once they are taken for the caller.
+        Returns a handle for :meth:`cancel`."""
+        waiter = _Waiter(n, callback, holding)
         self._waiters.append(waiter)
         self.waiting_bytes += n
+        self._held_by_waiters += holding
         self._m_waits.inc()
+        if holding:
+            self._grant()  # everything held may belong to waiters now
         return waiter
 
     def cancel(self, handle: object) -> bool:
@@ -270,6 +282,7 @@ class Holder:
         handle.alive = False
         self._waiters.remove(handle)
         self.waiting_bytes -= handle.size
+        self._held_by_waiters -= handle.holding
         self._grant()  # a large head leaving may let smaller ones behind it in
         self._changed()
         return True
@@ -287,12 +300,18 @@ class Holder:
 
     def _grant(self) -> None:
         waiters = self._waiters
-        while waiters and self._fits(waiters[0].size):
-            waiter = waiters.popleft()
-            waiter.alive = False
-            self.waiting_bytes -= waiter.size
-            self._take(waiter.size)
-            waiter.callback()
+        while waiters:
+            head = waiters[0]
+            # Deadlocked: all that is held belongs to waiters, so nothing would be released.
+            stuck = self._held_by_waiters and self.used <= self._held_by_waiters
+            if not (self._fits(head.size) or stuck):
+                return
+            waiters.popleft()
+            head.alive = False
+            self.waiting_bytes -= head.size
+            self._held_by_waiters -= head.holding
+            self._take(head.size)
+            head.callback()
 
     # -- observers ----------------------------------------------------------------------------
 

@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taproom.protocols.lumberjack import (
+    STALL_INFLATE,
+    STALL_ROOM,
     AckFrame,
     ClientSession,
     CompressedFrame,
@@ -50,9 +52,10 @@ def C(frames: bytes, v: Version = V2, level: int = 6) -> bytes:
 
 
 def receive_all(conn: ServerConnection, data: bytes, now_ns: int = 7) -> list[Window]:
-    """``receive_data`` and then the rest it left buffered (one ``C`` frame per call)."""
+    """``receive_data`` and then the rest it left buffered (one ``C`` frame per call), until
+    it has parsed everything or stalls for room."""
     out = conn.receive_data(data, now_ns)
-    while conn.more_buffered:
+    while conn.more_buffered and not conn.stalled:
         out += conn.receive_data(b"", now_ns)
     return out
 
@@ -266,13 +269,26 @@ class TestAcks:
         windows = ServerConnection("p").receive_data(W(5) + J(1, {}) + W(1) + J(2, {}), 1)
         assert [(w.ack_seq, w.batch.count) for w in windows] == [(1, 1), (2, 1)]
 
-    def test_large_window_split_ack_on_last_part(self) -> None:
+    def test_large_window_split_v2_parts_carry_partial_acks(self) -> None:
         conn = ServerConnection("p", limits=Limits(max_batch_bytes=64 * 1024))
         doc = {"m": "x" * 1000}
         windows = conn.receive_data(W(200) + b"".join(J(s, doc) for s in range(1, 201)), 1)
         assert len(windows) > 1
-        assert all(w.ack_seq is None for w in windows[:-1]) and windows[-1].ack_seq == 200
+        acks = [w.ack_seq for w in windows]
+        assert acks == sorted(acks) and acks[-1] == 200  # partial acks, then the window's
+        assert [w.done for w in windows] == [False] * (len(windows) - 1) + [True]
         assert sum(w.batch.count for w in windows) == 200
+        # Parts of a window not yet complete carry their events' fingerprints.
+        assert all(len(w.fingerprints) == w.batch.count for w in windows[:-1])
+        assert windows[-1].fingerprints == ()
+
+    def test_large_window_split_v1_ack_on_last_part_only(self) -> None:
+        # logstash-forwarder reads exactly one ack per window and takes it for all of it.
+        conn = ServerConnection("p", limits=Limits(max_batch_bytes=64 * 1024))
+        pairs = {"line": "x" * 1000}
+        windows = conn.receive_data(W(200, V1) + b"".join(D(s, pairs) for s in range(1, 201)), 1)
+        assert len(windows) > 1
+        assert all(w.ack_seq is None for w in windows[:-1]) and windows[-1].ack_seq == 200
 
     def test_ack_frame_bytes(self) -> None:
         assert AckFrame(513, V2).serialize() == b"2A\x00\x00\x02\x01"
@@ -298,7 +314,9 @@ MAL = [
     (b"1D\0\0\0\1\0\0\x10\x01", "too_many_pairs", LumberjackLimit),
     (b"2W\0\0\x27\x11", "window_too_large", LumberjackLimit),
     (b"2J\0\0\0\1\x01\0\0\x01", "frame_too_large", LumberjackLimit),
-    (b"2C\x01\0\0\x01", "frame_too_large", LumberjackLimit),
+    # No bound on a C frame's length (it is streamed): an absurd one costs nothing, and what
+    # follows is judged as it arrives.
+    (b"2C\xff\xff\xff\xffabcd", "bad_compressed", LumberjackError),
     (b"1D\0\0\0\1\0\0\0\1\x01\0\0\x01", "frame_too_large", LumberjackLimit),
     (b"2C\0\0\0\4abcd", "bad_compressed", LumberjackError),
     (b"2C\0\0\0\0", "bad_compressed", LumberjackError),
@@ -314,37 +332,38 @@ MAL = [
         LumberjackError,
     ),
     (C(C(C(C(J(1, {}))))), "nesting_too_deep", LumberjackLimit),
-    (
-        CompressedFrame(zlib.compress(bytes(2 << 20))).serialize(),
-        "decompressed_too_large",
-        LumberjackLimit,
-    ),
-    (CompressedFrame(_bomb(64 << 20)).serialize(), "decompressed_too_large", LumberjackLimit),
+    # zlib bombs of zeros: refused at the first inflated byte, whatever they would inflate to
+    (CompressedFrame(zlib.compress(bytes(2 << 20))).serialize(), "bad_version", LumberjackError),
+    (CompressedFrame(_bomb(64 << 20)).serialize(), "bad_version", LumberjackError),
+    (C(C(CompressedFrame(_bomb(64 << 20)).serialize())), "bad_version", LumberjackError),
 ]
 
 
 class TestMalformed:
     """Every malformed case gets its documented reason; nothing before it is lost."""
 
-    LIMITS = Limits(max_frame_bytes=1 << 20, max_decompressed_bytes=1 << 20, max_pairs=4096)
+    LIMITS = Limits(max_event_bytes=1 << 20, max_pairs=4096)
 
     @pytest.mark.parametrize(("data", "reason", "kind"), MAL, ids=[m[1] for m in MAL])
     def test_rejected(self, data: bytes, reason: str, kind: type[Exception]) -> None:
         conn = ServerConnection("p", limits=self.LIMITS)
         before = W(1) + J(1, {"ok": True})
+        got: list[Window] = []
         with pytest.raises(kind) as info:
-            conn.receive_data(before + data, 1)
+            got += conn.receive_data(before + data, 1)
+            while conn.more_buffered:
+                got += conn.receive_data(b"", 1)
         assert info.value.reason == reason  # type: ignore[attr-defined]
-        # The window completed before the bad frame is handed over for commit and ack.
-        (window,) = info.value.windows  # type: ignore[attr-defined]
+        # The window completed before the bad frame is handed over for commit and ack (with
+        # any whole window the bad C frame held before the damage).
+        window = (got + info.value.windows)[0]  # type: ignore[attr-defined]
         assert window.ack_seq == 1 and window.batch.count == 1
+        assert all(w.ack_seq == 1 for w in got + info.value.windows)  # type: ignore[attr-defined]
 
     @pytest.mark.parametrize(("data", "reason", "kind"), MAL, ids=[m[1] for m in MAL])
     def test_rejected_byte_by_byte(self, data: bytes, reason: str, kind: type[Exception]) -> None:
         if len(data) > 4096:
             data = data[:4096]  # the head decides for the length checks; keep it quick
-            if reason in ("decompressed_too_large",):
-                return
         conn = ServerConnection("p", limits=self.LIMITS)
         with pytest.raises(kind) as info:
             for i in range(len(data)):
@@ -357,34 +376,28 @@ class TestMalformed:
         assert window.ack_seq == 1
 
 
-class TestInflateBounds:
-    """Issue 19 item 6: nested ``C`` frames and many ``C`` frames in one read stay bounded."""
+class TestStreaming:
+    """Issue 24: a C frame is never whole in memory, nor what it inflates to; the glue grants
+    room before events are made; a refused window hands over what it had; a resent window is
+    recognised."""
 
-    LIMITS = Limits(max_frame_bytes=1 << 20, max_decompressed_bytes=1 << 20)
-
-    def test_nested_frames_share_the_outer_frames_bound(self) -> None:
-        # Each inner C inflates to 600 KiB (within the bound alone); eight of them would be
-        # 4.8 MiB from one small outer frame. Together they may inflate to the bound, no more.
+    def test_nested_frames_stream_and_take_every_window(self) -> None:
+        # Eight inner C frames of 600 KiB each inside one small outer frame: no shared inflate
+        # bound any more (go-lumber and Logstash take them): every window, nothing held whole.
         inner = W(1) + C(J(1, {"pad": "x" * (600 << 10)}), level=9)
         outer = C(inner * 8, level=9)
         assert len(outer) < 40_000
-        conn = ServerConnection("p", limits=self.LIMITS)
-        with pytest.raises(LumberjackLimit) as info:
-            receive_all(conn, outer)
-        assert info.value.reason == "decompressed_too_large"
-        # The one window that fitted is handed over for commit and ack, not lost.
-        assert [w.ack_seq for w in info.value.windows] == [1]
-
-    def test_nesting_within_the_bound_is_whole(self) -> None:
-        inner = W(1) + C(J(1, {"pad": "x" * (200 << 10)}), level=9)
-        windows = receive_all(ServerConnection("p", limits=self.LIMITS), C(inner * 4))
-        assert [w.ack_seq for w in windows] == [1, 1, 1, 1]
+        conn = ServerConnection("p")
+        windows = conn.receive_data(outer, 1)
+        while conn.more_buffered:
+            assert conn.buffered_bytes < 2 << 20
+            windows += conn.receive_data(b"", 1)
+        assert [w.ack_seq for w in windows] == [1] * 8
 
     def test_a_large_compressed_frame_is_inflated_a_batch_per_call(self) -> None:
-        """Issue 19 (bench attack, compressed burst): a small C frame holding a window of four
-        5 MiB events is not inflated at once (20 MiB, then batches of it, then the next
-        window). Each call hands over one batch and stops inside the C frame, holding only the
-        compressed rest and the start of the next event; the window's ack comes with the last."""
+        """A small C frame holding a window of four 5 MiB events is not inflated at once: each
+        call hands over one batch (a v2 part with its partial ack) and stops inside the C
+        frame, holding only the compressed rest and the start of the next event."""
         events = [{"pad": "z" * (5 << 20), "n": n} for n in range(4)]
         frame = W(4) + C(b"".join(J(n + 1, e) for n, e in enumerate(events)), level=9)
         assert len(frame) < 100_000
@@ -394,7 +407,7 @@ class TestInflateBounds:
             assert conn.buffered_bytes < 9 << 20  # never the whole window's content
             calls.append(conn.receive_data(b"", 1))
         assert [[w.batch.count for w in call] for call in calls] == [[1], [1], [1], [1]]
-        assert [w.ack_seq for call in calls for w in call] == [None, None, None, 4]
+        assert [w.ack_seq for call in calls for w in call] == [1, 2, 3, 4]
         payloads = [
             r.payload for call in calls for w in call for r in decode_batch(w.batch.body, 0)
         ]
@@ -402,11 +415,10 @@ class TestInflateBounds:
         assert conn.buffered_bytes == 0
 
     def test_one_compressed_frame_per_call_rest_left_buffered(self) -> None:
-        # Five small C frames that inflate to 900 KiB each arrive in one read: the decoder
-        # inflates one, returns its window and keeps the rest as received (compressed), so
-        # the glue can check the hub's capacity before inflating the next.
+        # Five small C frames arrive in one read: the decoder inflates one, returns its window
+        # and keeps the rest as received (compressed), so the glue can grant room first.
         frame = W(1) + C(J(1, {"pad": "y" * (900 << 10)}), level=9)
-        conn = ServerConnection("p", limits=self.LIMITS)
+        conn = ServerConnection("p")
         first = conn.receive_data(J(0, {"plain": 1}) + frame * 5, 1)
         assert [w.batch.count for w in first] == [1, 1] and conn.more_buffered
         assert conn.buffered_bytes == 4 * len(frame) - len(W(1))  # from the second C on
@@ -416,19 +428,145 @@ class TestInflateBounds:
         assert [[w.ack_seq for w in ws] for ws in later] == [[1]] * 4
         assert conn.buffered_bytes == 0
 
-    def test_large_content_inflates_in_steps_within_the_bound(self) -> None:
-        # Past 4 MiB the output grows in one bytearray a step at a time (a single bounded
-        # zlib call peaks at twice its bound); frames parse the same from it.
-        limits = Limits(max_frame_bytes=2 << 20, max_decompressed_bytes=7 << 20)
+    def test_a_compressed_frame_arriving_in_pieces_is_parsed_as_it_comes(self) -> None:
+        events = [{"i": i, "pad": "q" * 3000} for i in range(2000)]
+        frame = W(2000) + C(b"".join(J(i + 1, e) for i, e in enumerate(events)), level=1)
+        conn = ServerConnection("p", limits=Limits(max_batch_bytes=256 << 10))
+        got: list[Window] = []
+        step = 1 << 10
+        for at in range(0, len(frame), step):
+            got += receive_all(conn, frame[at : at + step])
+            assert conn.raw_bytes <= step and conn.inflated_bytes <= 2 << 20
+            if at + step < len(frame) // 2:
+                continue
+            assert got  # parts were handed over before the frame's end
+        assert sum(w.batch.count for w in got) == 2000 and got[-1].ack_seq == 2000
+        assert len(frame) > 20 * step
+
+    def test_large_content_in_one_window(self) -> None:
         frames = b"".join(J(i, {"i": i, "pad": "r" * (1 << 20)}) for i in range(1, 7))
-        (window,) = receive_all(ServerConnection("p", limits=limits), W(6) + C(frames))
+        (window,) = receive_all(ServerConnection("p"), W(6) + C(frames))
         assert window.ack_seq == 6 and window.batch.count == 6
-        with pytest.raises(LumberjackLimit) as info:
-            receive_all(ServerConnection("p", limits=limits), W(8) + C(frames + frames[:-10]))
-        assert info.value.reason == "decompressed_too_large"
+        conn = ServerConnection("p")
+        got: list[Window] = []
+        with pytest.raises(LumberjackError) as info:
+            more = b"".join(J(i, {"i": i, "pad": "r" * (1 << 20)}) for i in range(7, 13))
+            got += conn.receive_data(W(12) + C(frames + more[:-10]), 1)
+            while conn.more_buffered:
+                got += conn.receive_data(b"", 1)
+        assert info.value.reason == "truncated_compressed"
+        # The eleven whole events before the cut are handed over, acknowledged (v2).
+        got += info.value.windows
+        assert sum(w.batch.count for w in got) == 11
+        assert got[-1].ack_seq == 11 and not got[-1].done
+
+    def test_more_events_than_the_window_inside_a_c_frame_are_refused(self) -> None:
+        # go-lumber reads a window's events and skips the rest of the C frame: a zlib bomb of
+        # valid events behind W 1 stops after one event here.
+        frames = b"".join(J(i, {"i": i}) for i in range(1, 1000))
+        conn = ServerConnection("p")
+        with pytest.raises(LumberjackError) as info:
+            receive_all(conn, W(1) + C(frames))
+        assert info.value.reason == "window_overrun"
+        assert [(w.ack_seq, w.batch.count) for w in info.value.windows] == [(1, 1)]
+        # A W inside the C frame starts a new window there (taproom's own client nests so).
+        ok = receive_all(ServerConnection("p"), W(1) + C(J(1, {}) + W(1) + J(2, {})))
+        assert [w.ack_seq for w in ok] == [1, 2]
+
+    def test_no_room_stops_before_the_event_and_hands_over_what_it_holds(self) -> None:
+        conn = ServerConnection("p")
+        conn.room = 0
+        data = W(3) + J(1, {"a": 1}) + J(2, {"a": 2}) + J(3, {"a": 3})
+        assert conn.receive_data(data, 1) == []
+        assert conn.stalled == STALL_ROOM and conn.more_buffered and conn.room_wanted > 48
+        one = conn.room_wanted
+        conn.room = one  # room for the first event only
+        assert conn.receive_data(b"", 1) == [] and conn.stalled == STALL_ROOM
+        assert conn.open_batch_bytes == one and conn.room == 0
+        # Before the glue waits for more room, it takes what is built as a part of the
+        # window (its room is held: commits free it), acknowledged (v2).
+        part = conn.hand_over()
+        assert part is not None and conn.hand_over() is None
+        assert (part.batch.count, part.ack_seq, part.done) == (1, 1, False)
+        assert len(part.batch.body) == one and conn.open_batch_bytes == 0
+        conn.room = 10 * one
+        (rest,) = conn.receive_data(b"", 1)
+        assert (rest.batch.count, rest.ack_seq, rest.done) == (2, 3, True)
+        assert conn.room == 10 * one - len(rest.batch.body)
+
+    def test_no_inflate_room_waits_before_inflating(self) -> None:
+        conn = ServerConnection("p")
+        conn.inflate_room = 0
+        frame = W(2) + C(J(1, {"a": 1}) + J(2, {"pad": "p" * 200_000}))
+        assert conn.receive_data(frame, 1) == []
+        assert conn.stalled == STALL_INFLATE and conn.inflated_bytes == 0
+        conn.inflate_room = conn.inflate_wanted
+        windows = receive_all(conn, b"")
+        assert [w.ack_seq for w in windows] == [2]
+        assert conn.inflated_bytes == 0
+
+    def test_a_large_event_is_inflated_whole_once_its_room_is_granted(self) -> None:
+        conn = ServerConnection("p")
+        conn.inflate_room = 256 << 10
+        frame = W(1) + C(J(1, {"pad": "z" * (3 << 20)}), level=9)
+        windows = receive_all(conn, frame)
+        assert windows == [] and conn.stalled == STALL_INFLATE
+        assert conn.inflated_bytes <= 256 << 10 and conn.inflate_wanted > 3 << 20
+        conn.inflate_room = conn.inflate_wanted
+        (window,) = receive_all(conn, b"")
+        assert window.ack_seq == 1
+
+    @pytest.mark.parametrize("version", [V1, V2])
+    def test_a_refused_window_hands_over_the_events_before_the_bad_one(
+        self, version: Version
+    ) -> None:
+        good = [D(s, {"n": str(s)}, version) for s in range(1, 5)]
+        data = W(10, version) + b"".join(good) + b"2J\0\0\0\5\0\0\0\3xyz"
+        with pytest.raises(LumberjackError) as info:
+            ServerConnection("p").receive_data(data, 1)
+        (part,) = info.value.windows
+        assert part.batch.count == 4 and not part.done and len(part.fingerprints) == 4
+        # v2: a partial ack before the close; v1: none (its client takes any ack as the
+        # window's), so its resend is recognised instead.
+        assert part.ack_seq == (4 if version == V2 else None)
+
+    @pytest.mark.parametrize("version", [V1, V2])
+    def test_no_idle_ack_inside_a_compressed_frame(self, version: Version) -> None:
+        # logstash-forwarder sends 1W n + one 1C and takes the first ack for the whole
+        # window: a frame arriving slowly must not be acknowledged in part while it arrives.
+        frames = b"".join(D(s, {"n": str(s)}, version) for s in range(1, 101))
+        data = W(100, version) + C(frames, version, level=0)
+        conn = ServerConnection("p")
+        assert receive_all(conn, data[: len(data) // 2]) == []
+        assert conn.pending_events > 0 and conn.flush() is None
+        # ... but when the input ends there, what was parsed is handed over (v2: with a
+        # partial ack; v1: without), with its fingerprints for the resend.
+        part = conn.flush(ending=True)
+        assert part is not None and not part.done and part.fingerprints
+        assert part.ack_seq == (None if version == V1 else part.batch.count)
+
+    def test_a_resent_window_skips_what_was_stored(self) -> None:
+        events = [J(s, {"n": s}) for s in range(1, 11)]
+        with pytest.raises(LumberjackError) as info:
+            ServerConnection("p").receive_data(W(10) + b"".join(events[:6]) + b"2X", 1)
+        (part,) = info.value.windows
+        remembered = {part.fingerprints[0]: part.fingerprints}
+        conn = ServerConnection("p")
+        conn.resend = remembered
+        windows = receive_all(conn, W(10) + C(b"".join(events)))
+        (window,) = windows
+        assert window.ack_seq == 10 and window.done
+        assert window.skipped == part.fingerprints and window.resent_of == part.fingerprints[0]
+        assert [r.seq for r in decode_batch(window.batch.body, 0)] == [7, 8, 9, 10]
+        # Another window (the sender's next one, or the rest only after a partial ack):
+        # nothing matches, nothing is skipped.
+        other = ServerConnection("p")
+        other.resend = remembered
+        (rest,) = receive_all(other, W(4) + C(b"".join(J(s, {"n": s + 6}) for s in range(1, 5))))
+        assert rest.skipped == () and rest.batch.count == 4
 
     def test_incomplete_frame_bytes_from_the_header(self) -> None:
-        conn = ServerConnection("p", limits=self.LIMITS)
+        conn = ServerConnection("p")
         assert conn.incomplete_frame_bytes == 0
         frame = J(1, {"pad": "z" * 5000})
         conn.receive_data(frame[:3], 1)
@@ -462,9 +600,7 @@ _PIECES = [
 
 
 def _fuzz_once(data: bytes, cut: int) -> None:
-    conn = ServerConnection(
-        "p", limits=Limits(max_window=1000, max_frame_bytes=4096, max_decompressed_bytes=8192)
-    )
+    conn = ServerConnection("p", limits=Limits(max_window=1000, max_event_bytes=4096))
     try:
         receive_all(conn, data[:cut], 1)
         receive_all(conn, data[cut:], 1)

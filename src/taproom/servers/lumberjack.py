@@ -2,16 +2,23 @@
 
 One listener speaks both versions (the version byte of each frame decides). Each connection is
 an :class:`asyncio.Protocol` (cheaper than streams for 10,000 idle connections): bytes go to the
-sans-I/O parser, every complete window goes to ``hub.submit`` at once (pipelining), and acks go
-out in window order once the commit covering them resolves.
+sans-I/O parser, every batch it hands over goes to ``hub.submit`` at once (pipelining), and acks
+go out in order once the commit covering them resolves (v2: a partial ack per committed part of
+a large window).
 
-A connection stops reading (``pause_reading``) while any of three holds is on: the hub is out of
-capacity; the parser left complete frames buffered (it inflates one ``C`` frame per call, and
-the next waits for the hub's capacity); or its incomplete frame needs more of the listener's
-``max_buffered_bytes`` than is free (it waits its turn; every frame admitted has its whole size
-reserved, so admitted frames always complete). One sweep task per listener closes connections
+Memory comes from the hub's budget (``taproom.budget``), reserved before the parser makes it:
+journal room from ``pending`` (a step at a time; the batches it builds are handed to the hub
+with their reservation), inflated bytes from ``inflate``, and an incomplete frame's bytes past
+a small allowance from ``connection_buffers``. A connection stops reading (``pause_reading``)
+while any hold is on: the hub is out of capacity; the parser has more buffered (the rest runs
+on the next loop turn, so a large window or a zlib bomb never holds the loop for long); or it
+waits for room in one of those holders (FIFO). One sweep task per listener closes connections
 that completed no frame for ``idle_timeout_s``; a connection owns a timer only while a v2
 window waits for its commit (keepalives).
+
+When a connection ends in the middle of a window, the fingerprints of what of it was committed
+are remembered per sender (``resend_memory_events``), and the sender's resend skips them: a
+refused or cut-off window is stored once even when the sender resends it whole.
 """
 
 from __future__ import annotations
@@ -27,12 +34,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..access import ConnectionGate, access_for
-from ..config import config_section, setting
+from ..budget import CONNECTION_BUFFERS
+from ..config import Config, config_check, config_section, setting
 from ..errors import ConfigError, HubStopped, ProtocolError
 from ..eventtime import TIME_OUT_OF_RANGE
 from ..hub import Commit, Hub
 from ..protocols.lumberjack import (
     PROTOCOL,
+    STALL_INFLATE,
+    STALL_ROOM,
     Limits,
     LumberjackError,
     LumberjackLimit,
@@ -40,6 +50,7 @@ from ..protocols.lumberjack import (
     Window,
     encode_ack,
 )
+from .lumberjack_resend import Remembered, ResendMemory
 from .tlsaccept import start_server_tls, tls_refusal
 
 __all__ = ["LumberjackConfig", "LumberjackServer", "create_service", "server_ssl_context"]
@@ -52,11 +63,16 @@ _FRAME_HEAD = 10  # the longest frame header (D and J: version, type, seq, lengt
 # An incomplete frame up to this size is held without a reservation: it costs less than one
 # socket read (256 KiB), and most single events are smaller.
 _UNRESERVED_FRAME_BYTES = 64 * 1024
+# Journal room a connection reserves at a time: a Filebeat window of 2048 ordinary events
+# (~0.8 MB of records) in one step; larger windows take more steps, each granted in turn.
+_ROOM_STEP = 1024 * 1024
 
 # Why a connection is not reading (bits of _Connection.holds).
 _HOLD_CAPACITY = 1  # the hub is out of capacity
 _HOLD_PARSE = 2  # complete frames are still buffered in the parser
-_HOLD_BUFFER = 4  # waiting for max_buffered_bytes to reserve its incomplete frame
+_HOLD_BUFFER = 4  # waiting for connection_buffers to reserve its incomplete frame
+_HOLD_ROOM = 8  # waiting for journal room (the pending holder)
+_HOLD_INFLATE = 16  # waiting for room to inflate (the inflate holder)
 
 
 @config_section("lumberjack")
@@ -78,17 +94,13 @@ class LumberjackConfig:
     max_window: int = setting(
         10_000, "go-lumber closes on a larger W; Filebeat sends at most 2048", min=1, max=1 << 24
     )
-    max_frame_bytes: int = setting(
-        16 * 1024 * 1024,
-        "a compressed 2048-event window of large events; Filebeat caps one event at 10 MiB",
+    max_event_bytes: int = setting(
+        12 * 1024 * 1024,
+        "one event (a J payload or a D frame): the journal stores it whole, so it is the one "
+        "size bound; Filebeat caps a message at 10 MiB (max_bytes) and adds ~1 KiB of fields "
+        "and its JSON escaping. Windows and C frames have no size bound: they are streamed",
         min=1024,
-        max=64 * 1024 * 1024,  # the journal's bound on one record's payload
-    )
-    max_decompressed_bytes: int = setting(
-        64 * 1024 * 1024,
-        "2048 events of 32 KiB inflated; a zlib bomb stops here (output-bounded inflate)",
-        min=1024,
-        max=1 << 31,
+        max=63 * 1024 * 1024,  # under the journal's bound on one record's payload
     )
     max_pairs: int = setting(
         1024, "logstash-forwarder sends ~5 pairs per D frame; thousands is an attack", min=1
@@ -129,12 +141,13 @@ class LumberjackConfig:
         "reconnecting after a restart of the hub (max_connections_per_peer)",
         min=1,
     )
-    max_buffered_bytes: int = setting(
-        64 * 1024 * 1024,
-        "incomplete frames of all connections together: four of max_frame_bytes at once; "
-        "further large frames wait their turn (20 senders x 15 MiB once took 369 MB)",
-        min=1024 * 1024,
-        max=1 << 32,
+    resend_memory_events: int = setting(
+        100_000,
+        "events remembered (8 bytes each) of windows whose connection ended before they were "
+        "complete, so the sender's resend of them is stored once: 48 of Filebeat's 2048-event "
+        "windows",
+        min=0,
+        max=10_000_000,
     )
     idle_timeout_s: float = setting(
         60.0,
@@ -171,11 +184,6 @@ class LumberjackConfig:
 
     def validate(self) -> None:
         """Check the limits fit together and the TLS files load (``taproom validate``)."""
-        if self.max_buffered_bytes < self.max_frame_bytes + _FRAME_HEAD:
-            raise ConfigError(
-                f"must hold one frame of max_frame_bytes ({self.max_frame_bytes}) and its header",
-                key="max_buffered_bytes",
-            )
         if self.tls_key and not self.tls_cert:
             raise ConfigError("tls_key given without tls_cert", key="tls_cert")
         if self.tls_ca and not self.tls_cert:
@@ -198,12 +206,29 @@ class LumberjackConfig:
     def limits(self) -> Limits:
         return Limits(
             max_window=self.max_window,
-            max_frame_bytes=self.max_frame_bytes,
-            max_decompressed_bytes=self.max_decompressed_bytes,
+            max_event_bytes=self.max_event_bytes,
             max_pairs=self.max_pairs,
             max_nesting=self.max_nesting,
             max_batch_bytes=self.max_batch_bytes,
         )
+
+
+@config_check
+def _event_fits_the_budget(config: Config) -> None:
+    """One event must fit in the holders it passes through, or it could never be received."""
+    try:
+        section = config.section("lumberjack")
+        hub = config.section("hub")
+    except KeyError:
+        return
+    need = section.max_event_bytes + _FRAME_HEAD
+    for key in ("connection_buffer_bytes", "max_inflate_bytes"):
+        if getattr(hub, key) < need:
+            raise ConfigError(
+                f"{section.max_event_bytes} does not fit in hub.{key} ({getattr(hub, key)}) "
+                "with its frame header: raise that or lower this",
+                key="lumberjack.max_event_bytes",
+            )
 
 
 def server_ssl_context(config: LumberjackConfig) -> ssl.SSLContext:
@@ -235,15 +260,18 @@ class _Connection(asyncio.Protocol):
         "_closing",
         "_keepalive_timer",
         "_pending",
+        "_wait",
+        "buffer_held",
         "holds",
         "last_frame",
         "parser",
         "peer_host",
+        "pending_held",
         "producer",
-        "reserved",
+        "sender",
         "server",
         "transport",
-        "wanted",
+        "window_fps",
     )
 
     def __init__(self, server: LumberjackServer, admitted: str | None = None) -> None:
@@ -255,13 +283,19 @@ class _Connection(asyncio.Protocol):
         self._keepalive_timer: asyncio.TimerHandle | None = None
         self._closing = False
         self.holds = 0  # _HOLD_* bits: reading is paused while any is set
-        self.reserved = 0  # bytes of max_buffered_bytes held for the incomplete frame
-        self.wanted = 0  # bytes asked for while waiting in the server's queue
+        # What this connection holds of the budget: journal room (unused, plus the batch the
+        # parser is building), and connection_buffers for its incomplete frame. The inflate
+        # reservation is the parser's inflate_room.
+        self.pending_held = 0
+        self.buffer_held = 0
+        self._wait: tuple[Any, object] | None = None  # (holder, handle) of a queued reservation
         self.last_frame = time.monotonic()  # the last complete frame (idleness)
         self.producer = ""
         # The peer's address, once the connection gate counted it in (TLS connections pass
         # the gate before their handshake: they arrive admitted).
         self.peer_host: str | None = admitted
+        self.sender = ""  # who resends: the TLS subject CN, else the peer's address
+        self.window_fps: Remembered | None = None  # the committed start of an open window
 
     # -- asyncio.Protocol ---------------------------------------------------------------------
 
@@ -276,20 +310,27 @@ class _Connection(asyncio.Protocol):
         server.connections.add(self)
         server.m_connections.inc()
         producer = f"{peer[0]}:{peer[1]}" if peer else ""
+        sender = peer[0] if peer else ""
         cert = transport.get_extra_info("peercert")
         if cert:
             for rdn in cert.get("subject", ()):
                 for name, value in rdn:
                     if name == "commonName":
-                        producer = value
+                        producer = sender = value
         self.producer = producer
+        self.sender = sender
         cfg = server.config
-        self.parser = ServerConnection(
+        parser = ServerConnection(
             producer,
             limits=server.limits,
             stream_fields=cfg.stream_fields,
             topic_fields=cfg.topic_fields,
         )
+        parser.room = 0  # granted from the budget before each step
+        parser.inflate_room = 0
+        if cfg.resend_memory_events:
+            parser.resend = server.resend.view(sender)
+        self.parser = parser
 
     def data_received(self, data: bytes) -> None:
         if self.parser is None or self._closing:
@@ -303,7 +344,7 @@ class _Connection(asyncio.Protocol):
     def eof_received(self) -> bool:
         # The sender half-closed: flush, let pending acks go out, then close.
         if self.parser is not None and not self._closing:
-            self._idle_flush()
+            self._idle_flush(ending=True)
         self._closing = True
         self._close_when_acked()
         # Keep the write side open for the acks; asyncio's TLS transport closes regardless
@@ -315,15 +356,18 @@ class _Connection(asyncio.Protocol):
             if timer is not None:
                 timer.cancel()
         self._ack_timer = self._keepalive_timer = None
-        self.server.forget(self)
         self._closing = True
+        self._remember_open_window()
         self._pending.clear()
+        self._give_back()
+        self.server.forget(self)
 
     # -- reading ------------------------------------------------------------------------------
 
     def _receive(self, data: bytes) -> None:
         parser = self.parser
         assert parser is not None
+        self._top_up_room()
         held_before = parser.buffered_bytes + len(data)
         try:
             windows = parser.receive_data(data, time.time_ns())
@@ -351,39 +395,128 @@ class _Connection(asyncio.Protocol):
             self._ack_timer = self.server.loop.call_later(
                 self.server.config.idle_ack_s, self._idle_flush
             )
+        self._settle()
         self._decide_reading()
 
+    def _top_up_room(self) -> None:
+        """Reserve a step of journal room if it is there at once (nobody waits for it)."""
+        parser = self.parser
+        assert parser is not None
+        step = self.server.room_step
+        if parser.room < step:
+            want = step - parser.room
+            if self.server.pending.try_reserve(want):
+                parser.room += want
+                self.pending_held += want
+
+    def _settle(self) -> None:
+        """After a step: give back the room and inflate room not used, keep what is held."""
+        parser = self.parser
+        assert parser is not None
+        server = self.server
+        if parser.room:
+            server.pending.release(parser.room)
+            self.pending_held -= parser.room
+            parser.room = 0
+        extra = parser.inflate_room - parser.inflated_bytes
+        if extra > 0:
+            server.inflate.release(extra)
+            parser.inflate_room -= extra
+
     def _decide_reading(self) -> None:
-        """After a read: reserve the incomplete frame's size, then hold while the hub is full or
-        the parser has more buffered; the rest of a read is parsed once capacity is back."""
-        if self._closing:
+        """After a step: reserve the incomplete frame's bytes, ask for what the parser stalled
+        on, and hold while the hub is full or the parser has more; the rest of a read is
+        parsed on a later loop turn."""
+        if self._closing or self._wait is not None:
             return
         parser = self.parser
         assert parser is not None
         server = self.server
-        frame = parser.incomplete_frame_bytes
-        if frame > _UNRESERVED_FRAME_BYTES:
-            if frame > self.reserved and not server.reserve(self, frame):
-                self._hold(_HOLD_BUFFER)  # server.reserve resumes us once granted
-        elif self.reserved:
-            server.release(self)
+        # Received bytes held past the allowance: reserved (the whole incomplete frame, as its
+        # header tells, so an admitted frame can always complete).
+        held = max(parser.incomplete_frame_bytes, parser.raw_bytes)
+        target = held if held > _UNRESERVED_FRAME_BYTES else 0
+        if target > self.buffer_held:
+            extra = target - self.buffer_held
+            if server.buffers.try_reserve(extra):
+                self.buffer_held = target
+            else:
+                self._queue(server.buffers, extra, self.buffer_held, _HOLD_BUFFER)
+                return
+        elif target < self.buffer_held:
+            server.buffers.release(self.buffer_held - target)
+            self.buffer_held = target
+        if parser.stalled == STALL_ROOM:
+            want = max(parser.room_wanted, server.room_step)
+            if server.pending.try_reserve(want):
+                parser.room += want
+                self.pending_held += want
+                self._again()
+            else:
+                # Hand over the batch being built before waiting: commits then free room.
+                part = parser.hand_over()
+                if part is not None:
+                    self._submit([part])
+                self._queue(server.pending, want, 0, _HOLD_ROOM)
+            return
+        if parser.stalled == STALL_INFLATE:
+            want = parser.inflate_wanted - parser.inflate_room
+            if server.inflate.try_reserve(want):
+                parser.inflate_room += want
+                self._again()
+            else:
+                # It waits holding the start of a frame: said so, a deadlock is broken.
+                self._queue(server.inflate, want, parser.inflate_room, _HOLD_INFLATE)
+            return
         if not server.hub.has_capacity:
             if not self.holds & _HOLD_CAPACITY:
                 self._hold(_HOLD_CAPACITY)
                 server.loop.create_task(self._wait_capacity())
-        elif parser.more_buffered and not self.holds & _HOLD_PARSE:
-            # The next C frame of this read is inflated once this connection's windows so far
-            # are committed: one read never has more than one window's output in the hub.
+        elif parser.more_buffered:
+            self._again()
+
+    def _again(self) -> None:
+        """Parse what is buffered on the next loop turn (other connections and /health run
+        in between: one step is at most a batch or an inflate piece)."""
+        if not self.holds & _HOLD_PARSE:
             self._hold(_HOLD_PARSE)
-            if not self._pending:
-                server.loop.call_soon(self._parse_buffered)
+            self.server.loop.call_soon(self._parse_buffered)
 
     def _parse_buffered(self) -> None:
         if not self.holds & _HOLD_PARSE:
             return
         self._unhold(_HOLD_PARSE)
-        if not self._closing and self.parser is not None and self.parser.more_buffered:
-            self._receive(b"")
+        self.data_received(b"")  # supervised as a read is
+
+    def _queue(self, holder: Any, n: int, holding: int, hold: int) -> None:
+        """Wait (not reading) for ``n`` bytes of ``holder``; go on once granted."""
+        self._hold(hold)
+
+        def granted() -> None:
+            self._wait = None
+            parser = self.parser
+            if self._closing or parser is None:
+                holder.release(n)
+                return
+            if holder is self.server.pending:
+                parser.room += n
+                self.pending_held += n
+            elif holder is self.server.inflate:
+                parser.inflate_room += n
+            else:
+                self.buffer_held += n
+            self.server.loop.call_soon(self._resume, hold)
+
+        self._wait = (holder, holder.wait(n, granted, holding=holding))
+
+    def _resume(self, hold: int) -> None:
+        self._unhold(hold)
+        if self._closing or self.parser is None:
+            return
+        if hold == _HOLD_BUFFER:
+            self._decide_reading()
+        else:
+            self.data_received(b"")  # supervised as a read is
 
     async def _wait_capacity(self) -> None:
         try:
@@ -405,9 +538,24 @@ class _Connection(asyncio.Protocol):
         if not self.holds and not self._closing and not self.transport.is_closing():
             self.transport.resume_reading()
 
-    def granted(self) -> None:
-        """The server reserved what this connection waited for."""
-        self._unhold(_HOLD_BUFFER)
+    def _give_back(self) -> None:
+        """The connection is gone: every reservation it holds or waits for is returned."""
+        server = self.server
+        if self._wait is not None:
+            holder, handle = self._wait
+            holder.cancel(handle)
+            self._wait = None
+        if self.pending_held:
+            server.pending.release(self.pending_held)
+            self.pending_held = 0
+        if self.buffer_held:
+            server.buffers.release(self.buffer_held)
+            self.buffer_held = 0
+        parser = self.parser
+        if parser is not None and parser.inflate_room:
+            server.inflate.release(parser.inflate_room)
+            parser.inflate_room = 0
+            parser.room = 0
 
     # -- windows and acks ---------------------------------------------------------------------
 
@@ -420,15 +568,20 @@ class _Connection(asyncio.Protocol):
         events = nbytes = 0
         for window in windows:
             future: asyncio.Future[Commit] | None = None
+            size = len(window.batch.body)
+            self.pending_held -= size  # the hub takes the reservation over with the batch
             if window.batch.count:
                 try:
-                    future = hub.submit(window.batch)
+                    future = hub.submit(window.batch, reserved=True)
                 except HubStopped:
+                    self.server.pending.release(size)
                     self._abort("hub stopping")
                     return
                 events += window.batch.count
-                nbytes += len(window.batch.body)
+                nbytes += size
                 future.add_done_callback(self._on_commit)
+            if window.skipped:
+                self.server.resend.m_skipped.inc(len(window.skipped))
             self._pending.append((future, window))
         if events:
             hub.metrics.accepted(PROTOCOL, events, nbytes)
@@ -448,6 +601,7 @@ class _Connection(asyncio.Protocol):
                     self._abort("commit failed")
                     return
             pending.popleft()
+            self._committed(window)
             if window.ack_seq is not None:
                 acks.append(encode_ack(window.version, window.ack_seq))
         if acks and self.transport is not None and not self.transport.is_closing():
@@ -455,14 +609,41 @@ class _Connection(asyncio.Protocol):
             if self._keepalive_timer is not None:  # the sender just heard from us
                 self._keepalive_timer.cancel()
                 self._keepalive_timer = None
-        if not pending and self.holds & _HOLD_PARSE:
-            self.server.loop.call_soon(self._parse_buffered)
         if pending and self._keepalive_timer is None:
             self._keepalive_timer = self.server.loop.call_later(
                 self.server.config.keepalive_s, self._keepalive
             )
         if self._closing:
             self._close_when_acked()
+
+    def _committed(self, window: Window) -> None:
+        """Keep the fingerprints of what is committed of a window not yet complete."""
+        if window.done:
+            self.window_fps = None
+            if window.resent_of:
+                self.server.resend.forget(self.sender, window.resent_of)
+            return
+        if self.server.config.resend_memory_events:
+            if self.window_fps is None:
+                self.window_fps = Remembered(self.server.resend, self.sender)
+            self.window_fps.add(window)  # kept by the memory only if the connection ends
+
+    def _remember_open_window(self) -> None:
+        """The connection ends inside a window: remember what of it is committed (and what
+        will be, for parts whose commit is still on its way) for the sender's resend."""
+        if not self.server.config.resend_memory_events:
+            return
+        remembered = self.window_fps or Remembered(self.server.resend, self.sender)
+        self.window_fps = None
+        remembered.keep()
+        for future, window in self._pending:
+            if window.done:
+                break
+            if future is None:
+                remembered.add(window)
+                remembered.keep()
+            else:
+                future.add_done_callback(remembered.add_when_durable(window))
 
     def _keepalive(self) -> None:
         """v2 only: the oldest pending window has waited ``keepalive_s`` since it was read or
@@ -477,12 +658,12 @@ class _Connection(asyncio.Protocol):
             self.server.config.keepalive_s, self._keepalive
         )
 
-    def _idle_flush(self) -> None:
+    def _idle_flush(self, *, ending: bool = False) -> None:
         self._ack_timer = None
         parser = self.parser
         if parser is None or self._closing:
             return
-        window = parser.flush()
+        window = parser.flush(ending=ending)
         if window is not None:
             self._submit([window])
 
@@ -517,6 +698,7 @@ class _Connection(asyncio.Protocol):
         awaited)."""
         log.info("%s: closing connection: %s", self.producer, why)
         self._closing = True
+        self._remember_open_window()
         self._pending.clear()
         if self.transport is not None:
             self.transport.abort()
@@ -546,8 +728,8 @@ class _TLSAccept(asyncio.Protocol):
 
 
 class LumberjackServer:
-    """The listener: accepts, limits connections (in total and per peer) and the bytes of
-    incomplete frames, sweeps idle connections and failed TLS handshakes."""
+    """The listener: accepts, limits connections (in total and per peer), sweeps idle
+    connections and failed TLS handshakes, and remembers cut-off windows for their resend."""
 
     def __init__(self, hub: Hub, config: LumberjackConfig) -> None:
         self.hub = hub
@@ -566,35 +748,18 @@ class LumberjackServer:
         self.loop = asyncio.get_event_loop()
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.pending = hub.budget.holder("pending")
+        self.inflate = hub.budget.holder("inflate")
+        self.buffers = hub.budget.holder(CONNECTION_BUFFERS)
+        # A step of journal room: a Filebeat window's worth, or less under a small bound (a
+        # step is granted beyond the bound when nothing else is held).
+        self.room_step = min(_ROOM_STEP, max(self.pending.bound // 8, 16 * 1024))
         # Per-read supervision of the connections (taproom.supervise): a read the decoder
         # fails on unexpectedly closes that connection, counted and logged rate-limited.
         self.guard = hub.supervisor.guard("lumberjack.connection", protocol=PROTOCOL, logger=log)
         m = hub.metrics
         self.m_connections = m.connections(PROTOCOL, "lumberjack")
-        # Bytes of max_buffered_bytes reserved by incomplete frames, and the connections
-        # waiting (not reading) for a reservation, first come first served.
-        self.buffer_reserved = 0
-        self._buffer_queue: deque[_Connection] = deque()
-        m.gauge_fn(
-            "lumberjack",
-            "buffer_reserved",
-            "bytes",
-            "Bytes of max_buffered_bytes reserved for incomplete frames",
-            lambda: self.buffer_reserved,
-        )
-        m.gauge_fn(
-            "lumberjack",
-            "buffer_waiting",
-            "connections",
-            "Connections not reading until max_buffered_bytes has room for their frame",
-            lambda: len(self._buffer_queue),
-        )
-        self._m_buffer_waits = m.counter(
-            "lumberjack",
-            "buffer_waits",
-            "calls",
-            "Times a connection waited for room in max_buffered_bytes",
-        )
+        self.resend = ResendMemory(config.resend_memory_events, m)
         # TLS handshakes under way (tlsaccept: each failure is counted with its cause at once).
         self.handshaking: set[asyncio.Task[None]] = set()
         self._tls: ssl.SSLContext | None = None
@@ -621,7 +786,7 @@ class LumberjackServer:
             self.access.refused(peer, reason, detail)
             self.gate.leave(host)
 
-    # -- connection and buffer accounting ----------------------------------------------------
+    # -- connection accounting ---------------------------------------------------------------
 
     def admit(self, conn: _Connection | None, peer: Any) -> bool:
         """The connection gate (allowlist, max_connections, per peer: count and rate):
@@ -634,54 +799,12 @@ class LumberjackServer:
         return True
 
     def forget(self, conn: _Connection) -> None:
-        """The connection is gone: its slot, its peer count and its reservation are free."""
+        """The connection is gone: its slot and its peer count are free."""
         if conn not in self.connections:
             return
         self.connections.discard(conn)
         self.m_connections.dec()
         self.gate.leave(conn.peer_host)
-        if conn.wanted:
-            self._buffer_queue.remove(conn)
-            conn.wanted = 0
-        self.release(conn)
-
-    def reserve(self, conn: _Connection, size: int) -> bool:
-        """Reserve ``size`` bytes for ``conn``'s incomplete frame, or queue it (False).
-
-        First fit, not first come: a frame that fits goes ahead of larger ones waiting, so
-        senders hogging the budget with huge unfinished frames do not stall small windows.
-        """
-        extra = size - conn.reserved
-        if self.buffer_reserved + extra <= self.config.max_buffered_bytes:
-            if conn.wanted:
-                self._buffer_queue.remove(conn)
-                conn.wanted = 0
-            self.buffer_reserved += extra
-            conn.reserved = size
-            return True
-        if not conn.wanted:
-            self._buffer_queue.append(conn)
-            self._m_buffer_waits.inc()
-        conn.wanted = size  # a D frame's size grows as its pairs arrive
-        return False
-
-    def release(self, conn: _Connection) -> None:
-        """``conn``'s incomplete frame completed (or it closed): grant the waiting what fits."""
-        self.buffer_reserved -= conn.reserved
-        conn.reserved = 0
-        if not self._buffer_queue:
-            return
-        limit = self.config.max_buffered_bytes
-        waiting = deque[_Connection]()
-        for head in self._buffer_queue:
-            extra = head.wanted - head.reserved
-            if self.buffer_reserved + extra > limit:
-                waiting.append(head)
-                continue
-            self.buffer_reserved += extra
-            head.reserved, head.wanted = head.wanted, 0
-            self.loop.call_soon(head.granted)
-        self._buffer_queue = waiting
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ The package is cut along its seams: :mod:`.frames` (frame values, errors, sequen
 
 from __future__ import annotations
 
-from .decoder import Limits, ServerConnection, Window
+from .decoder import STALL_INFLATE, STALL_ROOM, Limits, ServerConnection, Window, fingerprint
 from .frames import (
     PROTOCOL,
     AckFrame,
@@ -45,6 +45,8 @@ from .session import ClientSession, SentWindow, windows_of
 
 __all__ = [
     "PROTOCOL",
+    "STALL_INFLATE",
+    "STALL_ROOM",
     "AckFrame",
     "ClientSession",
     "CompressedFrame",
@@ -60,6 +62,7 @@ __all__ = [
     "Window",
     "WindowSizeFrame",
     "encode_ack",
+    "fingerprint",
     "next_seq",
     "seq_after",
     "windows_of",

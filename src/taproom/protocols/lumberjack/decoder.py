@@ -2,18 +2,41 @@
 
 ``ServerConnection.receive_data(data, now_ns)`` parses every complete frame, maps data frames
 straight into the journal's record encoding (no per-event objects) and returns a
-:class:`Window` for each window that is complete; the glue submits ``window.batch`` to the hub
-and, once it is durable, sends ``encode_ack(window.version, window.ack_seq)``. ``flush()``
-closes a partial window when the connection goes idle (streaming v1 clients never finish a
-window). Decisions on the seed's ambiguities are in ``docs/protocols/lumberjack.md``.
+:class:`Window` for each batch that is ready; the glue submits ``window.batch`` to the hub and,
+once it is durable, sends ``encode_ack(window.version, window.ack_seq)``. ``flush()`` closes
+the open batch when the connection goes idle (streaming v1 clients never finish a window).
+
+Memory is bounded by what is in flight, never by the size of a window or a frame (issue 24):
+
+* a ``C`` frame is never whole in memory: its compressed bytes are fed to a zlib stream as
+  they arrive, inflated a piece at a time and parsed as frames complete (nested ``C`` frames
+  the same way, a stack of streams, :mod:`.inflating`); only one event must be whole
+  (``max_event_bytes``, the one size bound), because the journal stores it whole;
+* the glue grants the room first: ``room`` (journal record bytes it may add, reserved from
+  the hub's pending bytes) and ``inflate_room`` (inflated bytes it may hold). When the next
+  event does not fit, the decoder stops before it (``stalled``, ``room_wanted`` /
+  ``inflate_wanted``) and waits for ``receive_data(b"")``; before the glue waits for room, it
+  takes the open batch (``hand_over``) so what it holds can be committed;
+* a large window is journaled in parts (``max_batch_bytes``); on v2 each part carries a
+  partial ack, so the sender resends only what was not committed if the connection ends.
+
+A window is refused as soon as something in it is wrong; the events before the bad one are
+handed over (``exc.windows``) to be committed and, on v2, acknowledged before the close. Each
+part of a window that is not complete carries the *fingerprints* of its events; the glue keeps
+those of a window whose connection ended, and gives them back (``resend``) to the next
+connections from the same sender: a resent window whose first events match them skips those
+(already stored) and acknowledges them, so a refused or cut-off window is stored once across
+resends even by a sender that never saw the partial ack. Decisions on the seed's ambiguities
+are in ``docs/protocols/lumberjack.md``.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import orjson
 
@@ -29,17 +52,25 @@ from .frames import (
     LumberjackLimit,
     Version,
 )
+from .inflating import INFLATE_MIN, INFLATE_STEP, Level
 
-__all__ = ["Limits", "ServerConnection", "Window"]
+__all__ = ["STALL_INFLATE", "STALL_ROOM", "Limits", "ServerConnection", "Window"]
+
+STALL_ROOM = 1  # the next event needs more journal room (``room_wanted``)
+STALL_INFLATE = 2  # inflating needs more room (``inflate_wanted``)
+_UNBOUNDED = sys.maxsize
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Bounds checked before anything read from the wire is allocated (see the server config)."""
+    """Bounds checked before anything read from the wire is allocated (see the server config).
+
+    There is no bound on a window's or a ``C`` frame's size: they are streamed. A ``C`` frame
+    holds at most the rest of its window (go-lumber's reader stops there too).
+    """
 
     max_window: int = 10_000
-    max_frame_bytes: int = 16 * 1024 * 1024
-    max_decompressed_bytes: int = 64 * 1024 * 1024
+    max_event_bytes: int = 12 * 1024 * 1024
     max_pairs: int = 1024
     max_nesting: int = 3
     max_batch_bytes: int = 8 * 1024 * 1024
@@ -47,17 +78,27 @@ class Limits:
 
 @dataclass(frozen=True, slots=True)
 class Window:
-    """Events ready for the journal.
+    """Events ready for the journal: one part of a sender's window (or all of it).
 
     ``ack_seq`` is the sequence number to acknowledge once ``batch`` is durable (the highest
-    received, never a count); ``None`` for the first parts of a window split because it grew
-    past ``max_batch_bytes`` (the ack waits for the last part). ``batch.count`` may be 0
-    (``W 0``, or an idle flush with nothing new): then the ack is owed at once, in order.
+    received, never a count), or ``None`` when this part is not to be acknowledged (v1 parts
+    before the window's end: a v1 client takes any ack as its window's). ``batch.count`` may
+    be 0 (``W 0``, an idle flush with nothing new, or a part whose events were all recognised
+    as already stored): the ack is owed at once, in order.
+
+    ``done``: this part ends the sender's window. Parts of a window that is not done carry
+    ``fingerprints`` (one per event of ``batch``, in order); ``skipped`` are the fingerprints
+    of events at the start of this part recognised as already stored (not in ``batch``), and
+    ``resent_of`` the key of the remembered window they matched (0: none).
     """
 
     batch: EncodedBatch
     ack_seq: int | None
     version: int
+    done: bool = True
+    fingerprints: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    resent_of: int = 0
 
 
 # Journal record head (records.py layout): u32 rest, i64 received_ns, i64 ts_ns, u64 seq,
@@ -66,6 +107,7 @@ class Window:
 # against records.iter_batch by the tests.
 _REC_HEAD = RECORD_HEAD
 _REC_AFTER_LEN = RECORD_HEAD_AFTER_LEN
+_SEQ_IN_HEAD = struct.Struct("<Q")  # at offset 20 of the head: after rest, received_ns, ts_ns
 _MAX_NAME_CHARS = 255  # a stream/topic value longer than this is not a name: ignored
 
 _CT_KV = b"kv"
@@ -80,6 +122,20 @@ _T_J = int(FrameType.JSON)
 _T_C = int(FrameType.COMPRESSED)
 _T_A = int(FrameType.ACK)
 _JSONDecodeError = orjson.JSONDecodeError
+
+
+class ResendMemory(Protocol):
+    """What the glue remembers of a sender's cut-off windows (a mapping will do)."""
+
+    def __bool__(self) -> bool: ...
+
+    def get(self, first: int, /) -> Sequence[int] | None: ...
+
+
+def fingerprint(seq: int, payload: bytes) -> int:
+    """What identifies an event in a resent window: its sequence number and its bytes (a
+    resending sender numbers and encodes the window as before)."""
+    return hash((seq, payload))
 
 
 def _compile_paths(paths: Sequence[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -98,6 +154,9 @@ class ServerConnection:
     ``producer`` goes into every record (peer ``ip:port`` or TLS subject CN). ``stream_fields``
     and ``topic_fields`` are dotted paths tried in order; the first non-empty string wins. In
     ``D`` frames, whose keys are flat, a path is looked up as one literal key.
+
+    Without a budget (``room`` and ``inflate_room`` left unbounded) it parses whatever it is
+    given; the server sets both to what it reserved.
     """
 
     __slots__ = (
@@ -105,19 +164,25 @@ class ServerConnection:
         "_count",
         "_events",
         "_high",
+        "_in_c_window_done",
         "_in_window",
-        "_inflate_budget",
         "_inflated",
         "_json_cache",
         "_kv_cache",
+        "_levels",
         "_limits",
+        "_match",
+        "_match_at",
+        "_match_key",
+        "_matching",
         "_more",
         "_nbytes",
         "_need",
         "_parts",
         "_producer",
+        "_pushed",
         "_received_ns",
-        "_stream",
+        "_skipped",
         "_stream_keys",
         "_stream_paths",
         "_topic_keys",
@@ -125,6 +190,12 @@ class ServerConnection:
         "_version",
         "_window_size",
         "events_total",
+        "inflate_room",
+        "inflate_wanted",
+        "resend",
+        "room",
+        "room_wanted",
+        "stalled",
         "times",
     )
 
@@ -142,63 +213,95 @@ class ServerConnection:
         self._topic_paths = _compile_paths(topic_fields)
         self._stream_keys = tuple(p for p in stream_fields if p)
         self._topic_keys = tuple(p for p in topic_fields if p)
-        self._buf = bytearray()
-        self._need = 0
-        self._more = False  # complete frames left in _buf for the next call
-        self._inflated = False  # this call inflated a top-level C frame
-        self._inflate_budget = 0  # bytes the current top-level C tree may still inflate to
-        self._stream: _Inflating | None = None  # a top-level C frame being inflated
+        self._buf = bytearray()  # raw bytes not in a C frame (an incomplete frame, or after one)
+        self._need = 0  # bytes the incomplete frame at the top needs, as far as known
+        self._more = False  # complete frames (or inflatable bytes) left for the next call
+        self._pushed = False  # _parse stopped at a C frame's header: parse inside it
+        self._inflated = False  # this call entered a top-level C frame
+        self._levels: list[Level] = []  # C frames being read, outermost first
+        self._in_c_window_done = False  # the window ended inside the current top-level C
         self._window_size = 0  # 0: no W seen yet, windows close at max_window or idle
         self._version = _VER2
-        self._count = 0  # data frames in the open batch (not yet returned in a Window)
+        self._count = 0  # data frames not yet acknowledged in a returned Window
         # Data frames since the sender's window began: windows close on the sender's
         # boundaries even after an idle flush acknowledged part of one.
         self._in_window = 0
         self._high = 0
         self._parts: list[bytes | bytearray] = []
-        self._nbytes = 0
+        self._nbytes = 0  # journal bytes of the open batch (self._parts)
         self._received_ns = 0
         self._events: list[Window] = []
         self._json_cache: dict[tuple[int, str, str], tuple[bytes, int, int, int]] = {}
         self._kv_cache: dict[tuple[int, str, str], tuple[bytes, int, int, int]] = {}
+        # Resend recognition: the glue's remembered windows of this sender, by the
+        # fingerprint of their first event; matched from the first event of each window.
+        self.resend: ResendMemory | Mapping[int, Sequence[int]] | None = None
+        self._matching = False
+        self._match: Sequence[int] | None = None
+        self._match_key = 0
+        self._match_at = 0
+        self._skipped: list[int] = []
         self.events_total = 0
         # Each event's ``@timestamp`` (ISO 8601 text, as Beats and Logstash write it) becomes
         # the record's ts_ns by the event-time rule; ``times.out_of_range`` counts the ones the
         # journal cannot hold (year 9999 or 0001), stored absent. The server reads and resets it.
         self.times = EventTimes()
+        # The budget, granted by the glue before the bytes are made.
+        self.room = _UNBOUNDED  # journal record bytes this connection may still add
+        self.inflate_room = _UNBOUNDED  # inflated bytes it may hold at once
+        self.stalled = 0  # STALL_ROOM / STALL_INFLATE: why the last call stopped early
+        self.room_wanted = 0
+        self.inflate_wanted = 0
 
     # -- public API ---------------------------------------------------------------------------
 
     @property
     def pending_events(self) -> int:
-        """Data frames received in the open (not yet returned) window."""
+        """Data frames received and not yet acknowledged in a returned window."""
         return self._count
 
     @property
+    def open_batch_bytes(self) -> int:
+        """Journal bytes of events parsed into the batch not yet returned."""
+        return self._nbytes
+
+    @property
+    def raw_bytes(self) -> int:
+        """Received bytes held, not yet parsed or inflated: an incomplete frame, frames after
+        a ``C`` frame, and the compressed bytes of the ``C`` frame being read."""
+        levels = self._levels
+        return len(self._buf) + (len(levels[0].inbuf) if levels else 0)
+
+    @property
+    def inflated_bytes(self) -> int:
+        """Inflated bytes held, not yet parsed (the start of an incomplete frame inside a ``C``
+        frame, and the compressed bytes of nested ones)."""
+        levels = self._levels
+        if not levels:
+            return 0
+        return sum(len(level.tail) for level in levels) + sum(len(lv.inbuf) for lv in levels[1:])
+
+    @property
     def buffered_bytes(self) -> int:
-        """Bytes held for a later call: an incomplete frame, frames ``more_buffered`` left, and
-        of a C frame paused inside, its compressed rest and inflated, unparsed bytes."""
-        stream = self._stream
-        held = len(stream.pending) + len(stream.tail) if stream is not None else 0
-        return len(self._buf) + held
+        """Everything held for a later call except the open batch: raw and inflated bytes."""
+        return self.raw_bytes + self.inflated_bytes
 
     @property
     def incomplete_frame_bytes(self) -> int:
-        """The whole size of the incomplete frame being buffered, as far as its header tells
-        (a ``D`` frame's grows as its pairs arrive); 0 when none is."""
-        if not self._buf or self._more:
+        """The whole size of the incomplete frame being received outside any ``C`` frame, as
+        far as its header tells (a ``D`` frame's grows as its pairs arrive); 0 when none is."""
+        if self._levels or not self._buf or self._more:
             return 0
         return max(self._need, len(self._buf))
 
     @property
     def more_buffered(self) -> bool:
-        """Complete frames are buffered: call ``receive_data(b"", now_ns)`` for them.
+        """Complete frames or inflatable bytes are buffered: call ``receive_data(b"", now_ns)``
+        for them (after granting what ``stalled`` asks for, if set).
 
-        One call inflates at most one top-level ``C`` frame (a window for real senders), and
-        a call that completed a batch stops inside a ``C`` frame's content (the compressed rest
-        and the inflated start of the next frame are kept): what one call produces is about one
-        batch (``max_batch_bytes``, or one event larger than that), and the caller checks the
-        hub's capacity before the next piece is inflated.
+        One call enters at most one top-level ``C`` frame (a window for real senders), and
+        stops inside a ``C`` frame once a batch is ready: what one call produces is about one
+        batch (``max_batch_bytes``, or one event larger than that).
         """
         return self._more
 
@@ -208,63 +311,189 @@ class ServerConnection:
         return self._version
 
     def receive_data(self, data: bytes, now_ns: int) -> list[Window]:
-        """Parse ``data``; return the windows it completed, in order (see ``more_buffered``)."""
+        """Parse ``data``; return the batches it completed, in order (see ``more_buffered``)."""
         self._received_ns = now_ns
         events: list[Window] = []
         self._events = events
         self._more = self._inflated = False
+        self.stalled = 0
         try:
-            if self._stream is not None:  # inside a top-level C frame: go on inflating it
-                self._buf += data
-                self._inflated = True
-                if not self._pump():
-                    self._more = True
-                    return events
-                data = bytes(self._buf)
-                self._buf = bytearray()
-            elif self._buf:
-                buf = self._buf
-                buf += data
-                if len(buf) < self._need:
-                    return events
-                # One copy per completed frame run; parsing bytes (not a memoryview) is
-                # markedly faster for the many small slices of D and J frames.
-                data = bytes(buf)
-                self._buf = bytearray()
-            pos = self._parse(data, 0, len(data), 0)
-            if pos < len(data):
-                self._buf = bytearray(data[pos:])
+            if data:
+                self._take(data)
+            self._run()
         except (LumberjackError, LumberjackLimit) as exc:
+            if self._count:
+                # What the window had before the bad frame: committed and (v2) acknowledged
+                # before the close, so the sender resends only the rest.
+                self._close_window("refused")
             exc.windows = events
             self._buf = bytearray()
-            self._stream = None
+            self._levels = []
             raise
         finally:
             self._events = []  # the caller owns the windows now: hold no batch past the call
-        if not self._buf:
-            self._need = 0
         return events
 
-    def flush(self) -> Window | None:
-        """Acknowledge the open window's frames so far (the connection went idle).
+    def hand_over(self) -> Window | None:
+        """The open batch as a part of its window, if it has events (v2: with a partial ack).
 
-        The sender's window stays open: it still closes after ``W`` frames in total.
-        Returns None when nothing is pending.
+        For the glue before it waits for room: waiting while holding a batch could wait
+        forever (everyone's room held by open batches); handed over, it is committed and its
+        room freed.
         """
-        if not self._count:
+        if not self._nbytes:
             return None
-        window = self._close_window(final=True)
+        window = self._close_window("part")
         self._events = []
         return window
 
+    def flush(self, *, ending: bool = False) -> Window | None:
+        """Acknowledge the open window's frames so far (the connection went idle), or hand
+        them over unacknowledged on v1 when the input ends inside a ``C`` frame (``ending``).
+
+        The sender's window stays open: it still closes after ``W`` frames in total. Inside a
+        ``C`` frame nothing is flushed while the connection lives: the sender is mid-frame (a
+        v1 sender would take the ack for its whole window). Returns None when nothing is due.
+        """
+        if not self._count:
+            return None
+        if self._levels:
+            if not ending:
+                return None
+            window = self._close_window("refused")
+            self._events = []
+            return window
+        window = self._close_window("flush")
+        self._events = []
+        return window
+
+    # -- input --------------------------------------------------------------------------------
+
+    def _take(self, data: bytes) -> None:
+        """Received bytes: the compressed ones of the C frame being read go to its stream, the
+        rest waits in ``_buf`` (it is parsed once that C frame ends)."""
+        levels = self._levels
+        if levels and levels[0].remaining:
+            level = levels[0]
+            n = level.remaining
+            if len(data) <= n:
+                level.inbuf = level.inbuf + data if level.inbuf else data
+                level.remaining = n - len(data)
+                return
+            level.inbuf += data[:n]
+            level.remaining = 0
+            data = data[n:]
+        self._buf += data
+
+    def _run(self) -> None:
+        """Parse and inflate until more input, more room or the next call is needed."""
+        levels = self._levels
+        inflated = False
+        while True:
+            if not levels:
+                buf = self._buf
+                if not buf or len(buf) < self._need or self._more:
+                    return
+                # One copy per completed frame run; parsing bytes (not a memoryview) is
+                # markedly faster for the many small slices of D and J frames.
+                data = bytes(buf)
+                self._pushed = False
+                pos = self._parse(data, 0, len(data), 0)
+                self._buf = bytearray(data[pos:]) if pos < len(data) else bytearray()
+                if not self._pushed:
+                    if not self._buf:
+                        self._need = 0
+                    return
+                continue
+            top = levels[-1]
+            if top.tail:
+                tail = top.tail
+                self._pushed = False
+                pos = self._parse(tail, 0, len(tail), len(levels))
+                top.tail = tail[pos:] if pos < len(tail) else b""
+                del tail
+                if self._pushed:
+                    continue
+                if self.stalled or self._more:
+                    self._more = True
+                    return
+            if top.decomp.eof:
+                if top.tail:
+                    raise LumberjackError(
+                        "C content ends inside a frame", reason="truncated_compressed"
+                    )
+                levels.pop()
+                if not levels:
+                    self._in_c_window_done = False
+                    self._need = 0
+                continue
+            if self._events and inflated:
+                # A batch is ready: stop inside the C frame, so the glue submits it before
+                # more is inflated (one batch per call).
+                self._more = True
+                return
+            if not self._inflate(len(levels) - 1):
+                return
+            inflated = True
+
+    def _inflate(self, index: int) -> bool:
+        """Inflate a piece of ``levels[index]`` (feeding it from the level below, inflating that
+        first if need be); False when more input or more room is needed."""
+        levels = self._levels
+        level = levels[index]
+        if not level.inbuf:
+            if not level.remaining:
+                raise LumberjackError(
+                    "C payload is a truncated zlib stream", reason="bad_compressed"
+                )
+            if index == 0:
+                return False  # the rest of the compressed bytes is still on its way
+            below = levels[index - 1]
+            if not below.tail and not self._inflate(index - 1):
+                return False
+            n = min(level.remaining, len(below.tail))
+            level.inbuf = below.tail[:n]
+            below.tail = below.tail[n:]
+            level.remaining -= n
+        top = index == len(levels) - 1
+        tail_len = len(level.tail)
+        completing = top and tail_len and self._need > tail_len
+        # A frame whose size is known is completed in one piece (one large event is not grown
+        # a step at a time); otherwise a step, or what room is left if that is a fair piece.
+        want = self._need - tail_len if completing else INFLATE_STEP
+        free = self.inflate_room - self.inflated_bytes
+        if free < want:
+            if completing or free < INFLATE_MIN:
+                self.stalled = STALL_INFLATE
+                self.inflate_wanted = self.inflate_room - free + want
+                self._more = True
+                return False
+            want = free
+        try:
+            piece = level.decomp.decompress(level.inbuf, want)
+        except Exception as exc:  # zlib.error
+            raise LumberjackError(
+                f"C payload is not zlib: {exc}", reason="bad_compressed"
+            ) from None
+        level.inbuf = level.decomp.unconsumed_tail
+        if level.decomp.unused_data or (level.decomp.eof and level.remaining):
+            raise LumberjackError(
+                "bytes after the zlib stream in a C frame", reason="bad_compressed"
+            )
+        if piece:
+            level.tail = level.tail + piece if tail_len else piece
+        return True
+
     # -- parsing ------------------------------------------------------------------------------
 
-    def _parse(self, view: bytes | bytearray, pos: int, end: int, depth: int) -> int:
-        """Handle complete frames in ``view[pos:end]``; return where an incomplete one starts."""
+    def _parse(self, view: bytes, pos: int, end: int, depth: int) -> int:
+        """Handle complete frames in ``view[pos:end]``; return where it stopped: at an
+        incomplete frame (``_need``), after a ``C`` frame's header (``_pushed``), or before an
+        event there is no room for (``stalled``)."""
         unpack2 = _U32X2.unpack_from
         unpack1 = _U32.unpack_from
         limits = self._limits
-        max_frame = limits.max_frame_bytes
+        max_event = limits.max_event_bytes
         max_window = limits.max_window
         max_batch = limits.max_batch_bytes
         loads = orjson.loads
@@ -290,9 +519,9 @@ class ServerConnection:
                     self._need = 10
                     return pos
                 seq, length = unpack2(view, pos + 2)
-                if length > max_frame:
+                if length > max_event:
                     raise LumberjackLimit(
-                        f"J payload of {length} bytes, at most {max_frame}",
+                        f"J payload of {length} bytes, at most {max_event} (max_event_bytes)",
                         reason="frame_too_large",
                     )
                 if length == 0:
@@ -301,7 +530,17 @@ class ServerConnection:
                 if fend > end:
                     self._need = fend - pos
                     return pos
+                if depth and self._in_c_window_done:
+                    raise LumberjackError(
+                        f"more events in a C frame than its window of {self._window_size}",
+                        reason="window_overrun",
+                    )
                 payload = view[pos + 10 : fend]
+                if self._matching and self._resent(seq, payload):
+                    self._version = version
+                    self._counted(seq)
+                    pos = fend
+                    continue
                 try:
                     obj = loads(payload)
                 except json_error:
@@ -331,7 +570,6 @@ class ServerConnection:
                         break
                 when = obj.get("@timestamp")
                 ts_ns = (iso(when) or 0) if type(when) is str else 0
-                self._version = version
                 # The record encoding, inlined (the hottest path of the hub): head, then the
                 # cached constant middle (protocol, content type, stream, topic, producer,
                 # attrs), then the payload as received.
@@ -340,6 +578,12 @@ class ServerConnection:
                     entry = self._cache_entry((version, _CT_JSON, stream, topic))
                     json_cache[(version, stream, topic)] = entry
                 mid, mid_len, ls, lt = entry
+                size = rec_size + mid_len + length
+                if size > self.room:
+                    self._stall_room(size)
+                    return pos
+                self.room -= size
+                self._version = version
                 parts += (
                     rec_pack(
                         rec_after + mid_len + length,
@@ -358,7 +602,7 @@ class ServerConnection:
                     mid,
                     payload,
                 )
-                self._nbytes += rec_size + mid_len + length
+                self._nbytes += size
                 count = self._count
                 if count:
                     if 0 < ((seq - self._high) & mask) < half:
@@ -369,14 +613,16 @@ class ServerConnection:
                 in_window = self._in_window + 1
                 if in_window >= (self._window_size or max_window):
                     self._in_window = 0
-                    self._close_window(final=True)
+                    self._close_window("done")
+                    if depth:
+                        self._in_c_window_done = self._window_size > 0
                 else:
                     self._in_window = in_window
                     if self._nbytes >= max_batch:
-                        self._close_window(final=False)
+                        self._close_window("part")
                 pos = fend
             elif ftype == _T_D:
-                pos = self._data_frames(view, pos, end, version)
+                pos = self._data_frames(view, pos, end, version, depth)
                 if pos < 0:
                     return -pos - 1
             elif ftype == _T_W:
@@ -391,10 +637,13 @@ class ServerConnection:
                 if self._count:
                     # A new window while one is open: the sender gave up on the old one's
                     # size. Close it so its ack is owed in order.
-                    self._close_window(final=True)
+                    self._close_window("done")
                 self._version = version
                 self._window_size = size
                 self._in_window = 0
+                self._in_c_window_done = False
+                self._matching = bool(self.resend)
+                self._match = None
                 if size == 0:
                     # Nothing will follow in this window; acknowledge it as such.
                     self._events.append(Window(EncodedBatch(0, b""), 0, version))
@@ -403,53 +652,31 @@ class ServerConnection:
                 if end - pos < 6:
                     self._need = 6
                     return pos
-                (length,) = unpack1(view, pos + 2)
-                if length > max_frame:
-                    raise LumberjackLimit(
-                        f"C payload of {length} bytes, at most {max_frame}",
-                        reason="frame_too_large",
-                    )
-                fend = pos + 6 + length
-                if fend > end:
-                    self._need = fend - pos
-                    return pos
-                if depth >= limits.max_nesting:
+                if len(self._levels) >= limits.max_nesting:
                     raise LumberjackLimit(
                         f"C frames nested deeper than {limits.max_nesting}",
                         reason="nesting_too_deep",
                     )
-                if depth == 0:
+                if not depth:
                     if self._inflated:
-                        self._more = True
+                        self._more = True  # one top-level C frame per call
                         self._need = 0
                         return pos
                     self._inflated = True
-                    # The C frames nested in this one share its bound: eight inner frames of
-                    # 63 MiB each must not make 504 MiB out of one small outer frame.
-                    self._inflate_budget = limits.max_decompressed_bytes
-                    self._version = version
-                    # Inflated a piece at a time, parsed as frames complete; paused (the rest
-                    # of this read kept) once a batch is ready for the hub.
-                    self._stream = _Inflating(bytes(view[pos + 6 : fend]))
-                    pos = fend
-                    if not self._pump():
-                        self._more = True
-                        self._need = 0
-                        return pos
-                    continue
-                inner = _inflate(
-                    memoryview(view)[pos + 6 : fend],
-                    self._inflate_budget,
-                    limits.max_decompressed_bytes,
-                )
-                self._inflate_budget -= len(inner)
+                (length,) = unpack1(view, pos + 2)
+                if length == 0:
+                    raise LumberjackError("C frame with no zlib stream", reason="bad_compressed")
                 self._version = version
-                stop = self._parse(inner, 0, len(inner), depth + 1)
-                if stop != len(inner):
-                    raise LumberjackError(
-                        "C content ends inside a frame", reason="truncated_compressed"
-                    )
-                pos = fend
+                # No bound on the length: the frame is streamed, never held whole.
+                level = Level(length)
+                start = pos + 6
+                taken = min(length, end - start)
+                level.inbuf = view[start : start + taken]
+                level.remaining = length - taken
+                self._levels.append(level)
+                self._pushed = True
+                self._need = 0
+                return start + taken
             elif ftype == _T_A:
                 raise LumberjackError("A frames are sent by readers only", reason="unexpected_ack")
             else:
@@ -457,69 +684,59 @@ class ServerConnection:
         self._need = 2
         return pos
 
-    def _pump(self) -> bool:
-        """Inflate and parse the top-level C frame in ``_stream`` until it ends (True) or a
-        batch is ready (False: paused, the stream kept for the next call).
+    def _stall_room(self, size: int) -> None:
+        self.stalled = STALL_ROOM
+        self.room_wanted = size
+        self._more = True
+        self._need = 0
 
-        A piece is ``_INFLATE_FIRST``, or what the frame being completed still needs (one large
-        event is inflated in one call, not grown a step at a time). Only the start of an
-        incomplete frame is kept between pieces. Windows inside a larger C frame are handed
-        over before its end (and zlib's checksum) is read, as go-lumber's streaming reader
-        does; the frame's refusal then closes the connection after them.
-        """
-        stream = self._stream
-        assert stream is not None
-        decomp = stream.decomp
-        while True:
-            tail = stream.tail
-            want = max(_INFLATE_FIRST, self._need - len(tail)) if tail else _INFLATE_FIRST
-            limit = min(want, self._inflate_budget + 1)
-            try:
-                piece = decomp.decompress(stream.pending, limit)
-            except zlib.error as exc:
-                raise LumberjackError(
-                    f"C payload is not zlib: {exc}", reason="bad_compressed"
-                ) from None
-            stream.pending = decomp.unconsumed_tail
-            produced = len(piece)
-            self._inflate_budget -= produced
-            if self._inflate_budget < 0:
-                raise LumberjackLimit(
-                    "C frame (with the C frames inside it) inflates past "
-                    f"{self._limits.max_decompressed_bytes} bytes",
-                    reason="decompressed_too_large",
-                )
-            # Checked before parsing: a C frame that fits in one piece (a real sender's
-            # window) is refused whole, nothing in it parsed, as when it was inflated at once.
-            if not decomp.eof and produced < limit and not stream.pending:
-                raise LumberjackError(
-                    "C payload is a truncated zlib stream", reason="bad_compressed"
-                )
-            if decomp.unused_data:
-                raise LumberjackError(
-                    "bytes after the zlib stream in a C frame", reason="bad_compressed"
-                )
-            content = tail + piece if tail else piece
-            del tail, piece
-            stop = self._parse(content, 0, len(content), 1)
-            stream.tail = content[stop:] if stop < len(content) else b""
-            del content
-            if decomp.eof:
-                if stream.tail:
-                    raise LumberjackError(
-                        "C content ends inside a frame", reason="truncated_compressed"
-                    )
-                self._stream = None
-                return True
-            if self._events:
+    def _resent(self, seq: int, payload: bytes) -> bool:
+        """Resend recognition, from a window's first event on: True when this event is the
+        next of a remembered window (already stored), so it is skipped; the first mismatch
+        ends it for this window."""
+        fp = fingerprint(seq, payload)
+        match = self._match
+        if match is None:
+            resend = self.resend
+            match = resend.get(fp) if resend is not None else None
+            if match is None:
+                self._matching = False
                 return False
+            self._match = match
+            self._match_key = fp
+            self._match_at = 1
+        elif self._match_at < len(match) and match[self._match_at] == fp:
+            self._match_at += 1
+        else:
+            self._matching = False
+            return False
+        self._skipped.append(fp)
+        return True
 
-    def _data_frames(self, view: bytes | bytearray, pos: int, end: int, version: int) -> int:
+    def _counted(self, seq: int) -> None:
+        """A skipped (already stored) event still counts in its window and its ack."""
+        count = self._count
+        if count:
+            if 0 < ((seq - self._high) & SEQ_MASK) < _HALF:
+                self._high = seq
+        else:
+            self._high = seq
+        self._count = count + 1
+        in_window = self._in_window + 1
+        if in_window >= (self._window_size or self._limits.max_window):
+            self._in_window = 0
+            self._close_window("done")
+            if self._levels:
+                self._in_c_window_done = self._window_size > 0
+        else:
+            self._in_window = in_window
+
+    def _data_frames(self, view: bytes, pos: int, end: int, version: int, depth: int) -> int:
         """A run of ``D`` frames of one version; returns where the run stops (the next other
-        frame), or ``-(pos + 1)`` when the frame at ``pos`` is incomplete."""
+        frame), or ``-(pos + 1)`` when the frame at ``pos`` is incomplete or has no room."""
         limits = self._limits
         max_pairs = limits.max_pairs
-        max_frame = limits.max_frame_bytes
+        max_event = limits.max_event_bytes
         max_window = limits.max_window
         max_batch = limits.max_batch_bytes
         unpack1 = _U32.unpack_from
@@ -535,7 +752,6 @@ class ServerConnection:
         producer_len = len(self._producer)
         iso = self.times.iso
         max_name, mask, half, t_data = _MAX_NAME_CHARS, SEQ_MASK, _HALF, _T_D
-        self._version = version
         while True:
             if end - pos < 10:
                 self._need = 10
@@ -551,7 +767,7 @@ class ServerConnection:
             obj: dict[str, str] = {}
             # Fast loop without per-pair bounds checks: a length running past the data makes
             # the next unpack raise (or leaves q > end); both mean "incomplete", decided below
-            # with the frame-size limit. Slices past the end only truncate and are dropped.
+            # with the event-size limit. Slices past the end only truncate and are dropped.
             try:
                 for _ in range(npairs):
                     kend = q + 4 + unpack1(view, q)[0]
@@ -575,11 +791,24 @@ class ServerConnection:
                     extent = q
                 except struct.error:
                     extent = max(q, kend) + 4
-            if extent - pos > max_frame:
-                raise LumberjackLimit("D frame over max_frame_bytes", reason="frame_too_large")
+            if extent - pos > max_event:
+                raise LumberjackLimit("D frame over max_event_bytes", reason="frame_too_large")
             if extent > end:
                 self._need = extent - pos
                 return -pos - 1
+            if depth and self._in_c_window_done:
+                raise LumberjackError(
+                    f"more events in a C frame than its window of {self._window_size}",
+                    reason="window_overrun",
+                )
+            payload = dumps(obj)
+            self._version = version
+            if self._matching and self._resent(seq, payload):
+                self._counted(seq)
+                pos = q
+                if end - pos < 2 or view[pos] != version or view[pos + 1] != t_data:
+                    return pos
+                continue
             stream = ""
             for key in stream_keys:
                 value = obj.get(key)
@@ -594,7 +823,6 @@ class ServerConnection:
                     break
             when = obj.get("@timestamp")
             ts_ns = (iso(when) or 0) if when else 0
-            payload = dumps(obj)
             # The record encoding, inlined as in the J path of _parse.
             entry = kv_cache.get((version, stream, topic))
             if entry is None:
@@ -602,6 +830,11 @@ class ServerConnection:
                 kv_cache[(version, stream, topic)] = entry
             mid, mid_len, ls, lt = entry
             plen = len(payload)
+            size = rec_size + mid_len + plen
+            if size > self.room:
+                self._stall_room(size)
+                return -pos - 1
+            self.room -= size
             parts += (
                 rec_pack(
                     rec_after + mid_len + plen,
@@ -620,7 +853,7 @@ class ServerConnection:
                 mid,
                 payload,
             )
-            self._nbytes += rec_size + mid_len + plen
+            self._nbytes += size
             count = self._count
             if count:
                 if 0 < ((seq - self._high) & mask) < half:
@@ -631,11 +864,13 @@ class ServerConnection:
             in_window = self._in_window + 1
             if in_window >= (self._window_size or max_window):
                 self._in_window = 0
-                self._close_window(final=True)
+                self._close_window("done")
+                if depth:
+                    self._in_c_window_done = self._window_size > 0
             else:
                 self._in_window = in_window
                 if self._nbytes >= max_batch:
-                    self._close_window(final=False)
+                    self._close_window("part")
             pos = q
             # Stay in this loop while the next frame is another D of the same version.
             if end - pos < 2 or view[pos] != version or view[pos + 1] != t_data:
@@ -653,73 +888,33 @@ class ServerConnection:
             self._kv_cache.clear()
         return (mid, len(mid), len(s), len(t))
 
-    def _close_window(self, *, final: bool) -> Window:
+    def _close_window(self, kind: str) -> Window:
+        """Hand over the open batch. ``kind``: ``done`` (the sender's window ended), ``part``
+        (``max_batch_bytes``, or waiting for room, inside a window), ``flush`` (idle or end of
+        input) or ``refused`` (the window is being refused after these events)."""
         parts = self._parts
-        batch = EncodedBatch(len(parts) // 3, b"".join(parts))
+        batch = EncodedBatch(len(parts) // 3, b"".join(parts) if parts else b"")
+        version = self._version
+        done = kind == "done" or (kind == "flush" and not self._window_size)
+        fingerprints: tuple[int, ...] = ()
+        if not done:
+            unpack = _SEQ_IN_HEAD.unpack_from
+            fingerprints = tuple(
+                fingerprint(unpack(parts[i], 20)[0], parts[i + 2])  # type: ignore[arg-type]
+                for i in range(0, len(parts), 3)
+            )
         parts.clear()  # in place: _parse holds a reference to this list
         self._nbytes = 0
         self.events_total += batch.count
-        ack: int | None = None
-        if final:
-            ack = self._high
+        skipped = tuple(self._skipped)
+        self._skipped = []
+        resent_of = self._match_key if skipped else 0
+        ack: int | None = self._high
+        if version == _VER1 and kind in ("part", "refused"):
+            ack = None  # v1: one ack per window (logstash-forwarder reads exactly one)
+        if ack is not None:
             self._count = 0
         # else: the window stays open and later parts still count towards its size.
-        window = Window(batch, ack, self._version)
+        window = Window(batch, ack, version, done, fingerprints, skipped, resent_of)
         self._events.append(window)
         return window
-
-
-class _Inflating:
-    """A top-level C frame being inflated: its zlib state, the compressed bytes not yet fed
-    to it, and the inflated bytes not yet parsed (the start of an incomplete frame)."""
-
-    __slots__ = ("decomp", "pending", "tail")
-
-    def __init__(self, compressed: bytes) -> None:
-        self.decomp = zlib.decompressobj()
-        self.pending = compressed
-        self.tail = b""
-
-
-# A window of Filebeat's inflates to about 1 MiB: one zlib call returns it as bytes (the fast
-# type to parse). A larger output goes on growing in one bytearray, STEP at a time: a single
-# bounded call builds its result in blocks and then copies them into one bytes object, twice
-# the bound at its peak (a 64 MiB bomb cost 128 MiB).
-_INFLATE_FIRST = 4 * 1024 * 1024
-_INFLATE_STEP = 1024 * 1024
-
-
-def _inflate(data: memoryview, limit: int, bound: int) -> bytes | bytearray:
-    """zlib-decode with an output bound: a bomb stops within one step past ``limit``.
-
-    ``limit`` is what the enclosing top-level C frame has left of ``bound``.
-    """
-    decomp = zlib.decompressobj()
-    try:
-        first = decomp.decompress(data, min(limit + 1, _INFLATE_FIRST))
-        out: bytes | bytearray = first
-        if not decomp.eof and len(first) <= limit:
-            grown = bytearray(first)
-            del first, out
-            pending = decomp.unconsumed_tail
-            while True:
-                piece = decomp.decompress(pending, _INFLATE_STEP)
-                grown += piece
-                if len(grown) > limit:
-                    break
-                pending = decomp.unconsumed_tail
-                if decomp.eof or (not pending and len(piece) < _INFLATE_STEP):
-                    break
-            out = grown
-    except zlib.error as exc:
-        raise LumberjackError(f"C payload is not zlib: {exc}", reason="bad_compressed") from None
-    if len(out) > limit:
-        raise LumberjackLimit(
-            f"C frame (with the C frames inside it) inflates past {bound} bytes",
-            reason="decompressed_too_large",
-        )
-    if not decomp.eof:
-        raise LumberjackError("C payload is a truncated zlib stream", reason="bad_compressed")
-    if decomp.unused_data:
-        raise LumberjackError("bytes after the zlib stream in a C frame", reason="bad_compressed")
-    return out

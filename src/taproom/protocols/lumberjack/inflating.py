@@ -1,0 +1,35 @@
+"""A ``C`` frame being read: one zlib stream fed as its compressed bytes arrive.
+
+The decoder keeps a stack of these, outermost first (a ``C`` frame inside a ``C`` frame is a
+stream fed from the inflated output of the one around it). Nothing here holds a whole frame:
+``inbuf`` is compressed input not yet consumed (what one read brought, or one piece of the
+enclosing stream), ``tail`` the inflated bytes not yet parsed (the start of an incomplete frame,
+or compressed bytes of a nested frame).
+"""
+
+from __future__ import annotations
+
+import zlib
+
+__all__ = ["INFLATE_MIN", "INFLATE_STEP", "Level"]
+
+# A window of Filebeat's inflates to about 1 MiB: one zlib call returns it whole, as bytes (the
+# fast type to parse). Larger content is inflated a step at a time, each step parsed before the
+# next, so a zlib bomb costs one step of memory and of time on the event loop (~1-4 ms).
+INFLATE_STEP = 1024 * 1024
+# With less inflate room than this left, a connection waits for more rather than inflating
+# slivers (each call costs ~10 us besides its output).
+INFLATE_MIN = 64 * 1024
+
+
+class Level:
+    """One ``C`` frame: its zlib state, compressed bytes still to come from the level below
+    (``remaining``), taken but not consumed (``inbuf``), and inflated but unparsed (``tail``)."""
+
+    __slots__ = ("decomp", "inbuf", "remaining", "tail")
+
+    def __init__(self, length: int) -> None:
+        self.decomp = zlib.decompressobj()
+        self.remaining = length
+        self.inbuf: bytes = b""
+        self.tail: bytes = b""
