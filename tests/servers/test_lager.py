@@ -670,6 +670,11 @@ class TestFuzz:
         # also refuses some that decode, e.g. duplicate keys from flipped uuid bits).
         assert expected > n / 2
         assert total >= expected
+        # The server keeps serving after any input (issue 25): no loop died, no message met an
+        # internal error, and the hub is ready.
+        assert all(s.total_deaths == 0 for s in app.hub.supervisor.loops.values())
+        assert rejected(app, "internal_error") == 0
+        assert app.readiness() == [] and app.hub.degraded() == []
 
 
 class TestPersistence:
