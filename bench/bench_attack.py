@@ -11,6 +11,14 @@ The table is :data:`ATTACKS`: one :class:`Attack` per row, so other protocols ad
 appending rows (an ``attack`` callable gets the hub's listener addresses and returns when done;
 ``honest`` keeps the protocol's ordinary traffic going and returns the events acked).
 ``tests/test_probe.py`` runs the same rows under ``make soak``.
+
+Issue 26's attacks (one process-wide budget, whatever the number of connections) are the
+second table, :data:`SCALED`: each :class:`ScaledAttack` takes the number of attacking
+connections, and :func:`run_scaled` runs it at 1, 8 and 64 against a hub with every protocol
+on, while honest Lumberjack, logjam and LogTK senders keep going and ``/health`` is polled
+(:class:`HonestLoad`, :class:`HealthWatch`); :func:`run_all_at_once` runs every row together
+against one hub (``tests/test_memory_attacks.py``). Rows for other attacks (unfinished ZeroMQ
+messages, slow PUB subscribers) are added by appending to :data:`SCALED`.
 """
 
 from __future__ import annotations
@@ -22,10 +30,11 @@ import struct
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
@@ -73,10 +82,19 @@ class AttackHub:
         tables[protocol].update(dict.fromkeys(ports, 0))
         for section, key, value in settings:
             tables.setdefault(section, {})[key] = value
-        lines = []
-        for name, values in tables.items():
+        lines: list[str] = []
+
+        def table(name: str, values: dict[str, object]) -> None:
             lines.append(f"[{name}]")
-            lines += [f"{k} = {orjson.dumps(v).decode()}" for k, v in values.items()]
+            nested = {k: v for k, v in values.items() if isinstance(v, dict)}
+            lines.extend(
+                f"{k} = {orjson.dumps(v).decode()}" for k, v in values.items() if k not in nested
+            )
+            for key, value in nested.items():
+                table(f"{name}.{key}", value)  # type: ignore[arg-type]
+
+        for name, values in tables.items():
+            table(name, values)
         config = workdir / "attack.toml"
         config.write_text("\n".join(lines) + "\n")
         self.hub = HubProcess(config).start()
@@ -307,6 +325,333 @@ def goal_mib() -> float:
     return (2 * HubConfig().max_pending_bytes + 100_000_000) / MiB
 
 
+# --- issue 26: attacks scaled by connections, against one hub with every protocol on -----------
+
+
+@dataclass(frozen=True)
+class ScaledAttack:
+    """One attack of issue 26: ``attack(addresses, connections, full)`` returns when done;
+    ``full`` is the issue's size (``make soak``, the bench), else a short real version."""
+
+    name: str
+    attack: Callable[[Addresses, int, bool], None]
+    # What the hub must have counted once the attack is over: (metric, labels) whose sum grew.
+    refusals: tuple[tuple[str, str], ...] = ()
+
+
+LOGTK_TOKEN = bytes(range(1, 65))
+
+
+def bomb_frame(inflated: int, prefix: bytes = b"") -> bytes:
+    """A ``C`` frame whose zlib stream inflates to ``prefix`` and then zeros, ``inflated`` bytes
+    in all, built without inflating it (a compressed MiB of zeros repeated; Adler-32 patched)."""
+    comp = zlib.compressobj(9)
+    block = bytes(MiB)
+    head = comp.compress(prefix + block[len(prefix) :]) + comp.flush(zlib.Z_FULL_FLUSH)
+    middle = comp.compress(block) + comp.flush(zlib.Z_FULL_FLUSH)
+    final = comp.flush()[:-4]
+    blocks = inflated // MiB
+    # Adler-32 of the content: of the prefix, then of the zeros after it.
+    a, b = 1, 0
+    for byte in prefix:
+        a = (a + byte) % 65521
+        b = (b + a) % 65521
+    zeros = blocks * MiB - len(prefix)
+    b = (b + zeros * a) % 65521
+    stream = head + middle * (blocks - 1) + final + struct.pack(">I", (b << 16) | a)
+    return CompressedFrame(stream).serialize()
+
+
+def lumberjack_bombs(addresses: Addresses, connections: int, full: bool) -> None:
+    """Attack 1: each connection sends ``2W 1`` and one ``2C`` frame that inflates to 1 GiB
+    (``full``; 64 MiB otherwise): a ``J`` frame announcing an event of the largest size the
+    hub takes, then zeros (the worst a bomb can do: make the hub inflate one whole event before
+    it finds the payload is no JSON)."""
+    from taproom.servers.lumberjack import LumberjackConfig
+
+    event = LumberjackConfig().max_event_bytes
+    prefix = b"2J" + struct.pack(">II", 1, event)
+    frame = WindowSizeFrame(1).serialize() + bomb_frame((1 << 30) if full else 64 * MiB, prefix)
+
+    def one() -> None:
+        with socket.create_connection(addresses["lumberjack"]) as sock:
+            _send_quietly(sock, frame)
+            _await_close(sock, 120)
+
+    threads = [threading.Thread(target=one) for _ in range(connections)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def eventbus_hashmap_dealers(addresses: Addresses, connections: int, full: bool) -> None:
+    """Attack 4: ``connections`` DEALERs share 300 topics of valid 1 MiB updates, sent as
+    fast as ZeroMQ takes them (the issue's size is quick: short and full are the same)."""
+    size = MiB
+    value = msgpack.packb(b"v" * (size - 64), use_bin_type=True)
+    ctx = zmq.Context()
+    try:
+        dealers = []
+        for _ in range(connections):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.SNDHWM, 8)
+            dealer.connect("tcp://{}:{}".format(*addresses["eventbus_collector"]))
+            dealers.append(dealer)
+        for i in range(300):
+            dealers[i % connections].send_multipart(_bus_pub(b"/flood/%d" % i, value))
+        time.sleep(3)  # committed, refused or broadcast by now
+        for dealer in dealers:
+            dealer.close(linger=0)
+    finally:
+        ctx.term()
+
+
+SCALED: list[ScaledAttack] = [
+    ScaledAttack(
+        "zlib bombs",
+        lumberjack_bombs,
+        (("taproom_ingest_rejected_items_total", 'reason="bad_json"'),),
+    ),
+    ScaledAttack(
+        "eventbus 300 topics of 1 MiB",
+        eventbus_hashmap_dealers,
+        (("taproom_ingest_rejected_items_total", 'reason="hashmap_full"'),),
+    ),
+]
+
+
+class HealthWatch:
+    """Polls ``/health`` every 0.1 s while attacks run; ``slowest`` and ``failures``."""
+
+    def __init__(self, web: tuple[str, int], timeout: float = 5.0) -> None:
+        self.url = "http://{}:{}/health".format(*web)
+        self.timeout = timeout
+        self.slowest = 0.0
+        self.answered = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            started = time.monotonic()
+            try:
+                with urllib.request.urlopen(self.url, timeout=self.timeout) as reply:
+                    ok = reply.status == 200
+            except OSError as exc:
+                self.failures.append(repr(exc))
+                continue
+            took = time.monotonic() - started
+            self.slowest = max(self.slowest, took)
+            self.answered += 1
+            if not ok:
+                self.failures.append("not 200")
+
+    def __enter__(self) -> HealthWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+class HonestLoad:
+    """Honest Lumberjack, logjam (DEALER, 202 replies) and LogTK (TCP) senders in threads; each
+    counts what the hub acknowledged. ``acked_since(mark)`` tells who was acked after it."""
+
+    def __init__(self, addresses: Addresses) -> None:
+        self.addresses = addresses
+        self.acked = {"lumberjack": 0, "logjam": 0, "logtk": 0}
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._guard, args=(loop,), daemon=True)
+            for loop in (self._lumberjack, self._logjam, self._logtk)
+        ]
+
+    def _guard(self, loop: Callable[[], None]) -> None:
+        try:
+            loop()
+        except Exception as exc:  # reported by the caller, not lost in a thread
+            self.errors.append(f"{loop.__name__}: {exc!r}")
+
+    def _lumberjack(self) -> None:
+        host, port = self.addresses["lumberjack"]
+        with LumberjackClient(host, port, window_size=20, timeout=120) as client:
+            while not self._stop.wait(0.05):
+                self.acked["lumberjack"] += client.send({"honest": i} for i in range(20))
+
+    def _logjam(self) -> None:
+        from taproom.clients.logjam import LogjamAgent
+
+        host, port = self.addresses["logjam_router"]
+        with LogjamAgent(f"tcp://{host}:{port}", app_env="honest-test", timeout=120) as agent:
+            while not self._stop.wait(0.05):
+                if agent.send({"honest": True}) == b"202 Accepted":
+                    self.acked["logjam"] += 1
+
+    def _logtk(self) -> None:
+        from taproom.clients.logtk import SyncLogTKClient
+
+        host, port = self.addresses["logtk_tcp"]
+        client = SyncLogTKClient("tcp", host, port, token=LOGTK_TOKEN, app="honest")
+        try:
+            while not self._stop.wait(0.05):
+                for i in range(20):
+                    client.send(orjson.dumps({"honest": i}))
+                client.flush(120)
+                self.acked["logtk"] += 20
+        finally:
+            client.close()
+
+    def __enter__(self) -> HonestLoad:
+        for thread in self._threads:
+            thread.start()
+        deadline = time.monotonic() + 120
+        while not all(self.acked.values()) and not self.errors:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"honest senders not under way: {self.acked}")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(150)
+
+    def wait_acked_beyond(self, mark: dict[str, int], timeout: float = 120) -> dict[str, int]:
+        """Wait until every sender is acked past ``mark``; what each got since."""
+        deadline = time.monotonic() + timeout
+        while not all(self.acked[p] > mark[p] for p in mark) and not self.errors:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return {p: self.acked[p] - mark[p] for p in mark}
+
+
+@dataclass(frozen=True)
+class ScaledOutcome:
+    peak_mib: float
+    slowest_health_s: float
+    health_failures: list[str]
+    honest_during: dict[str, int]  # events acked while the attack ran, per protocol
+    refused: dict[str, float]  # growth of each row's refusal metric
+    hub_alive: bool
+    errors: list[str]
+    holder_peaks: dict[str, float] = field(default_factory=dict)  # the budget's, per holder
+    holder_bounds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def holder_peaks_within_bounds(self) -> bool:
+        """Every holder of the budget stayed within its bound, but by one request granted
+        beyond it to break a deadlock (taproom.budget; at most one event, 12 MiB)."""
+        slack = 12 * MiB + 64
+        return all(
+            peak <= self.holder_bounds[name] + slack for name, peak in self.holder_peaks.items()
+        )
+
+
+def _by_holder(addresses: Addresses, name: str) -> dict[str, float]:
+    url = "http://{}:{}/metrics".format(*addresses["web"])
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        text = reply.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + '{holder="'):
+            holder = line.split('"', 2)[1]
+            found[holder] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def _metric_sum(addresses: Addresses, name: str, label: str) -> float:
+    url = "http://{}:{}/metrics".format(*addresses["web"])
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        text = reply.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and label in line
+    )
+
+
+def scaled_hub(workdir: Path) -> AttackHub:
+    """A hub with every protocol on (defaults, ports 0), and a LogTK app for the honest
+    sender."""
+    from taproom.servers.logtk import hash_token
+
+    settings: list[tuple[str, str, object]] = []
+    for name in SERVICE_MODULES:
+        if name in known_sections():
+            settings.append((name, "enabled", True))
+            for key in known_sections()[name].__dataclass_fields__:
+                if key.endswith("port"):
+                    settings.append((name, key, 0))
+    return AttackHub(
+        workdir,
+        "lumberjack",
+        (*settings, ("logtk", "apps", {"honest": {"token_sha256": hash_token(LOGTK_TOKEN)}})),
+    )
+
+
+def run_scaled(
+    rows: list[ScaledAttack], connections: int, workdir: Path, *, full: bool
+) -> ScaledOutcome:
+    """``rows`` at once (one row: that attack alone), each with ``connections`` attacking
+    connections, against a fresh hub with every protocol on, while honest senders keep going
+    and /health is watched."""
+    hub = scaled_hub(workdir)
+    try:
+        addresses = hub.addresses
+        before = {
+            f"{name}{{{label}}}": _metric_sum(addresses, name, label)
+            for row in rows
+            for name, label in row.refusals
+        }
+        with HonestLoad(addresses) as honest, HealthWatch(addresses["web"]) as health:
+            mark = dict(honest.acked)
+            attackers = [
+                threading.Thread(target=row.attack, args=(addresses, connections, full))
+                for row in rows
+            ]
+            for thread in attackers:
+                thread.start()
+            for thread in attackers:
+                thread.join()
+            during = honest.wait_acked_beyond(mark)
+        alive = hub.proc.poll() is None
+        refused = (
+            {
+                key: _metric_sum(addresses, *key.rstrip("}").split("{", 1)) - value
+                for key, value in before.items()
+            }
+            if alive
+            else {}
+        )
+        peak = hub.status_kib("VmHWM") / 1024 if alive else float("nan")
+        peaks = _by_holder(addresses, "taproom_budget_peak_bytes") if alive else {}
+        bounds = _by_holder(addresses, "taproom_budget_bound_bytes") if alive else {}
+        return ScaledOutcome(
+            peak,
+            health.slowest,
+            health.failures,
+            during,
+            refused,
+            alive,
+            honest.errors,
+            peaks,
+            bounds,
+        )
+    finally:
+        hub.stop()
+
+
+def run_all_at_once(connections: int, workdir: Path, *, full: bool) -> ScaledOutcome:
+    """Every row of :data:`SCALED` at once against one hub (issue 26, "all of them at once")."""
+    return run_scaled(SCALED, connections, workdir, full=full)
+
+
 def run(quick: bool) -> list[Figure]:
     figures: list[Figure] = []
     goal = goal_mib()
@@ -330,5 +675,24 @@ def run(quick: bool) -> list[Figure]:
         )
         if not outcome.hub_alive:
             figures.append(Figure(f"{row.name}: HUB DIED", 1, "", "0"))
+    for scaled_row in SCALED:
+        for connections in (1, 8) if quick else (1, 8, 64):
+            with tempfile.TemporaryDirectory(prefix="bench-attack-") as tmp:
+                scaled = run_scaled([scaled_row], connections, Path(tmp), full=True)
+            _scaled_figures(figures, f"{scaled_row.name} x {connections}", scaled, goal)
+    with tempfile.TemporaryDirectory(prefix="bench-attack-") as tmp:
+        scaled = run_all_at_once(8, Path(tmp), full=True)
+    _scaled_figures(figures, "all at once x 8", scaled, goal)
     figures.append(Figure("load average (1 min) at the end", os.getloadavg()[0], ""))
     return figures
+
+
+def _scaled_figures(figures: list[Figure], name: str, outcome: ScaledOutcome, goal: float) -> None:
+    figures.append(Figure(f"{name}: hub peak RSS", outcome.peak_mib, "MiB", f"<= {goal:.0f}"))
+    figures.append(Figure(f"{name}: slowest /health", outcome.slowest_health_s, "s", "< 1"))
+    honest = ", ".join(f"{k} {v}" for k, v in outcome.honest_during.items())
+    figures.append(
+        Figure(f"{name}: honest acked during ({honest})", min(outcome.honest_during.values()), "")
+    )
+    if not outcome.hub_alive:
+        figures.append(Figure(f"{name}: HUB DIED", 1, "", "0"))

@@ -237,6 +237,13 @@ class Holder:
         self._take(n)
         return True
 
+    def charge(self, n: int) -> None:
+        """Count ``n`` bytes the caller keeps whatever the bound says: state decided elsewhere
+        (a passive Event BUS server mirrors what its active peer admitted under the same bound;
+        a restart rebuilds what the journal holds). Visible in ``used`` and ``peak``."""
+        if n > 0:
+            self._take(n)
+
     async def reserve(self, n: int, *, holding: int = 0) -> None:
         """Take ``n`` bytes, waiting in FIFO order until they fit. Cancelling the wait takes
         nothing. ``holding``: what the caller already holds here (see the class)."""

@@ -418,7 +418,8 @@ class _Connection(asyncio.Protocol):
             server.pending.release(parser.room)
             self.pending_held -= parser.room
             parser.room = 0
-        extra = parser.inflate_room - parser.inflated_bytes
+        # Kept: what it holds, and the rest of a frame it was granted room to complete.
+        extra = parser.inflate_room - min(parser.inflate_needed, parser.inflate_room)
         if extra > 0:
             server.inflate.release(extra)
             parser.inflate_room -= extra

@@ -282,6 +282,17 @@ class ServerConnection:
         return sum(len(level.tail) for level in levels) + sum(len(lv.inbuf) for lv in levels[1:])
 
     @property
+    def inflate_needed(self) -> int:
+        """Inflated bytes this connection will hold to finish the frame it is completing
+        inside a ``C`` frame (its size is known from its header): what the glue keeps
+        reserved for it between steps; ``inflated_bytes`` when there is no such frame."""
+        held = self.inflated_bytes
+        levels = self._levels
+        if levels and levels[-1].tail and self._need > len(levels[-1].tail):
+            return held + self._need - len(levels[-1].tail)
+        return held
+
+    @property
     def buffered_bytes(self) -> int:
         """Everything held for a later call except the open batch: raw and inflated bytes."""
         return self.raw_bytes + self.inflated_bytes
@@ -388,7 +399,7 @@ class ServerConnection:
     def _run(self) -> None:
         """Parse and inflate until more input, more room or the next call is needed."""
         levels = self._levels
-        inflated = False
+        inflated = 0  # bytes inflated in this call: one call does a bounded amount of work
         while True:
             if not levels:
                 buf = self._buf
@@ -406,11 +417,13 @@ class ServerConnection:
                     return
                 continue
             top = levels[-1]
-            if top.tail:
-                tail = top.tail
+            if top.tail and len(top.tail) >= self._need:
+                # A large frame grown a step at a time (a bytearray) is whole now: one copy.
+                tail = top.tail if type(top.tail) is bytes else bytes(top.tail)
                 self._pushed = False
                 pos = self._parse(tail, 0, len(tail), len(levels))
-                top.tail = tail[pos:] if pos < len(tail) else b""
+                if pos:
+                    top.tail = tail[pos:] if pos < len(tail) else b""
                 del tail
                 if self._pushed:
                     continue
@@ -423,22 +436,24 @@ class ServerConnection:
                         "C content ends inside a frame", reason="truncated_compressed"
                     )
                 levels.pop()
+                self._need = 0
                 if not levels:
                     self._in_c_window_done = False
-                    self._need = 0
                 continue
-            if self._events and inflated:
-                # A batch is ready: stop inside the C frame, so the glue submits it before
-                # more is inflated (one batch per call).
+            if inflated and (self._events or inflated >= INFLATE_STEP):
+                # A batch is ready, or a step's worth was inflated: stop inside the C frame,
+                # so the glue submits the batch before more is inflated, and other connections
+                # (and /health) get the loop between steps.
                 self._more = True
                 return
-            if not self._inflate(len(levels) - 1):
+            produced = self._inflate(len(levels) - 1)
+            if produced < 0:
                 return
-            inflated = True
+            inflated += produced or 1
 
-    def _inflate(self, index: int) -> bool:
+    def _inflate(self, index: int) -> int:
         """Inflate a piece of ``levels[index]`` (feeding it from the level below, inflating that
-        first if need be); False when more input or more room is needed."""
+        first if need be): the bytes it made, or -1 when more input or more room is needed."""
         levels = self._levels
         level = levels[index]
         if not level.inbuf:
@@ -447,28 +462,30 @@ class ServerConnection:
                     "C payload is a truncated zlib stream", reason="bad_compressed"
                 )
             if index == 0:
-                return False  # the rest of the compressed bytes is still on its way
+                return -1  # the rest of the compressed bytes is still on its way
             below = levels[index - 1]
-            if not below.tail and not self._inflate(index - 1):
-                return False
+            if not below.tail and self._inflate(index - 1) < 0:
+                return -1
             n = min(level.remaining, len(below.tail))
             level.inbuf = below.tail[:n]
             below.tail = below.tail[n:]
             level.remaining -= n
         top = index == len(levels) - 1
         tail_len = len(level.tail)
-        completing = top and tail_len and self._need > tail_len
-        # A frame whose size is known is completed in one piece (one large event is not grown
-        # a step at a time); otherwise a step, or what room is left if that is a fair piece.
-        want = self._need - tail_len if completing else INFLATE_STEP
+        rest = self._need - tail_len if top and tail_len else 0
         free = self.inflate_room - self.inflated_bytes
-        if free < want:
-            if completing or free < INFLATE_MIN:
-                self.stalled = STALL_INFLATE
-                self.inflate_wanted = self.inflate_room - free + want
-                self._more = True
-                return False
-            want = free
+        if rest > 0:
+            # The frame being completed has its size: room for all of it first (a connection
+            # never waits holding half an event it has room for), then a step at a time.
+            if free < rest:
+                return self._stall_inflate(free, rest)
+            want = min(rest, INFLATE_STEP)
+        else:
+            want = INFLATE_STEP
+            if free < want:
+                if free < INFLATE_MIN:
+                    return self._stall_inflate(free, want)
+                want = free
         try:
             piece = level.decomp.decompress(level.inbuf, want)
         except Exception as exc:  # zlib.error
@@ -481,8 +498,23 @@ class ServerConnection:
                 "bytes after the zlib stream in a C frame", reason="bad_compressed"
             )
         if piece:
-            level.tail = level.tail + piece if tail_len else piece
-        return True
+            if not tail_len:
+                level.tail = piece
+            elif type(level.tail) is bytearray:
+                level.tail += piece
+            elif rest > len(piece):  # a large frame: grown in place, copied once complete
+                grown = bytearray(level.tail)
+                grown += piece
+                level.tail = grown
+            else:
+                level.tail = level.tail + piece
+        return len(piece)
+
+    def _stall_inflate(self, free: int, want: int) -> int:
+        self.stalled = STALL_INFLATE
+        self.inflate_wanted = self.inflate_room - free + want
+        self._more = True
+        return -1
 
     # -- parsing ------------------------------------------------------------------------------
 

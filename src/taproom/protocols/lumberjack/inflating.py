@@ -15,7 +15,8 @@ __all__ = ["INFLATE_MIN", "INFLATE_STEP", "Level"]
 
 # A window of Filebeat's inflates to about 1 MiB: one zlib call returns it whole, as bytes (the
 # fast type to parse). Larger content is inflated a step at a time, each step parsed before the
-# next, so a zlib bomb costs one step of memory and of time on the event loop (~1-4 ms).
+# next, and one call of the decoder does about one step: a zlib bomb costs one step of time on
+# the event loop (~1-4 ms) before other connections and /health get their turn.
 INFLATE_STEP = 1024 * 1024
 # With less inflate room than this left, a connection waits for more rather than inflating
 # slivers (each call costs ~10 us besides its output).
@@ -31,5 +32,6 @@ class Level:
     def __init__(self, length: int) -> None:
         self.decomp = zlib.decompressobj()
         self.remaining = length
-        self.inbuf: bytes = b""
-        self.tail: bytes = b""
+        self.inbuf: bytes | bytearray = b""
+        # bytes; a bytearray while a large frame grows a step at a time (copied once whole)
+        self.tail: bytes | bytearray = b""

@@ -31,13 +31,16 @@ class Acceptor(BusBase):
     """Turns valid updates into journal batches (bursts) for the broadcaster."""
 
     def _track(self, topic: bytes, seq: int, size: int) -> None:
-        """Count an entry (size 0: a deletion) in ``_accepted`` without limits (replication)."""
+        """Count an entry (size 0: a deletion) in ``_accepted`` without limits (replication:
+        the active peer admitted it under the same bound)."""
         previous = self._accepted.pop(topic, None)
         if previous is not None:
             self._accepted_bytes -= previous[1]
+            self._hashmap_holder.release(previous[1])
         if size:
             self._accepted[topic] = (seq, size)
             self._accepted_bytes += size
+            self._hashmap_holder.charge(size)
 
     def _install(self, hashmap: dict[bytes, Entry]) -> None:
         """Take ``hashmap`` as the state (start, or a copy from the peer): the admission table,
@@ -48,7 +51,11 @@ class Acceptor(BusBase):
                 hashmap[topic] = entry._replace(kv=kv_frames(entry.frames, entry.chp))
         self.hashmap = hashmap
         self._accepted = {t: (e.seq, entry_bytes(e.frames, e.chp)) for t, e in hashmap.items()}
+        self._hashmap_holder.release(self._accepted_bytes)
         self._accepted_bytes = sum(size for _seq, size in self._accepted.values())
+        # What the journal (or the peer's copy) holds is kept whatever the bound: it was
+        # admitted under it (the bound lowered since is honoured by refusing what comes next).
+        self._hashmap_holder.charge(self._accepted_bytes)
         self._expiry = [(e.expires_ms, t, e.seq) for t, e in hashmap.items() if e.expires_ms]
         heapq.heapify(self._expiry)
 
@@ -67,9 +74,12 @@ class Acceptor(BusBase):
             grow = size
         else:
             grow = size - previous[1]
-        if self._accepted_bytes + grow > self.config.max_hashmap_bytes:
+        holder = self._hashmap_holder
+        if grow > 0 and (holder.used + grow > holder.bound or not holder.try_reserve(grow)):
             self._reject("hashmap_full", f"{self._accepted_bytes} bytes held already")
             return False
+        if grow < 0:
+            holder.release(-grow)
         accepted[topic] = (seq, size)
         self._accepted_bytes += grow
         return True

@@ -77,6 +77,9 @@ class BusBase:
         # bytes charged). Limits and ttl expiry are decided on it, at accept time.
         self._accepted: dict[bytes, tuple[int, int]] = {}
         self._accepted_bytes = 0
+        # ... and that charge, held in the process budget (taproom.budget): an update that does
+        # not fit in its share is refused (hashmap_full).
+        self._hashmap_holder = hub.budget.holder("eventbus_hashmap")
         # A passive server's client updates, by UUID in arrival order (clonesrv6 "pending").
         self._held: dict[str, Event] = {}
         self._held_bytes = 0

@@ -216,6 +216,9 @@ class EventBusService(SnapshotServer):
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
             self._ctx = None
+        # The hashmap's share of the budget goes with it.
+        self._hashmap_holder.release(min(self._accepted_bytes, self._hashmap_holder.used))
+        self._accepted_bytes = 0
 
     # --- checkpoint ------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config import config_section, setting
+from ...config import Config, config_check, config_section, setting
 from ...errors import ConfigError
 from ...protocols import logjam as lj
 
@@ -49,8 +49,10 @@ class LogjamConfig:
         max=1 << 30,
     )
     max_decompressed_bytes: int = setting(
-        16 * 1024 * 1024,
-        "a body may inflate to at most this (zlib bombs), checked before allocating",
+        8 * 1024 * 1024,
+        "a body may inflate to at most this (zlib bombs), checked before allocating; with "
+        "burst_bytes it is what a burst reserves from hub.max_inflate_bytes, shared with "
+        "Lumberjack (logjam request bodies are KBs)",
         min=1024,
         max=64 * 1024 * 1024,
     )
@@ -135,3 +137,21 @@ class LogjamConfig:
                 f"gives {sample!r}, not an app-env (application-environment)",
                 key="default_app_env",
             )
+
+
+@config_check
+def _burst_fits_the_inflate_share(config: Config) -> None:
+    """A burst reserves burst_bytes + max_decompressed_bytes of the budget's inflate holder
+    (taproom.budget): it must fit, or bursts would pass the bound."""
+    try:
+        section = config.section("logjam")
+        hub = config.section("hub")
+    except KeyError:
+        return
+    need = section.burst_bytes + section.max_decompressed_bytes
+    if need > hub.max_inflate_bytes:
+        raise ConfigError(
+            f"burst_bytes + max_decompressed_bytes ({need}) is over hub.max_inflate_bytes "
+            f"({hub.max_inflate_bytes}), what a burst may inflate: raise that or lower these",
+            key="logjam.max_decompressed_bytes",
+        )

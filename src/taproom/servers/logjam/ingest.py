@@ -138,6 +138,11 @@ class Ingest:
         take = _compiled_take(parser, sock, router, one) or _python_take(one)
         reader = zmqburst.reader(sock, MAX_FRAMES)
         burst_messages, burst_bytes = self.config.burst_messages, self.config.burst_bytes
+        # What one burst may inflate (its records, and the body being inflated) comes from the
+        # process budget's inflate holder, shared with Lumberjack: reserved before the burst is
+        # decoded, given back once its batch is handed to the hub.
+        inflate = hub.budget.holder("inflate")
+        inflate_need = min(burst_bytes + self.config.max_decompressed_bytes, inflate.bound)
         burst: zmqburst.Burst | None = None
         start = 0
         while True:
@@ -145,10 +150,14 @@ class Ingest:
             if burst is None or start >= burst.n:
                 await readable(asock, sock)
                 burst, start = reader.recv(burst_messages, burst_bytes), 0
-            parser.start_batch(time.time_ns(), burst_bytes)
-            not_json = parser.not_json
-            acks: Acks = []
-            start = take(burst, start, acks)
+            await inflate.reserve(inflate_need)
+            try:
+                parser.start_batch(time.time_ns(), burst_bytes)
+                not_json = parser.not_json
+                acks: Acks = []
+                start = take(burst, start, acks)
+            finally:
+                inflate.release(inflate_need)
             if parser.pending():
                 future = self._submit(parser, not_json)
                 if future is None:

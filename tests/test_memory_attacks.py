@@ -1,0 +1,73 @@
+"""Issue 26: memory bounds for the process as a whole, whatever the number of connections.
+
+Each attack runs against a real ``taproom serve`` with every protocol on and the default
+settings (``bench/bench_attack.py``: :data:`SCALED`, :func:`run_scaled`), while honest
+Lumberjack, logjam and LogTK senders keep going and ``/health`` is polled. Each must hold:
+peak RSS (VmHWM) within ``2 x max_pending_bytes + 100 MB``, every ``/health`` answered within
+1 s, every honest sender acked while the attack ran, and the attack's refusals counted.
+
+``make test`` runs the short versions (8 attacking connections, smaller bombs and values);
+``make soak`` the issue's sizes (1 GiB bombs, 1 MiB values) and 64 connections. New attacks
+(unfinished ZeroMQ messages, slow PUB subscribers: issue 26 parts 2 and 3) are rows appended
+to ``SCALED``; the all-at-once test then runs them too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from bench.bench_attack import SCALED, ScaledOutcome, goal_mib, run_all_at_once, run_scaled
+
+from tests.support import SOAK
+
+HEALTH_S = 1.0  # the issue: /health answers within 1 s throughout
+# Where the Event BUS attack's memory still goes outside the budget: libzmq holds up to
+# collector_hwm (32) received updates of up to 1 MiB per connected DEALER, with no byte bound
+# across peers. Bounding that is issue 26 part 2 (taproom's own ZeroMQ transport, reserving
+# from the budget's connection_buffers); until it lands, a peak over the goal there is the
+# known cause, reported as an expected failure after every other check has passed.
+ZMQ_QUEUES = "libzmq's per-peer receive queues on the COLLECTOR (issue 26 part 2)"
+
+
+def check(outcome: ScaledOutcome, *, zmq_queues: bool = False) -> None:
+    assert outcome.hub_alive and not outcome.errors, outcome.errors
+    assert outcome.health_failures == [], outcome.health_failures
+    assert outcome.slowest_health_s < HEALTH_S, outcome.slowest_health_s
+    assert all(n > 0 for n in outcome.honest_during.values()), outcome.honest_during
+    assert outcome.refused and all(n > 0 for n in outcome.refused.values()), outcome.refused
+    assert outcome.holder_peaks_within_bounds, outcome.holder_peaks
+    if zmq_queues and outcome.peak_mib > goal_mib():
+        pytest.xfail(f"peak RSS {outcome.peak_mib:.0f} MiB: {ZMQ_QUEUES}")
+    assert outcome.peak_mib <= goal_mib(), f"peak RSS {outcome.peak_mib:.0f} MiB"
+
+
+def row(name: str):
+    return next(r for r in SCALED if r.name == name)
+
+
+def test_zlib_bombs_on_8_connections(tmp_path: Path) -> None:
+    # Attack 1: each connection was refused only after inflating its own 64 MiB (8: 326 MiB,
+    # /health silent for 5 s, an honest window took 6.3 s).
+    check(run_scaled([row("zlib bombs")], 8, tmp_path, full=SOAK))
+
+
+def test_eventbus_hashmap_flood_from_4_dealers(tmp_path: Path) -> None:
+    # Attack 4: 300 topics of valid 1 MiB updates from 4 DEALERs (267-276 MiB, the hashmap
+    # alone 64 MiB); the hashmap holds its share of the budget (12 MiB), the rest is refused.
+    outcome = run_scaled([row("eventbus 300 topics of 1 MiB")], 4, tmp_path, full=True)
+    assert outcome.holder_peaks["eventbus_hashmap"] <= 12 << 20
+    check(outcome, zmq_queues=True)
+
+
+def test_every_attack_at_once(tmp_path: Path) -> None:
+    check(run_all_at_once(4, tmp_path, full=SOAK), zmq_queues=True)
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(not SOAK, reason="64 attacking connections per attack: make soak")
+@pytest.mark.parametrize("attack", [r.name for r in SCALED])
+def test_each_attack_on_64_connections(tmp_path: Path, attack: str) -> None:
+    check(
+        run_scaled([row(attack)], 64, tmp_path, full=True), zmq_queues=attack.startswith("eventbus")
+    )
