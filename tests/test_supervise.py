@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -281,3 +282,50 @@ class TestEveryLoop:
                 "lager.registrar.collector",
             ):
                 assert name in loops, name
+
+    async def test_ready_names_a_dead_loop_and_turns_503_while_it_keeps_dying(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Over HTTP: one death is listed under degraded (200); dying again and again, the
+        loop makes /ready 503 with its name, when and why."""
+        import orjson
+        from aiohttp import ClientSession
+
+        from taproom.servers.eventbus.collector import Collector
+        from tests.support import running_app
+
+        starts = [0]
+        again = asyncio.Event()
+
+        async def dying(self: Collector) -> None:
+            starts[0] += 1
+            if starts[0] == 2:
+                await again.wait()  # restarted once: hold here until the test has looked
+            raise RuntimeError(f"collector bug {starts[0]}")
+
+        monkeypatch.setattr(Collector, "_collector_loop", dying)
+        hub = {"loop_death_limit": 3, "loop_restart_max_s": 0.2, "loop_settle_s": 3600}
+        async with running_app(tmp_path, enable=["eventbus"], hub=hub) as app:
+            url = f"http://{app.addresses['web']}/ready"
+            async with ClientSession() as http:
+
+                async def ready() -> tuple[int, dict[str, object]]:
+                    async with http.get(url) as r:
+                        return r.status, orjson.loads(await r.read())
+
+                await until(lambda: starts[0] == 2, 20, "the first restart")
+                status, body = await ready()
+                assert status == 200 and body["reasons"] == []
+                (line,) = body["degraded"]  # type: ignore[misc]
+                assert line.startswith("loop eventbus.collector died at")
+                assert "RuntimeError: collector bug 1" in line and line.endswith("restarted")
+                again.set()  # now it keeps dying
+                deadline = time.monotonic() + 30
+                while (answer := await ready())[0] != 503:
+                    assert time.monotonic() < deadline, answer
+                    await asyncio.sleep(0.02)
+                (reason,) = answer[1]["reasons"]  # type: ignore[misc]
+                assert reason.startswith("loop eventbus.collector died at")
+                # it goes on dying meanwhile: the third death or a later one
+                found = re.search(r"collector bug (\d+)\).*; (\d+) deaths within 60s$", reason)
+                assert found and int(found[1]) >= 3 and int(found[2]) >= 3, reason
