@@ -26,13 +26,28 @@ from hypothesis import strategies as st
 
 from taproom.eventtime import MAX_NS, MIN_NS, EventTimes
 from taproom.payloads import decode_payload
+from taproom.protocols import logjam as lj
 from taproom.protocols.eventbus import EventBusError, Limits, kvmsg, parse_pub
 from taproom.protocols.eventbus.commands import _check_msgpack
 from taproom.protocols.lager.formats import TYPES, DataFormat, FormatError, Item
 from taproom.protocols.lager.messages import MessageError, parse_data_message
-from taproom.protocols.logtk import decode_log_entry, encode_log_entry, time_reader
+from taproom.protocols.logtk import (
+    Data,
+    FrameDecoder,
+    Init,
+    LogTKError,
+    decode_log_entry,
+    encode_frame,
+    encode_log_entry,
+    time_reader,
+)
 from taproom.protocols.logtk.bsonwalk import BsonError, decode_lenient
-from taproom.protocols.lumberjack import ServerConnection
+from taproom.protocols.lumberjack import (
+    CompressedFrame,
+    JsonFrame,
+    ServerConnection,
+    WindowSizeFrame,
+)
 from taproom.protocols.lumberjack.frames import LumberjackError, LumberjackLimit
 from tests.support import fuzz_examples
 
@@ -65,7 +80,7 @@ def time_bound(seconds: float = PER_INPUT_S) -> Iterator[None]:
 
 
 FUZZ = settings(
-    max_examples=fuzz_examples(300, 50_000),
+    max_examples=fuzz_examples(200, 50_000),
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -243,7 +258,7 @@ def _json_bytes(doc: object) -> bytes:
     return json.dumps(doc).encode()
 
 
-@FUZZ
+@settings(FUZZ, max_examples=fuzz_examples(100, 20_000))  # JSON documents: slow to draw
 @given(payload=mutated(_json_docs.map(_json_bytes)) | st.binary())
 def test_logtk_json_time(payload: bytes) -> None:
     with time_bound():
@@ -366,6 +381,73 @@ def test_lager_rows_and_messages(row: bytes, frames: list[bytes]) -> None:
         try:
             parse_data_message(frames)
         except MessageError:
+            pass
+
+
+# --- logjam bodies and meta frames (zlib/gzip, snappy, LZ4: sizes the sender announces) --------
+
+_logjam_bodies = st.tuples(
+    st.sampled_from([0, 1, 2, 3]), st.binary(max_size=300) | _json_docs.map(_json_bytes)
+).map(lambda mb: (mb[0], lj.compress(mb[0], mb[1])))
+
+
+@settings(FUZZ, max_examples=fuzz_examples(100, 20_000))  # JSON documents: slow to draw
+@given(
+    body=_logjam_bodies.flatmap(
+        lambda mb: st.tuples(st.just(mb[0]), mutated(st.just(mb[1])) | st.binary(max_size=64))
+    ),
+    meta=mutated(st.just(lj.encode_meta(1, 7, 1_700_000_000_000, 9))) | st.binary(max_size=30),
+)
+def test_logjam_bodies_and_meta(body: tuple[int, bytes], meta: bytes) -> None:
+    method, data = body
+    with time_bound():
+        try:
+            lj.decompress(method, data, 4096)
+        except lj.LogjamError:
+            pass
+        try:
+            lj.parse_meta(meta)
+        except lj.LogjamError:
+            pass
+
+
+# --- frame streams: LogTK (varuint lengths, cstrings) and Lumberjack (W/J/D/C, nested zlib) ---
+
+
+def _logtk_stream(data: list[bytes]) -> bytes:
+    return encode_frame(Init("bson", 7, None, False)) + b"".join(
+        encode_frame(Data(entry, i)) for i, entry in enumerate(data, 1)
+    )
+
+
+@FUZZ
+@given(stream=mutated(st.lists(st.binary(max_size=40), max_size=4).map(_logtk_stream)))
+def test_logtk_frames(stream: bytes) -> None:
+    decoder = FrameDecoder(truncate_data=True)
+    with time_bound():
+        try:
+            decoder.feed(stream)
+        except LogTKError:
+            pass
+
+
+def _lumberjack_stream(docs: list[object]) -> bytes:
+    frames = WindowSizeFrame(len(docs)).serialize() + b"".join(
+        JsonFrame(i, _json_bytes(doc)).serialize() for i, doc in enumerate(docs, 1)
+    )
+    return frames + CompressedFrame.compress(frames, 3) + frames[:20]
+
+
+@settings(FUZZ, max_examples=fuzz_examples(100, 20_000))  # JSON documents: slow to draw
+@given(stream=mutated(st.lists(_json_docs, min_size=1, max_size=4).map(_lumberjack_stream)))
+def test_lumberjack_frames(stream: bytes) -> None:
+    conn = ServerConnection("p")
+    with time_bound():
+        try:
+            conn.receive_data(stream, 1)
+            while conn.more_buffered:
+                conn.receive_data(b"", 1)
+        except (LumberjackError, LumberjackLimit):
             pass
 
 
