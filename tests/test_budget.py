@@ -161,3 +161,38 @@ async def test_waiters_holding_everything_held_are_not_deadlocked() -> None:
     holder.release(85)  # the first finished its frame
     await asyncio.wait_for(second, 5)
     assert holder.used == 85 and holder.waiting == 0
+
+
+async def test_output_queues_are_bounded_in_bytes_across_outputs(tmp_path: Path) -> None:
+    # Issue 26: an output that does not read holds committed bodies in memory; with many
+    # batches of large events that was max batches x batch size per output. Now the bodies
+    # queued for all outputs together stay within output_queue_bytes: past it a lossy output
+    # drops and counts, a lossless one reads back from the journal and loses nothing.
+    from taproom.records import BatchBuilder
+
+    bound = 256 << 10
+    config = load_config(
+        text=f'[journal]\ndir = "{tmp_path}"\n[hub]\noutput_queue_bytes = {bound}\n', env={}
+    )
+    async with Hub(config) as hub:
+        queued = hub.budget.holder("output_queues")
+        lossy = hub.subscribe("lossy_one", lossy=True)
+        lossless = hub.subscribe("lossless_one")
+        for i in range(20):  # 20 x 40 KiB, nobody reading
+            builder = BatchBuilder()
+            builder.add("test", str(i).encode().ljust(40 << 10, b"."))
+            await hub.ingest(builder.build())
+        assert queued.peak <= bound and 0 < queued.used <= bound
+        dropped = hub.metrics.registry.get_sample_value(
+            "taproom_hub_output_dropped_events_total", {"output": "lossy_one"}
+        )
+        assert dropped and dropped > 0
+        got = []
+        async for batch in lossless:
+            got += [r.payload.rstrip(b".") for r in batch.records()]
+            if len(got) == 20:
+                break
+        assert got == [str(i).encode() for i in range(20)]  # read back, nothing lost
+        lossy.close()
+        lossless.close()
+        assert queued.used == 0

@@ -53,13 +53,16 @@ class Commit:
 class CommittedBatch:
     """One committed batch as outputs see it; records are decoded once, on first use."""
 
-    __slots__ = ("_records", "base_offset", "body", "count")
+    __slots__ = ("_records", "base_offset", "body", "count", "queued")
 
     def __init__(self, base_offset: int, count: int, body: bytes) -> None:
         self.base_offset = base_offset
         self.count = count
         self.body = body
         self._records: list[Record] | None = None
+        # Output queues holding it: its body is charged to the budget's output_queues holder
+        # once, while any queue holds it (the outputs share one body).
+        self.queued = 0
 
     @property
     def end_offset(self) -> int:
@@ -118,24 +121,35 @@ class Subscription:
         ).labels(output=name).set_function(self._queue.qsize)
 
     def _offer(self, batch: CommittedBatch) -> None:
-        """Called on the hub's loop after each commit."""
+        """Called on the hub's loop after each commit. The queue is bounded in batches and,
+        with the other outputs' queues, in bytes (the budget's ``output_queues``): past either
+        bound a lossy output drops and counts, the others read back from the journal."""
         if self.closed or self._lagging:
             return
-        try:
-            self._queue.put_nowait(batch)
-        except asyncio.QueueFull:
+        holder = self.hub._output_queues
+        if self._queue.full() or (not batch.queued and not holder.try_reserve(len(batch.body))):
             if self.lossy:
                 self._m_drop.inc(batch.count)  # the consumer sees a gap in offsets
                 return
             self._m_lag.inc()
             self._lagging = True  # read from the journal from next_offset on
+            return
+        batch.queued += 1
+        self._queue.put_nowait(batch)
+
+    def _taken(self, batch: CommittedBatch) -> CommittedBatch:
+        """``batch`` left this queue: its bytes are free once no queue holds it."""
+        batch.queued -= 1
+        if not batch.queued:
+            self.hub._output_queues.release(len(batch.body))
+        return batch
 
     async def __anext__(self) -> CommittedBatch:
         while True:
             if self.closed:
                 raise StopAsyncIteration
             if not self._queue.empty():
-                batch = self._queue.get_nowait()
+                batch = self._taken(self._queue.get_nowait())
                 if batch.end_offset <= self.next_offset:
                     continue  # already delivered from the journal while catching up
                 self.next_offset = batch.end_offset
@@ -151,7 +165,7 @@ class Subscription:
             done, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
             closed.cancel()
             if getter in done:
-                batch = getter.result()
+                batch = self._taken(getter.result())
                 if batch.end_offset <= self.next_offset:
                     continue
                 self.next_offset = batch.end_offset
@@ -181,6 +195,7 @@ class Subscription:
                 if b.end_offset > self.next_offset:
                     self._queue.put_nowait(b)
                     break
+                self._taken(b)
             self._lagging = False
             return None
         base, count, body = item
@@ -199,6 +214,8 @@ class Subscription:
     def close(self) -> None:
         self.closed = True
         self.hub._subscriptions.discard(self)
+        while not self._queue.empty():
+            self._taken(self._queue.get_nowait())
 
 
 class Hub:
@@ -219,6 +236,7 @@ class Hub:
         # and not yet committed and acked is its "pending" holder.
         self.budget = MemoryBudget(self.config, self.metrics)
         self._pending = self.budget.holder("pending")
+        self._output_queues = self.budget.holder("output_queues")
         self._queue: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()
         self._pending_lock = threading.Lock()
         # Submitted while there was no room: each holds a place in the pending holder's FIFO

@@ -183,7 +183,11 @@ class Console:
             return json_response({"error": "busy", "reason": "too many live-tail pages"}, 503)
         ws = web.WebSocketResponse(heartbeat=20, max_msg_size=4096)
         await ws.prepare(request)
-        client = TailClient(tail_filter, self.server.console.tail_queue_events)
+        client = TailClient(
+            tail_filter,
+            self.server.console.tail_queue_events,
+            self.hub.budget.holder("console_tail"),
+        )
         self.tail.add(client)
         sender = asyncio.get_running_loop().create_task(self._send_tail(ws, client))
         try:

@@ -8,7 +8,9 @@ watches; each page has its own filters and a bounded queue. Nothing here can slo
   pages together (the front of a batch, when a batch is larger than what is left); the rest
   are skipped without being looked at;
 * each decoded event becomes one tail row, shared by every page that shows it;
-* a page whose queue is full misses events.
+* a page whose queue is full misses events, and so does one whose row would pass the rows'
+  share of the process budget (``console_tail``, ``[console] tail_bytes``: each queued row is
+  charged to it, per page, until the page takes it).
 
 Every skip is counted per page and sent to it (``"skipped": n``), so the page can say so.
 A page may ask to start at an earlier offset: that backlog is read from the journal in a worker
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+from ..budget import Holder
 from ..hub import Hub
 from ..records import Record, iter_batch, shown
 from ..supervise import Guard
@@ -33,6 +36,13 @@ __all__ = ["TailClient", "TailFilter", "TailHub", "event_json"]
 
 OUTPUT_NAME = "console_tail"
 PREVIEW_CHARS = 300  # a table row shows the start of a payload; the record view shows it all
+# What a queued row costs besides its text: the dict and its ten values (CPython, measured ~1 KB).
+_ROW_OVERHEAD = 1024
+
+
+def row_bytes(row: dict[str, Any]) -> int:
+    """What one tail row is charged to the budget (an estimate from its strings)."""
+    return _ROW_OVERHEAD + sum(len(row[k]) for k in ("preview", "stream", "topic", "producer"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +82,11 @@ def event_json(record: Record) -> dict[str, Any]:
 class TailClient:
     """One page's filter, queue (of ready tail rows) and skip count."""
 
-    def __init__(self, tail_filter: TailFilter, maxlen: int) -> None:
+    def __init__(self, tail_filter: TailFilter, maxlen: int, holder: Holder | None = None) -> None:
         self.filter = tail_filter
         self.maxlen = maxlen
+        self.holder = holder  # the budget's console_tail: every queued row is charged to it
+        self.queued_bytes = 0
         self.queue: deque[dict[str, Any]] = deque()
         self.skipped = 0
         self.after = -1  # offsets at or below this were sent (backlog and live may overlap)
@@ -102,9 +114,25 @@ class TailClient:
                     guard.failed(exc, "event for the live tail")
                     self.skipped += 1
                     continue
+            if self.holder is not None:
+                size = row_bytes(row)
+                if not self.holder.try_reserve(size):
+                    self.skipped += 1  # over the tail's share of the budget: missed, counted
+                    continue
+                self.queued_bytes += size
             self.queue.append(row)
         if self.queue or self.skipped:
             self.wakeup.set()
+
+    def _release(self, size: int) -> None:
+        if self.holder is not None and size:
+            self.holder.release(size)
+            self.queued_bytes -= size
+
+    def close(self) -> None:
+        """The page is gone: what it had queued is free."""
+        self.queue.clear()
+        self._release(self.queued_bytes)
 
     def skip(self, count: int) -> None:
         self.skipped += count
@@ -114,6 +142,7 @@ class TailClient:
         rows = [self.queue.popleft() for _ in range(min(limit, len(self.queue)))]
         if rows:
             self.after = max(self.after, rows[-1]["offset"])
+            self._release(sum(row_bytes(row) for row in rows))
         skipped, self.skipped = self.skipped, 0
         if not self.queue:
             self.wakeup.clear()
@@ -150,6 +179,7 @@ class TailHub:
 
     def remove(self, client: TailClient) -> None:
         self.clients.discard(client)
+        client.close()
         if not self.clients and self._task is not None:
             self._task.cancel()
             self._task = None
