@@ -60,6 +60,7 @@ SECTION_MODULES = (
     "taproom.servers.eventbus",
     "taproom.servers.lager",
     "taproom.budget",  # no section: its check that the holders fit in memory_budget_bytes
+    "taproom.servers.zmtp",
 )
 
 _SECTIONS: dict[str, type] = {}

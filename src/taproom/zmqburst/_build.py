@@ -49,6 +49,20 @@ typedef struct {
 } lj_published;
 void lj_publish(void *sock, const char *body, size_t len, int count, int check_protocol,
                 const lj_pub *cfg, lj_published *res);
+
+typedef struct {
+    int status; size_t pos; size_t complete; int messages; size_t partial; size_t want;
+    size_t body; uint64_t size;
+} zt_scanned;
+void zt_scan(const unsigned char *buf, size_t pos, size_t end, size_t complete, size_t partial,
+             uint64_t max_message, uint64_t max_command, zt_scanned *res);
+typedef struct {
+    int status; size_t pos; int messages; size_t frames; size_t bytes; size_t need;
+    size_t need_frames;
+} zt_taken;
+void zt_take(const unsigned char *buf, size_t pos, size_t complete, const char *prefix,
+             size_t prefix_len, int max_frames, int max_messages, size_t max_bytes, char *out,
+             size_t out_cap, size_t *frame_end, size_t frames_cap, int *counts, zt_taken *res);
 """
 
 SOURCE = Path(__file__).with_name("burst.c")

@@ -899,3 +899,202 @@ void lj_publish(void *sock, const char *body, size_t len, int count, int check_p
     res->pos = pos;
     res->seq = seq;
 }
+
+/* ---- ZMTP: taproom's own transport (servers/zmtp.py; protocols/zmtp/wire.py is the twin) -- */
+
+/* Frame flags (23/ZMTP): MORE, LONG (8-octet size), COMMAND. */
+#define ZT_MORE 1
+#define ZT_LONG 2
+#define ZT_COMMAND 4
+
+typedef struct {
+    int status;      /* ZT_NEED, ZT_COMMAND_AT, ZT_TOO_LARGE, ZT_BAD_COMMAND (wire.ScanStatus) */
+    size_t pos;      /* where the walk stopped */
+    size_t complete; /* end of the last whole message */
+    int messages;    /* whole messages completed by this call */
+    size_t partial;  /* wire bytes of the message in progress */
+    size_t want;     /* NEED: end of the frame being received (pos + 9 when its header is not) */
+    size_t body;     /* COMMAND_AT: its body's position */
+    uint64_t size;   /* COMMAND_AT: its body's size; TOO_LARGE / BAD_COMMAND: the frame's */
+} zt_scanned;
+
+enum { ZT_NEED = 0, ZT_COMMAND_AT = 1, ZT_TOO_LARGE = 2, ZT_BAD_COMMAND = 3 };
+
+/* Walk frame headers in buf[pos..end) (bodies are skipped by their sizes, never read); see
+ * wire.scan: every size is checked against max_message (wire bytes of one message) or
+ * max_command before the caller makes room for the body. */
+void zt_scan(const unsigned char *buf, size_t pos, size_t end, size_t complete, size_t partial,
+             uint64_t max_message, uint64_t max_command, zt_scanned *res) {
+    int messages = 0;
+    res->want = res->body = 0;
+    res->size = 0;
+    for (;;) {
+        if (end - pos < 2) {
+            res->status = ZT_NEED;
+            res->want = pos + 9;
+            break;
+        }
+        unsigned char flags = buf[pos];
+        uint64_t size;
+        size_t head;
+        if (flags & ZT_LONG) {
+            if (end - pos < 9) {
+                res->status = ZT_NEED;
+                res->want = pos + 9;
+                break;
+            }
+            size = 0;
+            for (int k = 1; k <= 8; k++)
+                size = size << 8 | buf[pos + k];
+            head = 9;
+        } else {
+            size = buf[pos + 1];
+            head = 2;
+        }
+        if (flags & ZT_COMMAND) {
+            if (size > max_command || (flags & ZT_MORE)) {
+                res->status = ZT_BAD_COMMAND;
+                res->size = size;
+                break;
+            }
+            if (end - pos - head < size) {
+                res->status = ZT_NEED;
+                res->want = pos + head + (size_t)size;
+                break;
+            }
+            res->status = ZT_COMMAND_AT;
+            res->body = pos + head;
+            res->size = size;
+            break;
+        }
+        /* no overflow: partial <= max_message, and size is compared before it is added */
+        if (size > max_message || partial + head + size > max_message) {
+            res->status = ZT_TOO_LARGE;
+            res->size = size;
+            break;
+        }
+        if (end - pos - head < size) {
+            res->status = ZT_NEED;
+            res->want = pos + head + (size_t)size;
+            break;
+        }
+        pos += head + (size_t)size;
+        if (flags & ZT_MORE) {
+            partial += head + (size_t)size;
+        } else {
+            complete = pos;
+            partial = 0;
+            messages++;
+        }
+    }
+    res->pos = pos;
+    res->complete = complete;
+    res->messages = messages;
+    res->partial = partial;
+}
+
+typedef struct {
+    int status;      /* ZT_TAKEN_* */
+    size_t pos;      /* in the connection's buffer: after the last message taken */
+    int messages;    /* in the burst (in and out) */
+    size_t frames;   /* frame_end entries in the burst (in and out) */
+    size_t bytes;    /* bytes of the burst's buffer used (in and out) */
+    size_t need;     /* FULL: bytes and frames the next message needs */
+    size_t need_frames;
+} zt_taken;
+
+enum { ZT_TAKEN_ALL = 0, ZT_TAKEN_COUNT = 1, ZT_TAKEN_BYTES = 2, ZT_TAKEN_FULL = 3 };
+
+static size_t zt_header(const unsigned char *buf, size_t pos, uint64_t *size,
+                        unsigned char *flags) {
+    *flags = buf[pos];
+    if (*flags & ZT_LONG) {
+        uint64_t s = 0;
+        for (int k = 1; k <= 8; k++)
+            s = s << 8 | buf[pos + k];
+        *size = s;
+        return 9;
+    }
+    *size = buf[pos + 1];
+    return 2;
+}
+
+/* Whole messages of buf[pos..complete) (zt_scan walked them: well formed) appended to a burst
+ * in tb_recv's shape: kept frame j ends at frame_end[j] in out, message i's true frame count
+ * in counts[i]. Commands are skipped; `prefix` (a ROUTER's routing id, or NULL) goes first in
+ * each message; at most max_frames frames of a message are kept. Stops after max_messages in
+ * the burst, once its bytes reach max_bytes, or (FULL) before a message out or its frames
+ * would not hold (need / need_frames: what it takes). The twin is wire.take. */
+void zt_take(const unsigned char *buf, size_t pos, size_t complete, const char *prefix,
+             size_t prefix_len, int max_frames, int max_messages, size_t max_bytes, char *out,
+             size_t out_cap, size_t *frame_end, size_t frames_cap, int *counts, zt_taken *res) {
+    size_t mark = pos;
+    res->status = ZT_TAKEN_ALL;
+    res->need = res->need_frames = 0;
+    while (pos < complete) {
+        if (res->messages >= max_messages) {
+            res->status = ZT_TAKEN_COUNT;
+            break;
+        }
+        if (res->bytes >= max_bytes) {
+            res->status = ZT_TAKEN_BYTES;
+            break;
+        }
+        /* first pass, headers only: what the message keeps, where it ends */
+        size_t p = pos, kept_bytes = prefix ? prefix_len : 0;
+        int count = prefix ? 1 : 0, data = 0;
+        uint64_t size;
+        unsigned char flags;
+        while (p < complete) {
+            size_t head = zt_header(buf, p, &size, &flags);
+            p += head + (size_t)size;
+            if (flags & ZT_COMMAND) {
+                if (!data)
+                    mark = pos = p; /* a command between messages goes with them */
+                continue;
+            }
+            data = 1;
+            count++;
+            if (count <= max_frames)
+                kept_bytes += (size_t)size;
+            if (!(flags & ZT_MORE))
+                break;
+        }
+        if (!data)
+            break; /* only commands were left */
+        size_t kept_frames = (size_t)(count < max_frames ? count : max_frames);
+        if (res->bytes + kept_bytes > out_cap || res->frames + kept_frames > frames_cap) {
+            res->status = ZT_TAKEN_FULL;
+            res->need = kept_bytes;
+            res->need_frames = kept_frames;
+            break;
+        }
+        /* second pass: copy */
+        size_t used = res->bytes, frames = res->frames;
+        int n = 0;
+        if (prefix) {
+            memcpy(out + used, prefix, prefix_len);
+            used += prefix_len;
+            frame_end[frames++] = used;
+            n = 1;
+        }
+        while (pos < p) {
+            size_t head = zt_header(buf, pos, &size, &flags);
+            pos += head;
+            if (!(flags & ZT_COMMAND)) {
+                n++;
+                if (n <= max_frames) {
+                    memcpy(out + used, buf + pos, (size_t)size);
+                    used += (size_t)size;
+                    frame_end[frames++] = used;
+                }
+            }
+            pos += (size_t)size;
+        }
+        counts[res->messages++] = count;
+        res->bytes = used;
+        res->frames = frames;
+        mark = pos;
+    }
+    res->pos = mark;
+}

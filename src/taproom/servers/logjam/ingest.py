@@ -1,23 +1,20 @@
 """Logjam ingest: the ROUTER (DEALER agents) and PULL (PUSH agents) read loops.
 
-Each loop drains a burst without blocking, validates it with
-:class:`~taproom.protocols.logjam.IngestParser`, builds one batch and hands it to the hub. An
-empty frame after the ROUTER's routing id asks for a reply: ``202 Accepted`` only after the
-commit, ``400 Bad Request`` at once.
+Both sockets are taproom's own ZeroMQ transport (:mod:`taproom.servers.zmtp`: what an agent
+can make the hub hold is bounded and reserved from the budget). Each loop takes a burst,
+validates it with :class:`~taproom.protocols.logjam.IngestParser`, builds one batch and hands
+it to the hub. An empty frame after the ROUTER's routing id asks for a reply: ``202
+Accepted`` only after the commit, ``400 Bad Request`` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import zmq
-import zmq.asyncio
 
 from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
@@ -25,8 +22,10 @@ from ...eventtime import TIME_OUT_OF_RANGE
 from ...hub import Hub
 from ...metrics import Metrics
 from ...protocols import logjam as lj
+from ...protocols.zmtp import encode_message
+from ..zmtp import ZmtpSocket
 from .config import LogjamConfig
-from .zmqio import MAX_FRAMES, NOBLOCK, SNDMORE, raw_send, readable
+from .zmqio import MAX_FRAMES
 
 __all__ = ["Ingest", "RejectLog"]
 
@@ -66,8 +65,8 @@ class Ingest:
     A burst ends when the socket has nothing queued, after ``burst_messages`` messages, or once
     its records reach ``burst_bytes`` (bodies are counted decompressed, so a burst of small
     compressed bodies cannot inflate without bound). Before each burst the loop waits for hub
-    capacity: while the hub is full nothing is read, and libzmq's ``rcv_hwm`` pushes back on
-    the agents.
+    capacity: while the hub is full nothing is taken, the agents' connections fill their
+    buffers and stop being read, and TCP pushes back on the agents.
     """
 
     def __init__(self, hub: Hub, config: LogjamConfig, hostname: bytes, reject: RejectLog) -> None:
@@ -76,6 +75,8 @@ class Ingest:
         self.hostname = hostname
         self._reject = reject
         self.pending: set[asyncio.Future[Any]] = set()
+        # "app-env" "202 Accepted", encoded once per app-env (agents keep to one or a few)
+        self._accepted: dict[bytes, bytes] = {}
         m = hub.metrics
         self._m_pings = m.counter(
             "logjam", "pings", "messages", "Pings received (answered when the agent asked)"
@@ -115,18 +116,18 @@ class Ingest:
         self.pending.add(future)
         return future
 
-    async def pull_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
+    async def pull_loop(self, sock: ZmtpSocket) -> None:
         """PUSH agents: no replies. Four frames make a message; three frames are an old
         agent's message without meta, stored as logjam-device stores it; any other shape is
         read whole and refused."""
-        await self._loop(asock, sock, router=False)
+        await self._loop(sock, router=False)
 
-    async def router_loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket) -> None:
+    async def router_loop(self, sock: ZmtpSocket) -> None:
         """DEALER agents: an empty frame after the routing id asks for a reply, ``202
         Accepted`` once the burst is durable (``400 Bad Request`` at once)."""
-        await self._loop(asock, sock, router=True)
+        await self._loop(sock, router=True)
 
-    async def _loop(self, asock: zmq.asyncio.Socket, sock: zmq.Socket, *, router: bool) -> None:
+    async def _loop(self, sock: ZmtpSocket, *, router: bool) -> None:
         """Read a burst (taproom.zmqburst: compiled or pure Python), make its records, hand
         them to the hub as one batch. A burst whose bodies reach ``burst_bytes`` before its
         end is finished in the next batch, after the hub has room again."""
@@ -136,7 +137,7 @@ class Ingest:
             self._router_message if router else self._pull_message, sock, parser.pusher()
         )
         take = _compiled_take(parser, sock, router, one) or _python_take(one)
-        reader = zmqburst.reader(sock, MAX_FRAMES)
+        reader = sock.reader(MAX_FRAMES)
         burst_messages, burst_bytes = self.config.burst_messages, self.config.burst_bytes
         # What one burst may inflate (its records, and the body being inflated) comes from the
         # process budget's inflate holder, shared with Lumberjack: reserved before the burst is
@@ -148,7 +149,7 @@ class Ingest:
         while True:
             await hub.wait_capacity()
             if burst is None or start >= burst.n:
-                await readable(asock, sock)
+                await sock.wait_readable()
                 burst, start = reader.recv(burst_messages, burst_bytes), 0
             await inflate.reserve(inflate_need)
             try:
@@ -174,7 +175,7 @@ class Ingest:
             await asyncio.sleep(0)
 
     def _pull_message(
-        self, sock: zmq.Socket, push: Pusher, count: int, frames: list[bytes], _acks: Acks
+        self, sock: ZmtpSocket, push: Pusher, count: int, frames: list[bytes], _acks: Acks
     ) -> bool:
         """One PULL message (``count`` frames, at most MAX_FRAMES of them kept). True: the
         burst has reached its byte budget."""
@@ -200,7 +201,7 @@ class Ingest:
         return False
 
     def _router_message(
-        self, sock: zmq.Socket, push: Pusher, count: int, frames: list[bytes], acks: Acks
+        self, sock: ZmtpSocket, push: Pusher, count: int, frames: list[bytes], acks: Acks
     ) -> bool:
         """One ROUTER message: the routing id, then ``[""] app-env topic body meta``: store it
         and queue its 202, answer a ping, or refuse it (a 400 at once when it asked for a
@@ -232,19 +233,15 @@ class Ingest:
             acks.append((routing_id, content[0]))
         return pushed is lj.BURST_FULL
 
-    def _answer_ping(self, sock: zmq.Socket, reply_to: bytes | None) -> None:
+    def _answer_ping(self, sock: ZmtpSocket, reply_to: bytes | None) -> None:
         """``ping`` ``200 OK`` host, as logjam-device answers a ping whose meta decodes."""
         self._m_pings.inc()
         if reply_to is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send_multipart(
-                    lj.reply_frames(reply_to, (lj.PING,), lj.PING_OK, self.hostname),
-                    zmq.NOBLOCK,
-                )
+            sock.send(lj.reply_frames(reply_to, (lj.PING,), lj.PING_OK, self.hostname))
 
     def _refuse(
         self,
-        sock: zmq.Socket,
+        sock: ZmtpSocket,
         reason: str,
         detail: str,
         reply_to: bytes | None,
@@ -255,30 +252,30 @@ class Ingest:
         if reason:
             self._reject(reason, detail)
         if reply_to is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                sock.send_multipart(lj.reply_frames(reply_to, content, lj.BAD_REQUEST), zmq.NOBLOCK)
+            sock.send(lj.reply_frames(reply_to, content, lj.BAD_REQUEST))
 
-    def _send_acks(self, sock: zmq.Socket, acks: Acks, future: asyncio.Future[Any]) -> None:
+    def _send_acks(self, sock: ZmtpSocket, acks: Acks, future: asyncio.Future[Any]) -> None:
         self.pending.discard(future)
         if future.cancelled() or future.exception() is not None:
             return  # not durable: no 202; the agent times out and may resend
-        if sock.closed:
-            return
-        send = functools.partial(raw_send, sock)
-        flags = NOBLOCK | SNDMORE
-        accepted = lj.ACCEPTED
+        send = sock.send_encoded
         for ack in acks:
             if isinstance(ack, _AckRun):
-                ack.send()  # a run of 202s the compiled path prepared: one call
+                ack.send(self._accepted_reply)  # a run of 202s the compiled path prepared
                 continue
             routing_id, app_env = ack
-            # as logjam-device: routing id, the agent's app-env, the status
-            try:
-                send(routing_id, flags)
-                send(app_env, flags)
-                send(accepted, NOBLOCK)
-            except zmq.ZMQError:
-                continue  # the agent went away; ROUTER drops replies to unknown peers
+            # as logjam-device: routing id, the agent's app-env, the status; a reply to an
+            # agent that went away is dropped (and counted), as a ROUTER drops it
+            send(routing_id, self._accepted_reply(app_env))
+
+    def _accepted_reply(self, app_env: bytes) -> bytes:
+        """``app-env`` ``202 Accepted`` as ZMTP frames, made once per app-env."""
+        reply = self._accepted.get(app_env)
+        if reply is None:
+            if len(self._accepted) >= 4096:  # many app-envs: stay bounded
+                self._accepted.clear()
+            reply = self._accepted[app_env] = encode_message((app_env, lj.ACCEPTED))
+        return reply
 
 
 # One message, handled in Python: (count, kept frames, acks) -> the burst is full.
@@ -288,19 +285,23 @@ Take = Callable[[zmqburst.Burst, int, "Acks"], int]
 
 
 class _AckRun:
-    """202s the compiled path wrote for a run of messages: sent in one call after the commit."""
+    """202s the compiled path wrote for a run of messages (routing id, app-env, status each):
+    sent after the commit."""
 
-    __slots__ = ("_buffers", "_counts", "_data", "_ends", "_lib", "_n", "_sock")
+    __slots__ = ("_at", "_buffers", "_ffi", "_n", "_sock")
 
-    def __init__(self, lib: Any, sock: zmq.Socket, buffers: Any, at: tuple[int, int, int], n: int):
-        data, ends, counts = buffers
-        self._lib, self._sock, self._buffers, self._n = lib, sock, buffers, n
-        self._data, self._ends, self._counts = data + at[0], ends + at[1], counts + at[2]
+    def __init__(self, ffi: Any, sock: ZmtpSocket, buffers: Any, at: tuple[int, int, int], n: int):
+        self._ffi, self._sock, self._buffers, self._at, self._n = ffi, sock, buffers, at, n
 
-    def send(self) -> None:
-        self._lib.tb_send(
-            zmqburst.handle(self._sock), self._data, self._ends, self._counts, self._n
-        )
+    def send(self, accepted: Callable[[bytes], bytes]) -> None:
+        data, ends, _counts = self._buffers
+        at_bytes, at_frames, _ = self._at
+        # the frame ends lj_build wrote count from the start of this run's bytes
+        edges = [0, *self._ffi.unpack(ends + at_frames, 3 * self._n)]
+        raw = self._ffi.buffer(data + at_bytes, edges[-1])[:]
+        send = self._sock.send_encoded
+        for i in range(0, len(edges) - 1, 3):
+            send(raw[edges[i] : edges[i + 1]], accepted(raw[edges[i + 1] : edges[i + 2]]))
 
 
 Acks = list[tuple[bytes, bytes] | _AckRun]
@@ -319,7 +320,7 @@ def _python_take(one: OneMessage) -> Take:
 
 
 def _compiled_take(
-    parser: lj.IngestParser, sock: zmq.Socket, router: bool, one: OneMessage
+    parser: lj.IngestParser, sock: ZmtpSocket, router: bool, one: OneMessage
 ) -> Take | None:
     """The compiled path's take: runs of messages in the usual shape become records (and
     202s) in C (``lj_build`` in zmqburst/burst.c, byte-identical to ``IngestParser.push``);
@@ -402,7 +403,7 @@ def _compiled_take(
                 used += built.out_bytes
             if built.acks:
                 acks.append(
-                    _AckRun(lib, sock, ack_buffers, (ack_at[0], ack_at[1], ack_at[2]), built.acks)
+                    _AckRun(ffi, sock, ack_buffers, (ack_at[0], ack_at[1], ack_at[2]), built.acks)
                 )
                 ack_at[0] += built.ack_bytes
                 ack_at[1] += built.ack_frames

@@ -14,6 +14,7 @@ from ...hub import Hub
 from ...payloads import decode_payload
 from ...protocols import logjam as lj
 from ...zmqaccess import ZmqAccess
+from ..zmtp import ZmtpSocket
 from .config import LogjamConfig
 from .ingest import Ingest, RejectLog
 from .pub import PubOutput
@@ -65,6 +66,7 @@ class LogjamService:
         self._ctx: zmq.asyncio.Context | None = None
         self._access: ZmqAccess | None = None
         self._sockets: list[zmq.asyncio.Socket] = []
+        self._own: list[ZmtpSocket] = []  # taproom's transport: the ingest sockets
         self._tasks: list[asyncio.Task[None]] = []
         self.addresses: dict[str, str] = {}
 
@@ -88,22 +90,32 @@ class LogjamService:
         self.addresses[name] = endpoint.removeprefix("tcp://")
         return sock, zmq.Socket.shadow(sock.underlying)
 
+    async def _bind_own(self, kind: str, port: int, name: str) -> ZmtpSocket:
+        """An ingest socket on taproom's transport: a whole message is at most
+        ``max_frame_bytes`` on the wire (a bigger one disconnects its peer, counted)."""
+        sock = ZmtpSocket(
+            kind,
+            hub=self.hub,
+            protocol="logjam",
+            name=name,
+            max_message_bytes=self.config.max_frame_bytes,
+        )
+        self._own.append(sock)
+        self.addresses[name] = await sock.bind(self.config.host, port)
+        return sock
+
     async def start(self) -> dict[str, str]:
         cfg = self.config
         self._ctx = zmq.asyncio.Context()
         self._access = ZmqAccess(self._ctx, self.hub.config, self.hub.metrics, "logjam")
         try:
-            router, router_sync = self._bind(
-                zmq.ROUTER, cfg.router_port, "logjam_router", cfg.max_frame_bytes
-            )
-            pull, pull_sync = self._bind(
-                zmq.PULL, cfg.pull_port, "logjam_pull", cfg.max_frame_bytes
-            )
+            router = await self._bind_own("ROUTER", cfg.router_port, "logjam_router")
+            pull = await self._bind_own("PULL", cfg.pull_port, "logjam_pull")
             _, pub_sync = self._bind(zmq.XPUB, cfg.pub_port, "logjam_pub", _SUBSCRIPTION_MAX_BYTES)
             replay, replay_sync = self._bind(
                 zmq.ROUTER, cfg.replay_port, "logjam_replay", _REPLAY_FRAME_MAX_BYTES
             )
-        except zmq.ZMQError:
+        except (zmq.ZMQError, OSError):
             self._close_sockets()
             raise
         self.pub.attach(pub_sync, self.addresses["logjam_pub"].rsplit(":", 1)[1])
@@ -111,8 +123,8 @@ class LogjamService:
         spawn = self.hub.supervisor.spawn
         self._access.start(spawn)  # logjam.zap, logjam.handshakes.<listener> (CURVE)
         self._tasks = [
-            spawn("logjam.router", partial(self.ingest.router_loop, router, router_sync)),
-            spawn("logjam.pull", partial(self.ingest.pull_loop, pull, pull_sync)),
+            spawn("logjam.router", partial(self.ingest.router_loop, router)),
+            spawn("logjam.pull", partial(self.ingest.pull_loop, pull)),
             spawn("logjam.pub", self.pub.publish_loop),
             spawn("logjam.heartbeat", self.pub.heartbeat_loop),
             spawn("logjam.replay", partial(self.replay.replay_loop, replay, replay_sync)),
@@ -136,6 +148,9 @@ class LogjamService:
         self._close_sockets()
 
     def _close_sockets(self) -> None:
+        for own in self._own:
+            own.close()
+        self._own = []
         for sock in self._sockets:
             sock.close(linger=0)
         self._sockets = []
