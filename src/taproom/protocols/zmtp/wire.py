@@ -63,6 +63,9 @@ class Version(IntEnum):
     ZMTP_3_1 = 1
 
 
+# the flags as plain ints for the scanner's loops: IntFlag operators cost a call each
+_F_MORE, _F_LONG, _F_COMMAND = int(Flag.MORE), int(Flag.LONG), int(Flag.COMMAND)
+
 SIGNATURE_SIZE = 10  # %xFF padding(8) %x7F: enough to tell ZMTP 2+ from ZMTP 1.0
 GREETING_SIZE = 64  # signature, version (2), mechanism (20), as-server (1), filler (31)
 _LONG = struct.Struct(">Q")
@@ -260,7 +263,7 @@ def scan(
         if end - pos < 2:
             return Scan(ScanStatus.NEED, pos, complete, messages, partial, pos + 9, 0, 0)
         flags = buf[pos]
-        if flags & Flag.LONG:
+        if flags & _F_LONG:
             if end - pos < 9:
                 return Scan(ScanStatus.NEED, pos, complete, messages, partial, pos + 9, 0, 0)
             size = _LONG.unpack_from(buf, pos + 1)[0]
@@ -268,8 +271,8 @@ def scan(
         else:
             size = buf[pos + 1]
             head = 2
-        if flags & Flag.COMMAND:
-            if size > max_command or flags & Flag.MORE:
+        if flags & _F_COMMAND:
+            if size > max_command or flags & _F_MORE:
                 return Scan(ScanStatus.BAD_COMMAND, pos, complete, messages, partial, 0, 0, size)
             if end - pos - head < size:
                 want = pos + head + size
@@ -281,7 +284,7 @@ def scan(
             want = pos + head + size
             return Scan(ScanStatus.NEED, pos, complete, messages, partial, want, 0, 0)
         pos += head + size
-        if flags & Flag.MORE:
+        if flags & _F_MORE:
             partial += head + size
         else:
             complete = pos
@@ -308,16 +311,19 @@ def take(
     head = [prefix] if prefix is not None else []
     frames, count, kept = list(head), len(head), sum(map(len, head))
     started = False  # a frame of the next message was walked
-    mark = pos
-    while pos < complete and len(out) < max_messages and size < max_bytes:
-        flags = buf[pos]
-        if flags & Flag.LONG:
-            n = _LONG.unpack_from(buf, pos + 1)[0]
+    base = pos
+    data = bytes(buf[pos:complete])  # one copy; frames are slices of it
+    pos, end, mark = 0, complete - base, 0
+    long_size = _LONG.unpack_from
+    while pos < end and len(out) < max_messages and size < max_bytes:
+        flags = data[pos]
+        if flags & _F_LONG:
+            n = long_size(data, pos + 1)[0]
             pos += 9
         else:
-            n = buf[pos + 1]
+            n = data[pos + 1]
             pos += 2
-        if flags & Flag.COMMAND:
+        if flags & _F_COMMAND:
             pos += n
             if not started:
                 mark = pos  # a command between messages is consumed with them
@@ -325,13 +331,13 @@ def take(
         started = True
         count += 1
         if count <= max_frames:
-            frames.append(bytes(buf[pos : pos + n]))
+            frames.append(data[pos : pos + n])
             kept += n
         pos += n
-        if not flags & Flag.MORE:
+        if not flags & _F_MORE:
             out.append((count, frames))
             size += kept
             mark = pos
             frames, count, kept = list(head), len(head), sum(map(len, head))
             started = False
-    return mark, out, size
+    return base + mark, out, size

@@ -26,8 +26,8 @@ class LogjamConfig:
     )
     rcv_hwm: int = setting(
         1000,
-        "messages libzmq queues per agent connection while the hub is full and taproom does "
-        "not read (a few MB of KB-sized requests); then the agents' own queues fill",
+        "messages libzmq queues per connection of the libzmq sockets (replay requests, "
+        "subscriptions); the ROUTER and PULL are taproom's transport, bounded in bytes",
         min=1,
     )
     snd_hwm: int = setting(
@@ -43,8 +43,9 @@ class LogjamConfig:
     )
     max_frame_bytes: int = setting(
         8 * 1024 * 1024,
-        "ZMQ_MAXMSGSIZE of the ROUTER and PULL: frames up to this are read (and answered 400 "
-        "when over max_message_bytes); libzmq drops a peer that sends a bigger one, unseen",
+        "a whole message on the ROUTER and PULL (every frame, checked at each header before "
+        "the frame is read): bodies over max_message_bytes are still read and answered 400; "
+        "a peer sending more is disconnected and counted (message_too_large)",
         min=1024,
         max=1 << 30,
     )

@@ -258,15 +258,16 @@ class Ingest:
         self.pending.discard(future)
         if future.cancelled() or future.exception() is not None:
             return  # not durable: no 202; the agent times out and may resend
-        send = sock.send_encoded
+        # as logjam-device: routing id, the agent's app-env, the status; a reply to an agent
+        # that went away is dropped (and counted), as a ROUTER drops it
+        replies: list[tuple[bytes, bytes]] = []
+        accepted = self._accepted_reply
         for ack in acks:
             if isinstance(ack, _AckRun):
-                ack.send(self._accepted_reply)  # a run of 202s the compiled path prepared
-                continue
-            routing_id, app_env = ack
-            # as logjam-device: routing id, the agent's app-env, the status; a reply to an
-            # agent that went away is dropped (and counted), as a ROUTER drops it
-            send(routing_id, self._accepted_reply(app_env))
+                ack.add_to(replies, accepted)  # a run of 202s the compiled path prepared
+            else:
+                replies.append((ack[0], accepted(ack[1])))
+        sock.send_encoded_many(replies)
 
     def _accepted_reply(self, app_env: bytes) -> bytes:
         """``app-env`` ``202 Accepted`` as ZMTP frames, made once per app-env."""
@@ -288,20 +289,24 @@ class _AckRun:
     """202s the compiled path wrote for a run of messages (routing id, app-env, status each):
     sent after the commit."""
 
-    __slots__ = ("_at", "_buffers", "_ffi", "_n", "_sock")
+    __slots__ = ("_at", "_buffers", "_ffi", "_n")
 
-    def __init__(self, ffi: Any, sock: ZmtpSocket, buffers: Any, at: tuple[int, int, int], n: int):
-        self._ffi, self._sock, self._buffers, self._at, self._n = ffi, sock, buffers, at, n
+    def __init__(self, ffi: Any, buffers: Any, at: tuple[int, int, int], n: int):
+        self._ffi, self._buffers, self._at, self._n = ffi, buffers, at, n
 
-    def send(self, accepted: Callable[[bytes], bytes]) -> None:
+    def add_to(
+        self, replies: list[tuple[bytes, bytes]], accepted: Callable[[bytes], bytes]
+    ) -> None:
+        """(routing id, encoded reply) of each 202 of the run, appended to ``replies``."""
         data, ends, _counts = self._buffers
         at_bytes, at_frames, _ = self._at
         # the frame ends lj_build wrote count from the start of this run's bytes
         edges = [0, *self._ffi.unpack(ends + at_frames, 3 * self._n)]
         raw = self._ffi.buffer(data + at_bytes, edges[-1])[:]
-        send = self._sock.send_encoded
-        for i in range(0, len(edges) - 1, 3):
-            send(raw[edges[i] : edges[i + 1]], accepted(raw[edges[i + 1] : edges[i + 2]]))
+        replies += [
+            (raw[edges[i] : edges[i + 1]], accepted(raw[edges[i + 1] : edges[i + 2]]))
+            for i in range(0, len(edges) - 1, 3)
+        ]
 
 
 Acks = list[tuple[bytes, bytes] | _AckRun]
@@ -403,7 +408,7 @@ def _compiled_take(
                 used += built.out_bytes
             if built.acks:
                 acks.append(
-                    _AckRun(ffi, sock, ack_buffers, (ack_at[0], ack_at[1], ack_at[2]), built.acks)
+                    _AckRun(ffi, ack_buffers, (ack_at[0], ack_at[1], ack_at[2]), built.acks)
                 )
                 ack_at[0] += built.ack_bytes
                 ack_at[1] += built.ack_frames

@@ -339,6 +339,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.start = pos
         if pos >= self.complete:
             self.sock._unmark_ready(self)
+            if self.closed:
+                self._free()
+                return
         if self.start == self.end:
             self.start = self.end = self.scan = self.complete = self.want = 0
             if self.cap > self.sock.config.busy_buffer_bytes:
@@ -386,7 +389,12 @@ class _Connection(asyncio.BufferedProtocol):
         if self.waiting is not None:
             self.waiting.cancel()
             self.waiting = None
-        self._free()
+        if self.ready:
+            # whole messages that arrived before the peer went are still delivered, as libzmq
+            # delivers them; the unfinished one is dropped. The buffer goes once they are taken.
+            self.end = self.scan = self.complete
+        else:
+            self._free()
         self.sock._forget(self)
 
     def write(self, data: bytes) -> bool:
@@ -488,6 +496,10 @@ class ZmtpSocket:
             self._sweeper = None
         for conn in list(self._connections):
             conn.close()
+        while self._ready:  # nobody takes them now: their room goes back
+            conn = self._ready.popleft()
+            conn.ready = False
+            conn._free()
 
     # --- the service's side --------------------------------------------------------------------
 
@@ -523,6 +535,24 @@ class ZmtpSocket:
             self._m_dropped.inc()
             return False
         return True
+
+    def send_encoded_many(self, replies: list[tuple[bytes, bytes]]) -> None:
+        """:meth:`send_encoded` for many replies: one write per peer (a write is a system call
+        when nothing is queued), in order per peer."""
+        if len(replies) == 1:
+            self.send_encoded(*replies[0])
+            return
+        per_peer: dict[bytes, list[bytes]] = {}
+        for routing_id, data in replies:
+            chunks = per_peer.get(routing_id)
+            if chunks is None:
+                per_peer[routing_id] = [data]
+            else:
+                chunks.append(data)
+        for routing_id, chunks in per_peer.items():
+            conn = self._routes.get(routing_id)
+            if conn is None or not conn.write(b"".join(chunks)):
+                self._m_dropped.inc(len(chunks))
 
     def peers(self) -> int:
         return sum(1 for conn in self._connections if conn.peer is not None)
@@ -560,12 +590,12 @@ class ZmtpSocket:
         return True
 
     def _forget(self, conn: _Connection) -> None:
+        """A connection closed (its whole messages, if any, stay ready until taken)."""
         if conn in self._connections:
             self._connections.discard(conn)
             self._m_connections.dec()
         if conn.prefix is not None and self._routes.get(conn.prefix) is conn:
             del self._routes[conn.prefix]
-        self._unmark_ready(conn)
 
     def _mark_ready(self, conn: _Connection) -> None:
         conn.ready = True
