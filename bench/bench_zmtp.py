@@ -26,6 +26,7 @@ import time
 import zmq
 
 from taproom import zmqburst
+from taproom.budget import MemoryBudget
 from taproom.config import load_config
 from taproom.metrics import Metrics
 from taproom.protocols import zmtp as zp
@@ -126,10 +127,11 @@ def _taproom(n: int) -> int:
     class Hub:
         config = load_config()
         metrics = Metrics()
+        budget = MemoryBudget(config, metrics)
 
     async def main() -> int:
         sock = ZmtpSocket(
-            "PULL", hub=Hub(), protocol="bench", name="bench_pull", max_message_bytes=1 << 20
+            "PULL", hub=Hub(), protocol="bench", name="logjam_pull", max_message_bytes=1 << 20
         )  # type: ignore[arg-type]
         address = await sock.bind("127.0.0.1", 0)
         senders = _senders("tcp://" + address, n)

@@ -324,7 +324,11 @@ async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path, grammar):
         own = {}
         for kind in ("PULL", "ROUTER"):
             own[kind] = ZmtpSocket(
-                kind, hub=app.hub, protocol="logjam", name=f"fuzz_{kind}", max_message_bytes=1 << 20
+                kind,
+                hub=app.hub,
+                protocol="logjam",
+                name=f"logjam_{kind.lower()}",
+                max_message_bytes=1 << 20,
             )
             await own[kind].bind("127.0.0.1", 0)
         pull, router = own["PULL"], own["ROUTER"]

@@ -12,22 +12,26 @@ import time
 import pytest
 import zmq
 
+from taproom.budget import Holder, MemoryBudget
 from taproom.config import load_config
 from taproom.metrics import Metrics
 from taproom.protocols import zmtp as zp
-from taproom.servers.zmtp import LocalHolder, ZmtpConfig, ZmtpSocket
+from taproom.servers.zmtp import ZmtpConfig, ZmtpSocket
 
 pytestmark = pytest.mark.usefixtures("zmq_path")
 
 MiB = 1 << 20
+# a listener of each kind (its name picks its [access] rules)
+LISTENER = {"ROUTER": "logjam_router", "PULL": "logjam_pull", "SUB": "lager_forwarder_in"}
 
 
 class Hub:
-    """What a ZmtpSocket needs of a hub: its configuration and metrics."""
+    """What a ZmtpSocket needs of a hub: its configuration, metrics and memory budget."""
 
-    def __init__(self) -> None:
-        self.config = load_config()
+    def __init__(self, text: str = "") -> None:
+        self.config = load_config(text=text)
         self.metrics = Metrics()
+        self.budget = MemoryBudget(self.config, self.metrics)
 
     def rejected(self, reason: str, protocol: str = "test") -> float:
         value = self.metrics.registry.get_sample_value(
@@ -37,13 +41,13 @@ class Hub:
 
 
 @contextlib.asynccontextmanager
-async def bound(kind, *, max_message=MiB, subscribe=(), config=None, holder=None):
-    hub = Hub()
+async def bound(kind, *, max_message=MiB, subscribe=(), config=None, holder=None, text=""):
+    hub = Hub(text)
     sock = ZmtpSocket(
         kind,
         hub=hub,
         protocol="test",
-        name=f"test_{kind.lower()}",
+        name=LISTENER[kind],
         max_message_bytes=max_message,
         subscribe=subscribe,
         config=config,
@@ -209,6 +213,44 @@ class TestPeers:
                 s.close()
 
 
+class TestAccess:
+    async def test_only_allowed_addresses_are_served(self, ctx):
+        text = '[access.logjam_pull]\nallow = ["127.0.0.2"]\n'
+        async with bound("PULL", text=text) as (sock, hub):
+            port = sock.port
+            allowed = ctx.socket(zmq.PUSH)
+            allowed.connect(f"tcp://127.0.0.2:0;127.0.0.1:{port}")
+            refused = ctx.socket(zmq.PUSH)
+            refused.connect(f"tcp://127.0.0.3:0;127.0.0.1:{port}")
+            refused.send(b"from 127.0.0.3")
+            allowed.send(b"from 127.0.0.2")
+            assert await receive(sock, 1) == [(1, [b"from 127.0.0.2"])]
+
+            def refusals():
+                return hub.metrics.registry.get_sample_value(
+                    "taproom_access_refused_connections_total",
+                    {"listener": "logjam_pull", "reason": "address_not_allowed"},
+                )
+
+            await until(lambda: (refusals() or 0) >= 1, what="the refusal counted")
+            await asyncio.sleep(0.3)
+            assert not sock.readable  # nothing from the refused peer, ever
+            allowed.close(0)
+            refused.close(0)
+
+    async def test_a_curve_listener_is_never_served_with_null(self, tmp_path):
+        import zmq.auth
+
+        _public, secret = zmq.auth.create_certificates(str(tmp_path), "hub")
+        text = f'[access.logjam_router]\ncurve_secret_key_file = "{secret}"\n'
+        hub = Hub(text)
+        sock = ZmtpSocket(
+            "ROUTER", hub=hub, protocol="test", name="logjam_router", max_message_bytes=MiB
+        )
+        with pytest.raises(OSError, match="CURVE"):
+            await sock.bind("127.0.0.1", 0)
+
+
 class TestRefusals:
     async def test_wrong_socket_types_are_refused_and_counted(self, ctx):
         async with bound("ROUTER") as (sock, hub):
@@ -237,7 +279,7 @@ class TestRefusals:
         """Issue 26.2: 40 x 1 MiB frames flagged MORE, never the last, from 5 peers: each is
         disconnected when its message passes the bound, counted, and what the socket held
         never passed 5 x the bound; an honest peer is served throughout."""
-        holder = LocalHolder(64 * MiB)
+        holder = Holder("test", 64 * MiB)
         async with bound("ROUTER", max_message=8 * MiB, holder=holder) as (sock, hub):
             frame = zp.encode_frame(b"a" * MiB, zp.Flag.MORE)
             peak = 0
@@ -286,7 +328,7 @@ class TestRefusals:
             assert [int(frames[0]) for _, frames in got] == list(range(sent))
 
     async def test_a_message_waits_for_budget_then_goes_through(self, ctx):
-        holder = LocalHolder(4 * MiB)
+        holder = Holder("test", 4 * MiB)
         async with bound("PULL", max_message=8 * MiB, holder=holder) as (sock, _hub):
             holder.try_reserve(4 * MiB - 100_000)  # someone else holds nearly all of it
             push = peer(ctx, zmq.PUSH, sock.address)

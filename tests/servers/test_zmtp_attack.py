@@ -18,12 +18,12 @@ from bench.bench_attack import goal_mib, zmq_unfinished_multipart
 
 from taproom.servers.logtk import hash_token
 from tests.support import SOAK, HubProcess, write_config
-from tests.test_probe import (  # noqa: F401 -- the fixture is used by name
+from tests.test_probe import (
     TOKEN,
     HealthWatch,
+    HonestSenders,
     get,
     metric_sum,
-    senders,
     status_kib,
     wait_for,
 )
@@ -42,13 +42,19 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HubProcess]:
         yield process
 
 
+@pytest.fixture(scope="module")
+def senders(hub: HubProcess) -> Iterator[HonestSenders]:
+    with HonestSenders(hub) as running:
+        yield running
+
+
 def refused(hub: HubProcess, reason: str) -> float:
     return metric_sum(hub, "taproom_ingest_rejected_items_total", f'reason="{reason}"')
 
 
 @pytest.mark.parametrize(("listener", "socket_type"), LISTENERS, ids=[n for n, _ in LISTENERS])
 def test_unfinished_multipart_messages_stay_within_the_bound(
-    hub: HubProcess, senders, listener: str, socket_type: bytes
+    hub: HubProcess, senders: HonestSenders, listener: str, socket_type: bytes
 ) -> None:
     targets = ((listener, socket_type),)
     if SOAK:  # the issue's 10 peers over two ports

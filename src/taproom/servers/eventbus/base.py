@@ -16,6 +16,7 @@ from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.eventbus import BinaryStar, Event
 from ...zmqaccess import ZmqAccess
+from ..zmtp import ZmtpSocket
 from .config import EventBusConfig
 from .state import PROTOCOL, Dedup, Entry
 
@@ -35,19 +36,18 @@ class Burst:
 class BusBase:
     """The state every part of the bus shares: hashmap, sequences, queues, sockets, metrics."""
 
-    # Bound by the service's start(); each has a synchronous shadow for NOBLOCK hot loops.
+    # Bound by the service's start(); each libzmq one has a synchronous shadow for NOBLOCK hot
+    # loops. The collectors are taproom's own ZeroMQ transport (servers.zmtp, issue 26).
     _snapshot: zmq.asyncio.Socket
     _publisher: zmq.asyncio.Socket
-    _collector: zmq.asyncio.Socket
+    _collector: ZmtpSocket
     _snapshot_raw: zmq.Socket[bytes]
     _publisher_raw: zmq.Socket[bytes]
-    _collector_raw: zmq.Socket[bytes]
     # The CHP dialect's group (config ``chp``): ROUTER, PUB, and a PULL or SUB collector.
     _chp_snapshot: zmq.asyncio.Socket
-    _chp_collector: zmq.asyncio.Socket
+    _chp_collector: ZmtpSocket
     _chp_snapshot_raw: zmq.Socket[bytes]
     _chp_publisher_raw: zmq.Socket[bytes] | None = None
-    _chp_collector_raw: zmq.Socket[bytes]
     # The Binary Star peer link (roles primary / backup).
     _peer_host: str
     _peer_base: int
@@ -60,8 +60,10 @@ class BusBase:
         self.hub = hub
         self.config = config
         self.limits = config.limits()
-        # Largest frame the COLLECTOR accepts (ZMQ_MAXMSGSIZE, checked before ZeroMQ allocates):
-        # one event's data, or a REPLICATE chunk of at most a MiB, plus room for the rest.
+        # Largest message a collector accepts, all frames (checked at each frame header, before
+        # the frame is read), and the peer link's ZMQ_MAXMSGSIZE: one event's data, or a
+        # REPLICATE chunk of at most a MiB, plus room for the rest (topic, producer, timestamp,
+        # uuid, ZMTP framing: far below 64 KiB together).
         self._max_frame = max(self.limits.max_data_bytes, 1024 * 1024) + 65536
         self.name = hub.config.hub.name
         self.fsm = BinaryStar(config.role, config.peer_timeout_ms / 1000, time.monotonic())
@@ -103,6 +105,7 @@ class BusBase:
         self._ctx: zmq.asyncio.Context | None = None
         self._zmq_access: ZmqAccess | None = None
         self._sockets: list[zmq.Socket[Any]] = []
+        self._own: list[ZmtpSocket] = []  # the collectors, on taproom's transport
         self._reject_log_budget = 0.0
         self._stopping = False
         # Producer times to ts_ns by the one rule (taproom.eventtime); counted per burst.

@@ -4,7 +4,6 @@ the CHP publisher); the HUGZ heartbeat."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import time
@@ -17,7 +16,7 @@ from ...protocols.eventbus import BStarState, replicated_frames
 from .base import Burst
 from .bstar import BinaryStarPeer
 from .state import Entry, kv_frames
-from .wire import LEND_BYTES, rearm, send_event, send_kvmsg
+from .wire import LEND_BYTES, send_event, send_kvmsg
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -99,12 +98,8 @@ class Broadcaster(BinaryStarPeer):
             self._m_broadcast.inc(sent)
         self.last_seq = max(self.last_seq, burst.entries[-1].seq)
         self._applied_offset = max(self._applied_offset, commit.end_offset)
-        if burst.reply_to is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._collector_raw.send_multipart(
-                    [burst.reply_to, *replicated_frames(self.last_seq)], zmq.NOBLOCK
-                )
-            rearm(self._collector)
+        if burst.reply_to is not None:  # dropped (and counted) if the peer went away
+            self._collector.send([burst.reply_to, *replicated_frames(self.last_seq)])
 
     @staticmethod
     def _flush(

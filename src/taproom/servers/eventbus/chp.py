@@ -27,9 +27,9 @@ class ChpDialect(Collector):
     """Reads kvmsg updates from the CHP collector; deletes expired keys."""
 
     async def _chp_collector_loop(self) -> None:
-        reader = zmqburst.reader(self._chp_collector_raw, MAX_FRAMES)
+        reader = self._chp_collector.reader(MAX_FRAMES)
         while True:
-            await self._chp_collector.poll()
+            await self._chp_collector.wait_readable()
             await self.hub.wait_capacity()
             try:
                 self._drain_chp_collector(reader)

@@ -22,9 +22,9 @@ class Collector(Broadcaster):
         """Supervised as ``eventbus.collector``: per message in :meth:`_drain_collector`, and
         restarted by the hub's supervisor if it still dies."""
         # a burst per call (taproom.zmqburst: compiled, or pyzmq per frame)
-        reader = zmqburst.reader(self._collector_raw, MAX_FRAMES)
+        reader = self._collector.reader(MAX_FRAMES)
         while True:
-            await self._collector.poll()
+            await self._collector.wait_readable()
             await self.hub.wait_capacity()
             try:
                 self._drain_collector(reader)

@@ -14,9 +14,11 @@ import zmq.asyncio
 
 from ...hub import Hub
 from ...zmqaccess import ZmqAccess
+from ..zmtp import ZmtpSocket
 from .checkpoint import BusState, checkpoint_path, rebuild_state, write_checkpoint
 from .config import EventBusConfig
 from .snapshot import SnapshotServer
+from .state import PROTOCOL
 from .wire import endpoint
 
 log = logging.getLogger("taproom.eventbus")
@@ -42,7 +44,7 @@ class EventBusService(SnapshotServer):
             self.dedup.add(key, seq)
         self._ctx = zmq.asyncio.Context()
         self._zmq_access = ZmqAccess(self._ctx, self.hub.config, self.hub.metrics, "eventbus")
-        addresses = self._bind()
+        addresses = await self._bind()
         self._install(state.hashmap)
         log.info(
             "eventbus: %d topics, sequence %d rebuilt from %s in %.2fs; role %s",
@@ -85,13 +87,13 @@ class EventBusService(SnapshotServer):
 
         return count
 
-    def _bind(self) -> dict[str, str]:
+    async def _bind(self) -> dict[str, str]:
         """The seed's group (and the CHP dialect's, when on); see :meth:`_bind_group`."""
         cfg = self.config
         # A subscription longer than any topic matches nothing; bounding it keeps a SUB from
         # growing the PUB's subscription trie by a node per byte (issue 19: 4 x 1 MiB = 264 MB).
         max_subscription = self.limits.max_topic_bytes + 64
-        snapshot, publisher, collector, base = self._bind_group(
+        snapshot, publisher, collector, base = await self._bind_group(
             cfg.port,
             ("eventbus_snapshot", "eventbus_publisher", "eventbus_collector"),
             (
@@ -103,14 +105,13 @@ class EventBusService(SnapshotServer):
                 },
             ),
             (zmq.PUB, {"SNDHWM": cfg.publisher_hwm, "MAXMSGSIZE": max_subscription}),
-            (zmq.ROUTER, {"RCVHWM": cfg.collector_hwm, "MAXMSGSIZE": self._max_frame}),
+            ("ROUTER", {}),
         )
         self._snapshot, self._publisher, self._collector = snapshot, publisher, collector
         # Synchronous shadows of the same sockets: NOBLOCK sends and receives in hot loops
         # without a future per call.
         self._snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
         self._publisher_raw = zmq.Socket.shadow(publisher.underlying)
-        self._collector_raw = zmq.Socket.shadow(collector.underlying)
         addresses = {
             "eventbus_snapshot": f"{cfg.host}:{base}",
             "eventbus_publisher": f"{cfg.host}:{base + 1}",
@@ -118,8 +119,8 @@ class EventBusService(SnapshotServer):
         }
         if not cfg.chp:
             return addresses
-        collector_kind = zmq.SUB if cfg.chp_collector == "sub" else zmq.PULL
-        snapshot, publisher, collector, base = self._bind_group(
+        collector_kind = "SUB" if cfg.chp_collector == "sub" else "PULL"
+        snapshot, publisher, collector, base = await self._bind_group(
             cfg.chp_port,
             ("eventbus_chp_snapshot", "eventbus_chp_publisher", "eventbus_chp_collector"),
             (
@@ -131,34 +132,47 @@ class EventBusService(SnapshotServer):
                 },
             ),
             (zmq.PUB, {"SNDHWM": cfg.publisher_hwm, "MAXMSGSIZE": max_subscription}),
-            (collector_kind, {"RCVHWM": cfg.collector_hwm, "MAXMSGSIZE": self._max_frame}),
+            (collector_kind, {}),
         )
-        if collector_kind == zmq.SUB:
-            collector.setsockopt(zmq.SUBSCRIBE, b"")
         self._chp_snapshot, self._chp_collector = snapshot, collector
         self._chp_snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
         self._chp_publisher_raw = zmq.Socket.shadow(publisher.underlying)
-        self._chp_collector_raw = zmq.Socket.shadow(collector.underlying)
         addresses["eventbus_chp_snapshot"] = f"{cfg.host}:{base}"
         addresses["eventbus_chp_publisher"] = f"{cfg.host}:{base + 1}"
         addresses["eventbus_chp_collector"] = f"{cfg.host}:{base + 2}"
         return addresses
 
-    def _bind_group(
-        self, port: int, names: tuple[str, str, str], *kinds: tuple[int, dict[str, int]]
-    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, zmq.asyncio.Socket, int]:
-        """Three sockets at P, P+1, P+2; port 0 finds three consecutive free ones (the OS
-        picks P, and all three are closed and tried again if P+1 or P+2 is taken).
+    async def _bind_group(
+        self,
+        port: int,
+        names: tuple[str, str, str],
+        snapshot_kind: tuple[int, dict[str, int]],
+        publisher_kind: tuple[int, dict[str, int]],
+        collector_kind: tuple[str, dict[str, int]],
+    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, ZmtpSocket, int]:
+        """Three sockets at P, P+1, P+2 (libzmq snapshot and publisher, the collector on
+        taproom's transport); port 0 finds three consecutive free ones (the OS picks P, and all
+        three are closed and tried again if P+1 or P+2 is taken).
 
         Each gets its listener's access policy before it binds; peers of the wrong kind (a
-        PUSH or PUB on the ROUTER COLLECTOR...) are refused by ZeroMQ without a word to the
-        application: their monitors count them (``handshake_refused``)."""
+        PUSH or PUB on the ROUTER SNAPSHOT...) are refused by ZeroMQ without a word to the
+        application: their monitors count them (``handshake_refused``); the collector counts
+        its own refusals (``socket_type``...)."""
         host = self.config.host
         assert self._zmq_access is not None
+        kind = collector_kind[0]
         for _attempt in range(100):
-            sockets = [self._socket(kind, **options) for kind, options in kinds]
-            for sock, name in zip(sockets, names, strict=True):
+            sockets = [self._socket(k, **options) for k, options in (snapshot_kind, publisher_kind)]
+            for sock, name in zip(sockets, names[:2], strict=True):
                 self._zmq_access.secure(sock, name, self._refused_handshake(name))
+            collector = ZmtpSocket(
+                kind,
+                hub=self.hub,
+                protocol=PROTOCOL,
+                name=names[2],
+                max_message_bytes=self._max_frame,
+                subscribe=(b"",) if kind == "SUB" else (),
+            )
             try:
                 if port:
                     base = port
@@ -171,8 +185,9 @@ class EventBusService(SnapshotServer):
                     if base > 65533:
                         raise zmq.ZMQError(errno.EADDRINUSE)
                 sockets[1].bind(endpoint(host, base + 1))
-                sockets[2].bind(endpoint(host, base + 2))
-            except zmq.ZMQError as exc:
+                await collector.bind(host, base + 2)
+            except (zmq.ZMQError, OSError) as exc:
+                collector.close()
                 for sock in sockets:
                     self._zmq_access.forget(sock)
                     sock.close(0)
@@ -180,7 +195,8 @@ class EventBusService(SnapshotServer):
                 if port or exc.errno != errno.EADDRINUSE:
                     raise
                 continue
-            return sockets[0], sockets[1], sockets[2], base
+            self._own.append(collector)
+            return sockets[0], sockets[1], collector, base
         raise OSError(errno.EADDRINUSE, "no three consecutive free ports for the event bus")
 
     async def stop(self) -> None:
@@ -210,6 +226,9 @@ class EventBusService(SnapshotServer):
                 await self.checkpoint()
             except OSError as exc:
                 log.warning("eventbus: checkpoint at stop failed: %s", exc)
+        for own in self._own:
+            own.close()
+        self._own.clear()
         for sock in self._sockets:
             sock.close(0)
         self._sockets.clear()

@@ -5,7 +5,7 @@ from: see ``transport`` and docs/architecture.md decision 12. The sans-I/O core 
 from __future__ import annotations
 
 from .config import ZmtpConfig
-from .holder import Holder, LocalHolder, buffer_holder
+from .holder import Holder, buffer_holder
 from .transport import ZmtpSocket
 
-__all__ = ["Holder", "LocalHolder", "ZmtpConfig", "ZmtpSocket", "buffer_holder"]
+__all__ = ["Holder", "ZmtpConfig", "ZmtpSocket", "buffer_holder"]

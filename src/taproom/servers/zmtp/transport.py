@@ -14,9 +14,10 @@ What a peer can make the hub hold is bounded three ways:
 * a message is at most ``max_message_bytes`` on the wire: the scanner checks every frame
   header against it *before* the body arrives, and the peer is disconnected and counted
   (``message_too_large``, its address in a rate-limited log);
-* every byte of a connection's buffer is reserved from the process budget (the connection
-  buffers' holder): a connection whose bytes do not fit stops being read (TCP pushes back on
-  that peer alone) until the holder has room; idle connections give their buffer back;
+* every byte of a connection's buffer is reserved from the process budget (its
+  ``connection_buffers`` holder): a connection whose bytes do not fit stops being read (TCP
+  pushes back on that peer alone) until the holder has room; idle connections give their
+  buffer back;
 * a connection stops being read while its whole messages wait for the service (the hub is
   full, ``wait_capacity``), so nothing piles up behind a full journal either.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import random
@@ -33,6 +35,7 @@ from collections import deque
 from typing import Any
 
 from ... import zmqburst
+from ...access import ListenerAccess, access_for
 from ...hub import Hub
 from ...protocols import zmtp as zp
 from ...protocols.zmtp.wire import ScanStatus
@@ -115,10 +118,12 @@ class _Connection(asyncio.BufferedProtocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         peername = transport.get_extra_info("peername")
+        host = None
         if isinstance(peername, tuple):
-            self.address = f"{peername[0]}:{peername[1]}"
+            host = peername[0]
+            self.address = f"{host}:{peername[1]}"
         transport.set_write_buffer_limits(high=self.sock.config.max_reply_bytes)
-        if not self.sock._adopt(self):
+        if not self.sock._adopt(self, host):
             return
         transport.write(self.handshake.initial)
 
@@ -426,6 +431,7 @@ class ZmtpSocket:
         subscribe: tuple[bytes, ...] = (),
         config: ZmtpConfig | None = None,
         holder: Holder | None = None,
+        access: ListenerAccess | None = None,
     ) -> None:
         if kind.encode() not in _KINDS:
             raise ValueError(f"taproom's transport has no {kind} socket")
@@ -437,6 +443,8 @@ class ZmtpSocket:
         self.subscriptions = subscribe
         self.config = config or zmtp_config(hub)
         self.holder = holder or buffer_holder(hub)
+        # who may connect (taproom.access): the allowlist is checked at accept
+        self.access = access or access_for(hub.config, name, hub.metrics)
         self.buffered = 0  # bytes reserved by this socket's connections
         self.address = ""
         self._server: asyncio.Server | None = None
@@ -472,6 +480,13 @@ class ZmtpSocket:
 
     async def bind(self, host: str, port: int) -> str:
         """Listen on ``host:port`` (0: any free port); returns ``host:port`` as bound."""
+        if self.access.curve is not None:
+            # never serve NULL where the operator asked for CURVE
+            raise OSError(
+                errno.EPROTONOSUPPORT,
+                f"{self.name}: CURVE is not served by taproom's ZeroMQ transport yet (issue 26); "
+                "remove curve_secret_key_file for this listener or keep it on loopback",
+            )
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
             lambda: _Connection(self), host or None, port, backlog=ACCEPT_BATCH
@@ -480,7 +495,11 @@ class ZmtpSocket:
         self._server = server
         bound = server.sockets[0].getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
-        self._sweeper = loop.create_task(self._sweep(), name=f"zmtp-{self.name}")
+        supervisor = getattr(self.hub, "supervisor", None)
+        if supervisor is not None:  # restarted if it ever dies (taproom.supervise)
+            self._sweeper = supervisor.spawn(f"zmtp.{self.name}", self._sweep)
+        else:
+            self._sweeper = loop.create_task(self._sweep(), name=f"zmtp.{self.name}")
         return self.address
 
     @property
@@ -559,10 +578,15 @@ class ZmtpSocket:
 
     # --- the connections' side -----------------------------------------------------------------
 
-    def _adopt(self, conn: _Connection) -> bool:
+    def _adopt(self, conn: _Connection, host: str | None) -> bool:
+        assert conn.transport is not None
+        if not self.access.allows(host):
+            self.access.refused(conn.address, "address_not_allowed", "not in allow")
+            conn.transport.abort()
+            conn.closed = True
+            return False
         if self._server is None or len(self._connections) >= self.config.max_connections:
             self._refused("too_many_connections", f"{conn.address}: over max_connections")
-            assert conn.transport is not None
             conn.transport.abort()
             conn.closed = True
             return False
