@@ -368,6 +368,27 @@ ATTACKS: list[Attack] = [
         zmq_unfinished_multipart((("logjam_router", b"DEALER"), ("logjam_pull", b"PUSH")), 10),
         logjam_honest,
     ),
+    Attack(
+        "eventbus COLLECTOR, 5 peers x unfinished 40 MiB",
+        "eventbus",
+        zmq_unfinished_multipart((("eventbus_collector", b"DEALER"),), 5),
+        eventbus_honest,
+    ),
+    Attack(
+        "lager forwarder input + registrar collector, 10 peers x unfinished 40 MiB",
+        "lager",
+        zmq_unfinished_multipart(
+            (("lager_forwarder_in", b"PUB"), ("lager_registrar_collector", b"PUB")), 10
+        ),
+        logjam_honest,  # the same hub's logjam ROUTER: acked through the same budget
+        settings=(
+            ("logjam", "enabled", True),
+            ("logjam", "router_port", 0),
+            ("logjam", "pull_port", 0),
+            ("logjam", "pub_port", 0),
+            ("logjam", "replay_port", 0),
+        ),
+    ),
 ]
 
 

@@ -127,8 +127,8 @@ class EventBusConfig:
     )
     collector_hwm: int = setting(
         32,
-        "PUB commands ZeroMQ queues per connected peer before it stops reading that peer: "
-        "x max_data_bytes is what one peer can make the hub hold there",
+        "unused since the collectors are taproom's own transport (bounded in bytes by the "
+        "budget's connection buffers, [zmtp]); kept so configurations that set it still load",
         min=1,
     )
     publisher_hwm: int = setting(

@@ -44,20 +44,23 @@ class LagerConfig:
     max_format_items: int = setting(1024, "items per row; rows are telemetry, not blobs", min=1)
     max_registration_frame_bytes: int = setting(
         256 * 1024,
-        "ZMQ_MAXMSGSIZE on the collector: a frame up to this reaches the registrar, which refuses "
-        "and counts an oversized format (xml_too_large) and keeps the tap's connection; ZeroMQ "
-        "drops the connection of a peer sending a bigger frame, unseen (taken as at least "
-        "max_format_bytes + max_key_bytes)",
+        "a registration up to this (plus a key and 4 KiB of other frames) reaches the "
+        "registrar, which refuses and counts an oversized format (xml_too_large) and keeps the "
+        "tap's connection; a bigger message disconnects the tap (message_too_large; taken as "
+        "at least max_format_bytes + max_key_bytes)",
         min=1024,
     )
     collector_hwm: int = setting(
         64,
-        "registrations queued per tap connection (a tap re-sends until echoed); with "
-        "max_registration_frame_bytes this bounds what one tap can make the registrar hold",
+        "unused since the collector is taproom's own transport (bounded in bytes by the "
+        "budget's connection buffers, [zmtp]); kept so configurations that set it still load",
         min=1,
     )
     max_payload_bytes: int = setting(
-        1024 * 1024, "one row; also ZMQ_MAXMSGSIZE on the forwarder input", min=64
+        1024 * 1024,
+        "one row; a data message may take this plus its frames' framing and 4 KiB of header "
+        "frames on the forwarder input (a bigger one disconnects the tap: message_too_large)",
+        min=64,
     )
     max_message_frames: int = setting(
         1028, "5 frames per seed message; C++ taps send one frame per item (4 + items)", min=5
@@ -80,7 +83,8 @@ class LagerConfig:
     )
     input_hwm: int = setting(
         100_000,
-        "messages queued from taps before ZeroMQ pushes back on them; ~30 MB at 32 B rows",
+        "unused since the forwarder input is taproom's own transport (bounded in bytes by the "
+        "budget's connection buffers, [zmtp]); kept so configurations that set it still load",
         min=1,
     )
     mark_repeat: int = setting(

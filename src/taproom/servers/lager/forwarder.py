@@ -82,6 +82,7 @@ from ...records import (
     BatchBuilder,
     EncodedBatch,
 )
+from ..zmtp import ZmtpSocket
 from .config import LagerConfig
 from .sockets import MORE_NOBLOCK, NOBLOCK, raw_send, readable, recv_bounded
 
@@ -263,28 +264,34 @@ class Forwarder:
 
     def open(self, ctx: zmq.asyncio.Context) -> None:
         cfg = self.config
-        self.fwd_in = ctx.socket(zmq.SUB)
+        # taproom's own transport (servers.zmtp): a SUB that subscribes every tap to
+        # everything; a message holds at most a row's payload, its framing and the header
+        # frames, checked at each frame header before the frame is read
+        self.fwd_in = ZmtpSocket(
+            "SUB",
+            hub=self.hub,
+            protocol="lager",
+            name="lager_forwarder_in",
+            max_message_bytes=cfg.max_payload_bytes + 9 * cfg.max_message_frames + 4096,
+            subscribe=(b"",),
+        )
         self.fwd_out = ctx.socket(zmq.XPUB)
         self.fwd_counted = ctx.socket(zmq.XPUB)
-        for sock in self.sockets:
-            sock.setsockopt(zmq.LINGER, 0)
-        self.fwd_in.setsockopt(zmq.MAXMSGSIZE, cfg.max_payload_bytes)
-        self.fwd_in.setsockopt(zmq.RCVHWM, cfg.input_hwm)
-        self.fwd_in.setsockopt(zmq.SUBSCRIBE, b"")
+        for out in (self.fwd_out, self.fwd_counted):
+            out.setsockopt(zmq.LINGER, 0)
         for out in (self.fwd_out, self.fwd_counted):
             out.setsockopt(zmq.SNDHWM, cfg.forward_hwm)
             # What a mug sends upstream is subscriptions: a topic is a uuid, a mark or a hello.
             out.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
 
     @property
-    def sockets(self) -> tuple[zmq.asyncio.Socket, ...]:
+    def sockets(self) -> tuple[ZmtpSocket | zmq.asyncio.Socket, ...]:
         """At offsets 0, 1, 2 from the forwarder's base port."""
         return (self.fwd_in, self.fwd_out, self.fwd_counted)
 
     def bound(self, base: int) -> dict[str, str]:
         """The sockets are bound at ``base`` + 0, 1, 2: take shadows, name the listeners."""
         host = self.config.host
-        self._fwd_in_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_in.underlying)
         self._fwd_out_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_out.underlying)
         self._counted_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_counted.underlying)
         return {
@@ -307,7 +314,8 @@ class Forwarder:
         self._records.clear()
 
     def close(self) -> None:
-        for sock in self.sockets:
+        self.fwd_in.close()
+        for sock in (self.fwd_out, self.fwd_counted):
             sock.close(linger=0)
 
     def _uuid_str(self, raw: bytes) -> str:
@@ -330,20 +338,21 @@ class Forwarder:
 
     async def _data_loop(self) -> None:
         cfg = self.config
-        raw = self._fwd_in_raw
+        fwd_in = self.fwd_in
         hub = self.hub
         max_frames = cfg.max_message_frames
         max_batch = cfg.max_batch_messages
         records = self._records
-        reader = zmqburst.reader(raw, max_frames)
+        reader = fwd_in.reader(max_frames)
         replay = self._replay
         times = self._times
         guard = self._data_guard
         while True:
             await hub.wait_capacity()
-            if not replay and not readable(raw):
+            if not replay and not fwd_in.readable:
                 # Short naps while rows are held: a takeover releases them into ``replay``.
-                await self.fwd_in.poll(timeout=100 if self._held else 1000)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(fwd_in.wait_readable(), 0.1 if self._held else 1.0)
             received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
             parts: list[bytes] = []
             forwards: list[list[bytes]] = []

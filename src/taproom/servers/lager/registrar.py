@@ -24,6 +24,7 @@ forwarder's module docstring; docs/protocols/lager.md, "Restarted taps").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ import orjson
 import zmq
 import zmq.asyncio
 
+from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
 from ...hub import Hub
 from ...protocols.lager.chp import (
@@ -47,6 +49,7 @@ from ...protocols.lager.chp import (
 )
 from ...protocols.lager.formats import parse_format_xml
 from ...records import BatchBuilder, iter_batch
+from ..zmtp import ZmtpSocket
 from .config import LagerConfig
 from .sockets import readable, recv_bounded, send
 
@@ -130,16 +133,21 @@ class RegistrarServer:
         cfg = self.config
         self.snapshot = ctx.socket(zmq.ROUTER)
         self.publisher = ctx.socket(zmq.PUB)
-        self.collector = ctx.socket(zmq.SUB)
-        for sock in self.sockets:
+        for sock in (self.snapshot, self.publisher):
             sock.setsockopt(zmq.LINGER, 0)
-        # Bigger than any valid frame: an oversized registration must reach the parser to be
-        # refused and counted; over ZeroMQ's limit the tap's whole connection would be dropped,
-        # and with it the registrations queued behind the big one.
+        # Bigger than any valid registration: an oversized one must reach the parser to be
+        # refused and counted; past the bound the tap's whole connection is dropped, and with
+        # it the registrations queued behind the big one. taproom's own transport
+        # (servers.zmtp) checks it for the whole message, at each frame header.
         frame_max = max(cfg.max_registration_frame_bytes, cfg.max_format_bytes + cfg.max_key_bytes)
-        self.collector.setsockopt(zmq.MAXMSGSIZE, frame_max)
-        self.collector.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
-        self.collector.setsockopt(zmq.SUBSCRIBE, b"")
+        self.collector = ZmtpSocket(
+            "SUB",
+            hub=self.hub,
+            protocol="lager",
+            name="lager_registrar_collector",
+            max_message_bytes=frame_max + cfg.max_key_bytes + 4096,
+            subscribe=(b"",),
+        )
         self.snapshot.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 16)
         self.snapshot.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A snapshot is up to max_taps messages in one burst: the HWM must hold all of them.
@@ -149,7 +157,7 @@ class RegistrarServer:
         self.publisher.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
 
     @property
-    def sockets(self) -> tuple[zmq.asyncio.Socket, ...]:
+    def sockets(self) -> tuple[zmq.asyncio.Socket | ZmtpSocket, ...]:
         return (self.snapshot, self.publisher, self.collector)
 
     def bound(self, base: int) -> dict[str, str]:
@@ -158,7 +166,6 @@ class RegistrarServer:
         # Synchronous shadows of the same sockets for NOBLOCK bursts (DESIGN.md decision 3).
         self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.snapshot.underlying)
         self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.publisher.underlying)
-        self._collector_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.collector.underlying)
         self._last_publish = time.monotonic()
         return {
             "lager_registrar_snapshot": f"{cfg.host}:{base}",
@@ -179,7 +186,8 @@ class RegistrarServer:
     async def close(self) -> None:
         if self._dirty:
             await asyncio.to_thread(self.checkpoint)
-        for sock in self.sockets:
+        self.collector.close()
+        for sock in (self.snapshot, self.publisher):
             sock.close(linger=0)
 
     # --- persistence ----------------------------------------------------------------------
@@ -285,29 +293,27 @@ class RegistrarServer:
 
     async def _collector_loop(self) -> None:
         cfg = self.config
-        raw = self._collector_raw
+        collector = self.collector
+        reader = collector.reader(6)
         while True:
             await self.hub.wait_capacity()
-            if not readable(raw):
-                await self.collector.poll(timeout=1000)
+            if not collector.readable:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(collector.wait_readable(), 1.0)
             async with self._map_lock:
-                if not await self._collect_burst(raw, cfg):
+                if not await self._collect_burst(reader, cfg):
                     return
             await asyncio.sleep(0)  # a flood of refused registrations must not starve the loop
 
-    async def _collect_burst(self, raw: zmq.Socket[bytes], cfg: LagerConfig) -> bool:
+    async def _collect_burst(self, reader: zmqburst.Reader, cfg: LagerConfig) -> bool:
         """Read, check, commit and apply what the collector holds. False: the hub stopped."""
         accepted: list[tuple[Registration, bytes | None]] = []
         pending_keys: dict[str, Registration] = {}
         pending_uuids: dict[bytes, Registration] = {}
         echoes: list[list[bytes]] = []
         now = time.monotonic()
-        for _ in range(cfg.max_batch_messages):
-            try:
-                frames = recv_bounded(raw, 5)
-            except zmq.Again:
-                break
-            if frames is None:
+        for count, frames in reader.recv(cfg.max_batch_messages, 1 << 62).messages():
+            if count > 5:
                 self._reject("frame_count", "registration with more than 5 frames")
                 continue
             try:

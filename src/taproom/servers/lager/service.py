@@ -18,6 +18,7 @@ from ...zmqaccess import ZmqAccess
 from .config import FORWARDER_FOLLOWS_REGISTRAR, FORWARDER_OFFSET, LagerConfig
 from .forwarder import Forwarder
 from .registrar import RegistrarServer
+from ..zmtp import ZmtpSocket
 from .sockets import bind_offsets
 
 __all__ = ["LagerService", "create_service"]
@@ -64,9 +65,12 @@ class LagerService:
                 LISTENERS["lager"],
                 strict=True,
             ):
-                access.secure(sock, name)  # allowlist and CURVE, before bind
-            addresses = self._bind()
+                if not isinstance(sock, ZmtpSocket):  # taproom's own apply theirs at accept
+                    access.secure(sock, name)  # allowlist and CURVE, before bind
+            addresses = await self._bind()
         except (zmq.ZMQError, OSError):
+            self.registrar.collector.close()
+            self.forwarder.fwd_in.close()
             access.close()
             ctx.destroy(linger=0)  # the app never calls stop() for a service that failed
             self._ctx = None
@@ -82,7 +86,7 @@ class LagerService:
                 self._tasks.append(self.hub.supervisor.spawn(name, loop))
         return addresses
 
-    def _bind(self) -> dict[str, str]:
+    async def _bind(self) -> dict[str, str]:
         """nasa/lager's layout by default: registrar at P..P+2, forwarder at P+10..P+12 (with
         port 0, one free base for all six); or the forwarder at its own configured base."""
         cfg = self.config
@@ -90,11 +94,13 @@ class LagerService:
         forwarder = [(sock, i) for i, sock in enumerate(self.forwarder.sockets)]
         if cfg.forwarder_port == FORWARDER_FOLLOWS_REGISTRAR:
             shifted = [(sock, FORWARDER_OFFSET + i) for sock, i in forwarder]
-            base = bind_offsets(registrar + shifted, cfg.host, cfg.registrar_port, cfg.port_retries)
+            base = await bind_offsets(
+                registrar + shifted, cfg.host, cfg.registrar_port, cfg.port_retries
+            )
             fwd_base = base + FORWARDER_OFFSET
         else:
-            base = bind_offsets(registrar, cfg.host, cfg.registrar_port, cfg.port_retries)
-            fwd_base = bind_offsets(forwarder, cfg.host, cfg.forwarder_port, cfg.port_retries)
+            base = await bind_offsets(registrar, cfg.host, cfg.registrar_port, cfg.port_retries)
+            fwd_base = await bind_offsets(forwarder, cfg.host, cfg.forwarder_port, cfg.port_retries)
         return {**self.registrar.bound(base), **self.forwarder.bound(fwd_base)}
 
     async def stop(self) -> None:

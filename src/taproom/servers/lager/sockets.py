@@ -1,5 +1,6 @@
 """pyzmq helpers shared by the registrar and the forwarder: binding ports at offsets from a
-base (nasa/lager's layout), and cheap NOBLOCK sends and receives for the hot paths."""
+base (nasa/lager's layout; libzmq sockets and taproom's own, servers.zmtp, alike), and cheap
+NOBLOCK sends and receives for the hot paths."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 import zmq.backend
+
+from ..zmtp import ZmtpSocket
 
 __all__ = [
     "MORE_NOBLOCK",
@@ -29,41 +32,57 @@ def endpoint(host: str, port: int | str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def bind_offsets(
-    placed: list[tuple[zmq.asyncio.Socket, int]], host: str, port: int, retries: int
+Bindable = zmq.asyncio.Socket | ZmtpSocket
+
+
+async def _bind(sock: Bindable, host: str, port: int) -> tuple[int, str]:
+    """(the port bound, what unbinds it); ``port`` 0: any free one."""
+    if isinstance(sock, ZmtpSocket):
+        await sock.bind(host, port)
+        return sock.port, ""
+    sock.bind(endpoint(host, port or "*"))
+    address = sock.getsockopt(zmq.LAST_ENDPOINT)
+    assert isinstance(address, bytes)
+    return int(address.decode().rsplit(":", 1)[1]), address.decode()
+
+
+def _unbind(sock: Bindable, address: str) -> None:
+    if isinstance(sock, ZmtpSocket):
+        sock.close()  # bound again on the next try
+    else:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.unbind(address)
+
+
+async def bind_offsets(
+    placed: list[tuple[Bindable, int]], host: str, port: int, retries: int
 ) -> int:
     """Bind each socket to ``port + offset`` (the first one's offset is 0). With ``port`` 0 the
     first binds to any free port and the rest follow it, retried from a new base when one of
     them is taken. Returns the base port."""
     if port:
         for sock, offset in placed:
-            sock.bind(endpoint(host, port + offset))
+            await _bind(sock, host, port + offset)
         return port
     last: Exception | None = None
-    first_sock = placed[0][0]
     highest = max(offset for _, offset in placed)
     for _ in range(retries):
-        bound: list[tuple[zmq.asyncio.Socket, str]] = []
+        bound: list[tuple[Bindable, str]] = []
         try:
-            first_sock.bind(endpoint(host, "*"))
-            first = first_sock.getsockopt(zmq.LAST_ENDPOINT)
-            assert isinstance(first, bytes)
-            bound.append((first_sock, first.decode()))
-            base = int(first.decode().rsplit(":", 1)[1])
+            base, address = await _bind(placed[0][0], host, 0)
+            bound.append((placed[0][0], address))
             if base + highest > 65535:
-                raise zmq.ZMQError(errno.EADDRINUSE)
+                raise OSError(errno.EADDRINUSE, "past the last port")
             for sock, offset in placed[1:]:
-                address = endpoint(host, base + offset)
-                sock.bind(address)
+                _, address = await _bind(sock, host, base + offset)
                 bound.append((sock, address))
             return base
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
             last = exc
             for sock, address in bound:
-                with contextlib.suppress(zmq.ZMQError):
-                    sock.unbind(address)
+                _unbind(sock, address)
     raise OSError(errno.EADDRINUSE, f"no free ports at offsets up to {highest}: {last}")
 
 

@@ -128,6 +128,9 @@ class _Connection(asyncio.BufferedProtocol):
         transport.write(self.handshake.initial)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed and self.peer is not None and self.end > self.complete:
+            # the peer went away in the middle of a message: what it sent of it is dropped
+            self.sock._refused("unfinished_message", f"{self.address}: closed mid-message")
         self._close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -664,7 +667,9 @@ class ZmtpSocket:
                         conn.refuse("handshake_timeout", "no READY in time", tell=False)
                     continue
                 stalled = conn.partial_since and now - conn.partial_since > cfg.partial_timeout_s
-                if stalled and not conn.paused:
+                # not read because the hub is full: not its fault; waiting for room it holds
+                # part of the budget for a message that may never end: its fault
+                if stalled and (not conn.paused or conn.waiting is not None):
                     conn.refuse("partial_timeout", "a message left unfinished")
                     continue
                 if not conn.active and conn.buf is not None and conn.start == conn.end:
