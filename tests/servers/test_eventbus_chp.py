@@ -168,11 +168,11 @@ class TestCloneFlows:
                 labels = {"protocol": "eventbus", "reason": reason}
                 assert _metric(app, "taproom_ingest_rejected_items_total", labels) == 1, reason
             assert [r.topic for r in app.hub.journal.read(0)] == ["/m/ok"]
-            # a Clone model 6 client (PUB) on this model 5 (PULL) collector: refused by ZeroMQ
-            # at the handshake, counted from the socket monitor
+            # a Clone model 6 client (PUB) on this model 5 (PULL) collector: refused at the
+            # handshake by taproom's transport, counted by reason
             wrong = ctx.socket(zmq.PUB)
             wrong.connect(f"tcp://{host}:{port + 2}")
-            refused = {"protocol": "eventbus", "reason": "handshake_refused"}
+            refused = {"protocol": "eventbus", "reason": "socket_type"}
             await _until(
                 lambda: _metric(app, "taproom_ingest_rejected_items_total", refused) >= 1,
                 10,

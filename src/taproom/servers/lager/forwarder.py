@@ -351,8 +351,7 @@ class Forwarder:
             await hub.wait_capacity()
             if not replay and not fwd_in.readable:
                 # Short naps while rows are held: a takeover releases them into ``replay``.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(fwd_in.wait_readable(), 0.1 if self._held else 1.0)
+                await fwd_in.wait_readable(0.1 if self._held else 1.0)
             received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
             parts: list[bytes] = []
             forwards: list[list[bytes]] = []

@@ -24,7 +24,6 @@ forwarder's module docstring; docs/protocols/lager.md, "Restarted taps").
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -298,8 +297,7 @@ class RegistrarServer:
         while True:
             await self.hub.wait_capacity()
             if not collector.readable:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(collector.wait_readable(), 1.0)
+                await collector.wait_readable(1.0)
             async with self._map_lock:
                 if not await self._collect_burst(reader, cfg):
                     return

@@ -529,10 +529,23 @@ class ZmtpSocket:
     def readable(self) -> bool:
         return bool(self._ready)
 
-    async def wait_readable(self) -> None:
-        while not self._ready:
+    async def wait_readable(self, timeout: float | None = None) -> bool:
+        """Until a whole message is ready (True), or ``timeout`` seconds passed (False). No
+        ``asyncio.wait_for``: on Python 3.11 it can swallow a cancellation that races its
+        timeout, and a loop that ignores its cancel hangs the service's stop."""
+        if timeout is None:
+            while not self._ready:
+                self._readable.clear()
+                await self._readable.wait()
+            return True
+        if not self._ready:
             self._readable.clear()
-            await self._readable.wait()
+            wake = asyncio.get_running_loop().call_later(timeout, self._readable.set)
+            try:
+                await self._readable.wait()
+            finally:
+                wake.cancel()
+        return bool(self._ready)
 
     def reader(self, max_frames: int) -> zmqburst.Reader:
         """A burst reader (compiled or pure Python, as taproom.zmqburst selects): every whole
