@@ -238,17 +238,70 @@ class TestAccess:
             allowed.close(0)
             refused.close(0)
 
-    async def test_a_curve_listener_is_never_served_with_null(self, tmp_path):
+    @pytest.mark.parametrize("kind", ["ROUTER", "PULL"])
+    async def test_curve_clients_with_a_known_key_only(self, ctx, tmp_path, kind):
+        """RFC 26 against libzmq's CURVE client: a known key gets in and its messages (and,
+        on a ROUTER, the replies) travel in MESSAGE boxes; an unknown key and a NULL peer are
+        refused and counted by taproom.access's reasons."""
         import zmq.auth
 
-        _public, secret = zmq.auth.create_certificates(str(tmp_path), "hub")
-        text = f'[access.logjam_router]\ncurve_secret_key_file = "{secret}"\n'
-        hub = Hub(text)
-        sock = ZmtpSocket(
-            "ROUTER", hub=hub, protocol="test", name="logjam_router", max_message_bytes=MiB
+        hub_public, hub_secret = zmq.auth.create_certificates(str(tmp_path), "hub")
+        clients = tmp_path / "clients"
+        clients.mkdir()
+        _, known_secret = zmq.auth.create_certificates(str(clients), "known")
+        _, stranger_secret = zmq.auth.create_certificates(str(tmp_path), "stranger")
+        listener = LISTENER[kind]
+        text = (
+            f'[access.{listener}]\ncurve_secret_key_file = "{hub_secret}"\n'
+            f'curve_allowed_clients = "{clients}"\n'
         )
-        with pytest.raises(OSError, match="CURVE"):
-            await sock.bind("127.0.0.1", 0)
+        server_public, _ = zmq.auth.load_certificate(hub_public)
+
+        def client(secret_file):
+            sock = ctx.socket(zmq.DEALER if kind == "ROUTER" else zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            if secret_file is not None:
+                public, secret = zmq.auth.load_certificate(secret_file)
+                sock.curve_publickey, sock.curve_secretkey = public, secret
+                sock.curve_serverkey = server_public
+            return sock
+
+        async with bound(kind, text=text) as (sock, hub):
+            known = client(known_secret)
+            known.connect("tcp://" + sock.address)
+            for i in range(50):
+                known.send_multipart([b"%d" % i, b"x" * (i * 100)])
+            got = await receive(sock, 50)
+            offset = 1 if kind == "ROUTER" else 0
+            assert [frames[offset:] for _, frames in got] == [
+                [b"%d" % i, b"x" * (i * 100)] for i in range(50)
+            ]
+            if kind == "ROUTER":
+                assert sock.send([got[0][1][0], b"202", b"y" * 300])
+                assert await asyncio.to_thread(known.recv_multipart) == [b"202", b"y" * 300]
+
+            def refusals(reason):
+                value = hub.metrics.registry.get_sample_value(
+                    "taproom_access_refused_connections_total",
+                    {"listener": listener, "reason": reason},
+                )
+                return value or 0
+
+            stranger, null = client(stranger_secret), client(None)
+            for other in (stranger, null):
+                other.connect("tcp://" + sock.address)
+                other.send(b"never")
+            await until(lambda: refusals("curve_key_not_allowed") >= 1, what="the stranger")
+            # libzmq's NULL peer hangs up on reading the CURVE greeting (handshake_failed);
+            # one that sends its whole greeting first is told mechanism_mismatch
+            await until(
+                lambda: refusals("mechanism_mismatch") + refusals("handshake_failed") >= 1,
+                what="the NULL peer",
+            )
+            await asyncio.sleep(0.2)
+            assert not sock.readable
+            for s in (known, stranger, null):
+                s.close(0)
 
 
 class TestRefusals:

@@ -15,10 +15,10 @@ import zmq.asyncio
 from ...access import LISTENERS
 from ...hub import Hub
 from ...zmqaccess import ZmqAccess
+from ..zmtp import ZmtpSocket
 from .config import FORWARDER_FOLLOWS_REGISTRAR, FORWARDER_OFFSET, LagerConfig
 from .forwarder import Forwarder
 from .registrar import RegistrarServer
-from ..zmtp import ZmtpSocket
 from .sockets import bind_offsets
 
 __all__ = ["LagerService", "create_service"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import itertools
 import logging
 import random
@@ -38,6 +37,7 @@ from ... import zmqburst
 from ...access import ListenerAccess, access_for
 from ...hub import Hub
 from ...protocols import zmtp as zp
+from ...protocols.zmtp.curve import CurveServer
 from ...protocols.zmtp.wire import ScanStatus
 from .. import ACCEPT_BATCH, deepen_accept_queue
 from .config import ZmtpConfig
@@ -49,6 +49,14 @@ __all__ = ["ZmtpSocket", "zmtp_config"]
 log = logging.getLogger("taproom.zmtp")
 
 _STUB = 256  # bytes a connection reads into while it has no buffer (handshake, waiting for room)
+_CURVE_CHUNK = 65536  # what a CURVE connection reads at a time (MESSAGE boxes, then opened)
+# the handshake's refusals of a CURVE listener, as taproom.access names them
+_CURVE_REASONS = {
+    "mechanism": "mechanism_mismatch",
+    "handshake_failed": "handshake_failed",
+    "curve_key_not_allowed": "curve_key_not_allowed",
+    "bad_handshake": "handshake_failed",
+}
 _SWEEP_S = 1.0  # timeouts and idle buffers are looked at this often
 _LOG_PER_SECOND = 10
 _KINDS = (b"ROUTER", b"PULL", b"SUB")
@@ -94,7 +102,17 @@ class _Connection(asyncio.BufferedProtocol):
         self.sock = sock
         self.transport: asyncio.Transport | None = None
         self.address = "?"
-        self.handshake = zp.Handshake(sock.kind, max_bytes=sock.config.max_handshake_bytes)
+        keys = sock.access.curve
+        self.curve: CurveServer | None = None
+        if keys is not None:
+            self.curve = CurveServer(keys.public, keys.secret, sock.kind, sock.access.curve_allows)
+        self.handshake = zp.Handshake(
+            sock.kind, max_bytes=sock.config.max_handshake_bytes, mechanism=self.curve
+        )
+        # CURVE: what is read (MESSAGE commands), and an opened frame that waits for room
+        self.chunk = b"" if self.curve is None else bytearray(_CURVE_CHUNK)
+        self.wire = bytearray()
+        self.plain_pending = b""
         self.peer: zp.Peer | None = None
         self.prefix: bytes | None = None  # a ROUTER's routing id for this peer
         self.stub = bytearray(_STUB)
@@ -128,12 +146,21 @@ class _Connection(asyncio.BufferedProtocol):
         transport.write(self.handshake.initial)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed and self.peer is not None and self.end > self.complete:
+        if not self.closed and self.peer is None and self.handshake.received:
+            # a libzmq peer that reads a greeting it cannot take (another mechanism: a NULL
+            # peer of a CURVE listener) hangs up without a word
+            if self.curve is not None:
+                self.sock.access.refused(self.address, "handshake_failed", "hung up")
+            else:
+                self.sock._refused("handshake_failed", f"{self.address}: hung up")
+        elif not self.closed and self.peer is not None and self.end > self.complete:
             # the peer went away in the middle of a message: what it sent of it is dropped
             self.sock._refused("unfinished_message", f"{self.address}: closed mid-message")
         self._close()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self.curve is not None and self.peer is not None:
+            return memoryview(self.chunk)
         if self.buf is None and self.peer is not None and self.waiting is None:
             self._alloc(self.sock.config.read_buffer_bytes, reserve=True)
         if self.buf is None:
@@ -146,6 +173,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.active = True
         if self.peer is None:
             self._handshake(bytes(self.stub[:nbytes]))
+        elif self.curve is not None:
+            self.wire += memoryview(self.chunk)[:nbytes]
+            self._pump()
         elif self.buf is None:  # no room was reserved: hold these bytes, wait for room
             self.in_stub += nbytes
             self._wait_room(self.sock.config.read_buffer_bytes)
@@ -163,7 +193,10 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             out = hs.receive_data(data)
         except zp.ZmtpError as exc:
-            self.refuse(exc.reason, str(exc), tell=hs.greeted)
+            if self.curve is not None and exc.reason in _CURVE_REASONS:
+                self.refuse(_CURVE_REASONS[exc.reason], str(exc), tell=hs.greeted, access=True)
+            else:
+                self.refuse(exc.reason, str(exc), tell=hs.greeted)
             return
         assert self.transport is not None
         if out:
@@ -174,6 +207,10 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.sock._peer_ready(self):
             return
         leftover = hs.leftover
+        if self.curve is not None:
+            self.wire += leftover
+            self._pump()
+            return
         if leftover:  # traffic in the same read as READY: it fits the stub it came in
             self.stub[: len(leftover)] = leftover
             self.in_stub = len(leftover)
@@ -246,6 +283,75 @@ class _Connection(asyncio.BufferedProtocol):
             if self.partial_since:
                 self.partial_since = time.monotonic()  # not read meanwhile: not its fault
             self.transport.resume_reading()
+            if self.curve is not None:  # frames opened before the pause go first
+                asyncio.get_running_loop().call_soon(self._pump)
+
+    # --- CURVE: MESSAGE boxes opened into the buffer ------------------------------------------
+
+    def _pump(self) -> None:
+        """Open the MESSAGE commands read so far, each into the buffer as a plain frame (then
+        scanned as any connection's bytes); stops when the buffer has no room (the connection
+        is paused then, so the wire holds at most one box and one read more)."""
+        curve = self.curve
+        assert curve is not None
+        wire = self.wire
+        limit = self.sock.max_message_bytes + 128  # one frame's box, nonce and command head
+        while not self.closed:
+            if self.plain_pending:
+                if self.paused or self.waiting is not None:
+                    return
+                self.plain_pending = self._inject(self.plain_pending)
+                continue
+            if len(wire) < 2:
+                return
+            flags = wire[0]
+            if flags & 0x02:
+                if len(wire) < 9:
+                    return
+                size, head = int.from_bytes(wire[1:9], "big"), 9
+            else:
+                size, head = wire[1], 2
+            # libzmq sends each MESSAGE as a frame without the COMMAND flag (its body says
+            # what it is): both forms are taken, the outer MORE flag is not looked at
+            if size > limit:
+                self.refuse("message_too_large", f"a {size}-byte MESSAGE")
+                return
+            if len(wire) < head + size:
+                return
+            body = bytes(wire[head : head + size])
+            del wire[: head + size]
+            try:
+                name, data = zp.parse_command(body)
+                if name != b"MESSAGE":
+                    if name == b"ERROR":
+                        self.close()
+                        return
+                    if not flags & 0x04:
+                        raise zp.ZmtpError(
+                            "a plain frame on a CURVE connection", reason="bad_frame"
+                        )
+                    continue  # PING/PONG travel inside MESSAGE boxes under CURVE
+                frame_flags, frame = curve.open_message(data)
+            except zp.ZmtpError as exc:
+                self.refuse(exc.reason, str(exc))
+                return
+            if frame_flags & 0x04:
+                self._command(frame)
+            else:
+                self.plain_pending = zp.encode_frame(frame, frame_flags & 0x01)
+
+    def _inject(self, data: bytes) -> bytes:
+        """Opened bytes into the buffer as if received; what did not fit is returned."""
+        cfg = self.sock.config
+        if self.buf is None and not self._alloc(cfg.read_buffer_bytes, reserve=True):
+            self._wait_room(cfg.read_buffer_bytes)
+            return data
+        assert self.buf is not None
+        n = min(len(data), self.cap - self.end)
+        self.buf[self.end : self.end + n] = data[:n]
+        self.end += n
+        self._walk()
+        return data[n:]
 
     def _wait_room(self, cap: int) -> None:
         """Stop reading until ``cap`` bytes of buffer are reserved, then go on."""
@@ -364,8 +470,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.refuse(exc.reason, str(exc))
             return
         if name == b"PING":
-            assert self.transport is not None
-            self.transport.write(zp.pong_command(data))
+            self.write(zp.pong_command(data))
         elif name == b"ERROR":
             reason = data[1 : 1 + data[0]].decode("utf-8", "replace") if data else ""
             self.sock._rlog("zmtp: %s: %s sent ERROR %r", self.sock.name, self.address, reason)
@@ -375,11 +480,15 @@ class _Connection(asyncio.BufferedProtocol):
 
     # --- ends --------------------------------------------------------------------------------
 
-    def refuse(self, reason: str, detail: str, *, tell: bool = True) -> None:
-        """Count, log (rate-limited, with the peer's address) and disconnect."""
+    def refuse(self, reason: str, detail: str, *, tell: bool = True, access: bool = False) -> None:
+        """Count, log (rate-limited, with the peer's address) and disconnect; ``access``: a
+        refusal of the access policy (taproom.access counts and logs it by listener)."""
         if self.closed:
             return
-        self.sock._refused(reason, f"{self.address}: {detail}")
+        if access:
+            self.sock.access.refused(self.address, reason, detail)
+        else:
+            self.sock._refused(reason, f"{self.address}: {detail}")
         if tell and self.transport is not None:
             with contextlib.suppress(Exception):
                 self.transport.write(zp.error_command(reason))
@@ -412,8 +521,26 @@ class _Connection(asyncio.BufferedProtocol):
             return False
         if transport.get_write_buffer_size() > self.sock.config.max_reply_bytes:
             return False
+        if self.curve is not None and self.peer is not None:
+            data = self._seal_all(data)
         transport.write(data)
         return True
+
+    def _seal_all(self, data: bytes) -> bytes:
+        """Plain ZMTP frames as CURVE MESSAGE commands, one a frame."""
+        curve = self.curve
+        assert curve is not None
+        out = []
+        pos, end = 0, len(data)
+        while pos < end:
+            flags = data[pos]
+            if flags & 0x02:
+                size, head = int.from_bytes(data[pos + 1 : pos + 9], "big"), 9
+            else:
+                size, head = data[pos + 1], 2
+            out.append(curve.seal(flags & 0x05, data[pos + head : pos + head + size]))
+            pos += head + size
+        return b"".join(out)
 
 
 class ZmtpSocket:
@@ -483,13 +610,6 @@ class ZmtpSocket:
 
     async def bind(self, host: str, port: int) -> str:
         """Listen on ``host:port`` (0: any free port); returns ``host:port`` as bound."""
-        if self.access.curve is not None:
-            # never serve NULL where the operator asked for CURVE
-            raise OSError(
-                errno.EPROTONOSUPPORT,
-                f"{self.name}: CURVE is not served by taproom's ZeroMQ transport yet (issue 26); "
-                "remove curve_secret_key_file for this listener or keep it on loopback",
-            )
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
             lambda: _Connection(self), host or None, port, backlog=ACCEPT_BATCH
@@ -626,7 +746,7 @@ class ZmtpSocket:
             conn.prefix = routing_id
             self._routes[routing_id] = conn
         for topic in self.subscriptions:
-            conn.transport.write(zp.subscribe_message(topic, peer.minor))
+            conn.write(zp.subscribe_message(topic, peer.minor))
         return True
 
     def _forget(self, conn: _Connection) -> None:
