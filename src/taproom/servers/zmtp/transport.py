@@ -114,6 +114,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.wire = bytearray()
         self.plain_pending = b""
         self.peer: zp.Peer | None = None
+        self.denied = False  # refused by the allowlist: told so (ERROR "400") after greetings
         self.prefix: bytes | None = None  # a ROUTER's routing id for this peer
         self.stub = bytearray(_STUB)
         self.in_stub = 0
@@ -199,6 +200,13 @@ class _Connection(asyncio.BufferedProtocol):
                 self.refuse(exc.reason, str(exc), tell=hs.greeted)
             return
         assert self.transport is not None
+        if self.denied and hs.greeted:
+            # as libzmq answers a ZAP refusal: ERROR "400" where READY (or WELCOME) was due,
+            # so a libzmq peer reports an authentication failure and does not come back
+            self.transport.write(zp.error_command("400"))
+            self.transport.close()
+            self._close()
+            return
         if out:
             self.transport.write(out)
         if hs.peer is None:
@@ -717,10 +725,9 @@ class ZmtpSocket:
     def _adopt(self, conn: _Connection, host: str | None) -> bool:
         assert conn.transport is not None
         if not self.access.allows(host):
+            # counted now; the peer is told at the handshake (it is bounded like any other)
             self.access.refused(conn.address, "address_not_allowed", "not in allow")
-            conn.transport.abort()
-            conn.closed = True
-            return False
+            conn.denied = True
         if self._server is None or len(self._connections) >= self.config.max_connections:
             self._refused("too_many_connections", f"{conn.address}: over max_connections")
             conn.transport.abort()
