@@ -147,9 +147,10 @@ class _Connection(asyncio.BufferedProtocol):
         transport.write(self.handshake.initial)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed and self.peer is None and self.handshake.received:
+        if not self.closed and self.peer is None and (self.curve or self.handshake.received):
             # a libzmq peer that reads a greeting it cannot take (another mechanism: a NULL
-            # peer of a CURVE listener) hangs up without a word
+            # peer of a CURVE listener) hangs up without a word, with LINGER 0 by a reset
+            # that can take its own greeting with it before it is read
             if self.curve is not None:
                 self.sock.access.refused(self.address, "handshake_failed", "hung up")
             else:
