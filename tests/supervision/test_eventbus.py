@@ -26,7 +26,7 @@ from taproom.protocols.eventbus import (
     replicated_frames,
     syncstart_frames,
 )
-from taproom.servers.eventbus import bstar, collector, snapshot
+from taproom.servers.eventbus import accept, bstar, collector, snapshot
 from taproom.servers.eventbus.broadcast import Broadcaster
 from taproom.servers.eventbus.collector import Collector
 from tests.supervision.support import (
@@ -128,6 +128,33 @@ class TestEventBusLoops:
             assert _topics(app) == ["/ok/a", "/ok/b"] and raised == [1]
             assert internal_errors(app, "eventbus") == 1
             assert_supervised(app, "eventbus.chp_collector", caplog)
+
+    async def test_accept_undoes_the_admission_of_an_update_that_fails(
+        self,
+        tmp_path: Path,
+        ctx: zmq.asyncio.Context,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """Updates admitted through _accept_events (CHP, held, expiries): one whose journal
+        record fails is refused after its admission, which is undone."""
+        raised = inject(
+            monkeypatch, accept, "journal_event", lambda _b, event, *_: event.topic == "/poison/1"
+        )
+        async with running_app(
+            tmp_path, enable=["eventbus"], eventbus={"chp": True, "chp_collector": "pull"}
+        ) as app:
+            push = ctx.socket(zmq.PUSH)
+            push.connect("tcp://" + app.addresses["eventbus_chp_collector"])
+            for key in (b"/ok/a", b"/poison/1", b"/ok/b"):
+                await push.send_multipart(_kv(key))
+            await until(lambda: len(_topics(app)) == 2, 20, "the two valid updates")
+            assert _topics(app) == ["/ok/a", "/ok/b"] and raised == [1]
+            service = app.services["eventbus"]
+            assert b"/poison/1" not in service._accepted  # type: ignore[attr-defined]
+            assert [e.seq for e in service.hashmap.values()] == [1, 2]  # type: ignore[attr-defined]
+            assert internal_errors(app, "eventbus") == 1
+            assert_supervised(app, "eventbus.accept", caplog)
 
     async def test_snapshot(
         self,

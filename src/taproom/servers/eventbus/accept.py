@@ -139,31 +139,48 @@ class Acceptor(BusBase):
         paired = self.config.role != "standalone"
         seq = self.assigned_seq
         for event in events:
-            if event.uuid in self.dedup:
-                self._duplicate(event.uuid)
-                continue
-            timestamp = event.timestamp.encode()
-            frames = (
-                event.topic.encode(),
-                SEQUENCE.pack(seq + 1),
-                event.producer.encode(),
-                timestamp,
-                event.uuid.encode(),
-                event.data,
-            )
-            size = entry_bytes(frames, event.chp) if event.data else 0
-            if not self._admit(frames[0], seq + 1, size):
+            # One update's unexpected error refuses it alone (taproom.supervise): its admission
+            # is undone, nothing of it is journaled, the others go on.
+            try:
+                if event.uuid in self.dedup:
+                    self._duplicate(event.uuid)
+                    continue
+                timestamp = event.timestamp.encode()
+                frames = (
+                    event.topic.encode(),
+                    SEQUENCE.pack(seq + 1),
+                    event.producer.encode(),
+                    timestamp,
+                    event.uuid.encode(),
+                    event.data,
+                )
+                size = entry_bytes(frames, event.chp) if event.data else 0
+                previous = self._accepted.get(frames[0])
+                accepted_bytes = self._accepted_bytes
+                if not self._admit(frames[0], seq + 1, size):
+                    continue
+                if builder is None:
+                    builder = BatchBuilder()
+                try:
+                    journal_event(builder, event, seq + 1, timestamp)  # appends only if whole
+                except Exception:
+                    if previous is None:
+                        self._accepted.pop(frames[0], None)
+                    else:
+                        self._accepted[frames[0]] = previous
+                    self._accepted_bytes = accepted_bytes
+                    raise
+            except Exception as exc:
+                self._accept_guard.failed(exc, "update")
                 continue
             seq += 1
             self.dedup.add(event.uuid, seq)
-            if builder is None:
-                builder = BatchBuilder()
-            journal_event(builder, event, seq, timestamp)
             entries.append(Entry(seq, frames, event.chp, event.expires_ms))
             if paired:
                 replicas.append(event._replace(sequence=seq))
-        if builder is None:
+        if not entries:
             return 0
+        assert builder is not None
         self._submit(builder.build(), entries, replicas)
         return len(entries)
 

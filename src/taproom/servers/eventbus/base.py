@@ -118,6 +118,7 @@ class BusBase:
         self._chp_collector_guard = supervisor.guard(
             "eventbus.chp_collector", protocol=PROTOCOL, logger=log
         )
+        self._accept_guard = supervisor.guard("eventbus.accept", protocol=PROTOCOL, logger=log)
         self._peer_hugz_guard = supervisor.guard(
             "eventbus.peer_hugz", protocol=PROTOCOL, logger=log
         )
