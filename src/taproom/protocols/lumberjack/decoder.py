@@ -52,7 +52,7 @@ from .frames import (
     LumberjackLimit,
     Version,
 )
-from .inflating import INFLATE_MIN, INFLATE_STEP, Level
+from .inflating import INFLATE_IN, INFLATE_MIN, INFLATE_STEP, Level
 
 __all__ = ["STALL_INFLATE", "STALL_ROOM", "Limits", "ServerConnection", "Window"]
 
@@ -270,7 +270,7 @@ class ServerConnection:
         """Received bytes held, not yet parsed or inflated: an incomplete frame, frames after
         a ``C`` frame, and the compressed bytes of the ``C`` frame being read."""
         levels = self._levels
-        return len(self._buf) + (len(levels[0].inbuf) if levels else 0)
+        return len(self._buf) + (levels[0].pending if levels else 0)
 
     @property
     def inflated_bytes(self) -> int:
@@ -279,7 +279,7 @@ class ServerConnection:
         levels = self._levels
         if not levels:
             return 0
-        return sum(len(level.tail) for level in levels) + sum(len(lv.inbuf) for lv in levels[1:])
+        return sum(len(level.tail) for level in levels) + sum(lv.pending for lv in levels[1:])
 
     @property
     def inflate_needed(self) -> int:
@@ -387,12 +387,15 @@ class ServerConnection:
         if levels and levels[0].remaining:
             level = levels[0]
             n = level.remaining
+            taken = data if len(data) <= n else data[:n]
+            if level.pending:
+                level.inbuf = level.inbuf[level.inpos :] + taken
+            else:
+                level.inbuf = taken
+            level.inpos = 0
+            level.remaining = n - len(taken)
             if len(data) <= n:
-                level.inbuf = level.inbuf + data if level.inbuf else data
-                level.remaining = n - len(data)
                 return
-            level.inbuf += data[:n]
-            level.remaining = 0
             data = data[n:]
         self._buf += data
 
@@ -456,7 +459,7 @@ class ServerConnection:
         first if need be): the bytes it made, or -1 when more input or more room is needed."""
         levels = self._levels
         level = levels[index]
-        if not level.inbuf:
+        if not level.pending:
             if not level.remaining:
                 raise LumberjackError(
                     "C payload is a truncated zlib stream", reason="bad_compressed"
@@ -468,6 +471,7 @@ class ServerConnection:
                 return -1
             n = min(level.remaining, len(below.tail))
             level.inbuf = below.tail[:n]
+            level.inpos = 0
             below.tail = below.tail[n:]
             level.remaining -= n
         top = index == len(levels) - 1
@@ -487,13 +491,17 @@ class ServerConnection:
                     return self._stall_inflate(free, want)
                 want = free
         try:
-            piece = level.decomp.decompress(level.inbuf, want)
+            chunk = memoryview(level.inbuf)[level.inpos : level.inpos + INFLATE_IN]
+            piece = level.decomp.decompress(chunk, want)
         except Exception as exc:  # zlib.error
             raise LumberjackError(
                 f"C payload is not zlib: {exc}", reason="bad_compressed"
             ) from None
-        level.inbuf = level.decomp.unconsumed_tail
-        if level.decomp.unused_data or (level.decomp.eof and level.remaining):
+        level.inpos += len(chunk) - len(level.decomp.unconsumed_tail)
+        if level.inpos >= len(level.inbuf):
+            level.inbuf = b""
+            level.inpos = 0
+        if level.decomp.unused_data or (level.decomp.eof and (level.remaining or level.pending)):
             raise LumberjackError(
                 "bytes after the zlib stream in a C frame", reason="bad_compressed"
             )

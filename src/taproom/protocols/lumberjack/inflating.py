@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 
-__all__ = ["INFLATE_MIN", "INFLATE_STEP", "Level"]
+__all__ = ["INFLATE_IN", "INFLATE_MIN", "INFLATE_STEP", "Level"]
 
 # A window of Filebeat's inflates to about 1 MiB: one zlib call returns it whole, as bytes (the
 # fast type to parse). Larger content is inflated a step at a time, each step parsed before the
@@ -21,17 +21,26 @@ INFLATE_STEP = 1024 * 1024
 # With less inflate room than this left, a connection waits for more rather than inflating
 # slivers (each call costs ~10 us besides its output).
 INFLATE_MIN = 64 * 1024
+# Compressed input given to one zlib call: zlib hands back what it did not consume as a copy
+# (``unconsumed_tail``), so a whole frame given at once would be copied again at every step.
+INFLATE_IN = 256 * 1024
 
 
 class Level:
     """One ``C`` frame: its zlib state, compressed bytes still to come from the level below
     (``remaining``), taken but not consumed (``inbuf``), and inflated but unparsed (``tail``)."""
 
-    __slots__ = ("decomp", "inbuf", "remaining", "tail")
+    __slots__ = ("decomp", "inbuf", "inpos", "remaining", "tail")
+
+    @property
+    def pending(self) -> int:
+        """Compressed bytes taken and not yet consumed."""
+        return len(self.inbuf) - self.inpos
 
     def __init__(self, length: int) -> None:
         self.decomp = zlib.decompressobj()
         self.remaining = length
         self.inbuf: bytes | bytearray = b""
+        self.inpos = 0  # how much of inbuf zlib has consumed
         # bytes; a bytearray while a large frame grows a step at a time (copied once whole)
         self.tail: bytes | bytearray = b""
