@@ -813,3 +813,35 @@ class TestConnectionGate:
                 app, "logtk_ws", "peer_connection_rate"
             )
             assert gate == turned_away
+
+
+class TestConnectionBuffers:
+    async def test_unfinished_frames_over_tcp_hold_room_in_the_budget(self, tmp_path):
+        # Issue 26: a connection's unfinished frame past 64 KiB is held with room from the
+        # process budget's connection_buffers (shared with every listener): when there is
+        # none, that connection is not read; others go on; the room is freed when it ends.
+        hub = {"connection_buffer_bytes": 1 << 20}
+        async with running_app(tmp_path, enable=["logtk"], logtk=APPS, hub=hub) as app:
+            buffers = app.hub.budget.holder("connection_buffers")
+            head = b"\x01\x01" + TOKEN + b"\x00" + INIT
+            frame = encode_frame(Data(b'{"pad":"' + b"p" * (900 << 10) + b'"}', 7))
+            writers = []
+            for _ in range(3):  # each holds ~600 KiB of a 900 KiB entry
+                _reader, writer = await asyncio.open_connection(*addr(app, "logtk_tcp"))
+                writer.write(head + frame[: 600 << 10])
+                writers.append(writer)
+            deadline = time.monotonic() + 20
+            while not (buffers.used >= 600 << 10 and buffers.waiting):
+                assert time.monotonic() < deadline, (buffers.used, buffers.waiting)
+                await asyncio.sleep(0.05)
+            assert buffers.used <= buffers.bound + (600 << 10)  # one let through at most
+            # An ordinary client is not held up by them.
+            right = await tcp_exchange(
+                app, head + encode_frame(Data(b"{}", 1)), expect_len=4 + 13 + 7
+            )
+            assert FrameDecoder().feed(right)[-1] == Ack(1)
+            for writer in writers:
+                writer.close()
+            while buffers.used or buffers.waiting:
+                assert time.monotonic() < deadline + 20, (buffers.used, buffers.waiting)
+                await asyncio.sleep(0.05)

@@ -221,6 +221,8 @@ def _event_fits_the_budget(config: Config) -> None:
         hub = config.section("hub")
     except KeyError:
         return
+    if not section.enabled:
+        return
     need = section.max_event_bytes + _FRAME_HEAD
     for key in ("connection_buffer_bytes", "max_inflate_bytes"):
         if getattr(hub, key) < need:

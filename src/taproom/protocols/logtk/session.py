@@ -190,6 +190,11 @@ class ServerConnection:
         return out
 
     @property
+    def buffered_bytes(self) -> int:
+        """Received bytes held for an unfinished frame (what the glue reserves)."""
+        return self._decoder.buffered
+
+    @property
     def closed(self) -> bool:
         return self.state is State.CLOSED
 

@@ -149,6 +149,8 @@ def _burst_fits_the_inflate_share(config: Config) -> None:
         hub = config.section("hub")
     except KeyError:
         return
+    if not section.enabled:
+        return
     need = section.burst_bytes + section.max_decompressed_bytes
     if need > hub.max_inflate_bytes:
         raise ConfigError(

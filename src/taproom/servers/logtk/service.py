@@ -22,6 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHeader, PayloadTooBig
 from websockets.headers import parse_subprotocol
 
 from ...access import ConnectionGate, access_for
+from ...budget import CONNECTION_BUFFERS
 from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.logtk import CloseCode, ServerConnection
@@ -33,6 +34,8 @@ from .session import Session
 __all__ = ["AuthLimiter", "LogTKService", "create_service"]
 
 log = logging.getLogger("taproom.logtk")
+# An unfinished frame up to this size is held without a reservation (less than one read).
+_UNRESERVED_BYTES = 64 * 1024
 
 
 class AuthLimiter:
@@ -322,6 +325,11 @@ class LogTKService:
         self.sessions.add(session)
         sender = self._spawn(session.sender(close))
         ticker = self._spawn(session.ticker())
+        # An unfinished frame past a small allowance is held with room from the process
+        # budget's connection_buffers (shared with every listener); without room, this
+        # connection is not read until there is (taproom.budget).
+        buffers = self.hub.budget.holder(CONNECTION_BUFFERS)
+        held = 0
         try:
             while not conn.closed:
                 await session.wait_room()
@@ -334,10 +342,20 @@ class LogTKService:
                 if not data:
                     break
                 session.handle(conn.receive_data(data, loop.time()))
+                buffered = conn.buffered_bytes
+                target = buffered if buffered > _UNRESERVED_BYTES else 0
+                if target > held:
+                    if not buffers.try_reserve(target - held):
+                        await buffers.reserve(target - held, holding=held)
+                    held = target
+                elif target < held:
+                    buffers.release(held - target)
+                    held = target
         except Exception as exc:
             self.guards["tcp"].failed(exc, f"read from {peer}")
             conn.close(CloseCode.INTERNAL_ERROR, "internal error")
         finally:
+            buffers.release(held)
             session.wake.set()
             if not conn.closed:
                 conn.close(CloseCode.NO_ACK, None)  # the peer is gone: stop the sender
