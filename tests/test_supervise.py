@@ -190,7 +190,8 @@ class TestHubLoops:
     async def test_a_commit_thread_that_dies_is_restarted_and_retries_its_group(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        config = load(write_config(tmp_path))
+        # the commit thread's own path (a lone small batch is otherwise committed inline)
+        config = load(write_config(tmp_path, hub={"inline_commit_max_bytes": 0}))
         async with Hub(config) as hub:
             real = hub.journal.commit
             failures = 0

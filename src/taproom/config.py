@@ -216,6 +216,22 @@ class HubConfig:
         "beyond it a lossless output reads back from the journal, a lossy one drops and counts",
         min=64 * 1024,
     )
+    inline_commit_max_bytes: int = setting(
+        16 * 1024,
+        "a group this small, admitted while the commit thread is idle, is written and fsynced "
+        "by the event loop itself: for a few requests in flight the thread's two hand-offs and "
+        "wakeups cost more CPU than the commit (issue 32); busier loops make larger groups, "
+        "which go to the commit thread so reading overlaps their fsync; 0 turns it off",
+        min=0,
+        max=8 * 1024 * 1024,
+    )
+    inline_commit_max_ms: float = setting(
+        2.0,
+        "inline commits stop while small commits take longer than this on average, so the "
+        "loop never waits long on a slow or busy disk (SSDs fsync in 0.1-1 ms)",
+        min=0,
+        max=1000,
+    )
     output_queue_batches: int = setting(
         1024, "committed batches buffered per output before it reads back from the journal", min=1
     )

@@ -149,3 +149,92 @@ async def test_outputs_are_public_and_the_console_reads_their_lag(tmp_path):
         slow.close()
         assert [sub.name for sub in hub.outputs()] == ["fast"]
         assert "lag/slow" not in StatsRing(hub, 10, dict).sample()
+
+
+def _sample(hub, name, **labels):
+    return hub.metrics.registry.get_sample_value(name, labels) or 0
+
+
+class TestInlineCommits:
+    """Issue 32: a small group admitted while the commit thread is idle is committed by the
+    loop itself (no thread hand-offs); group commit still batches under load."""
+
+    async def test_a_lone_small_batch_is_committed_by_the_loop(self, tmp_path):
+        # a loaded test machine's fsync can average past the 5 ms default (inline turns off)
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+            commits = [await hub.ingest(_batch(2, tag=f"b{i}")) for i in range(3)]
+            assert [c.first_offset for c in commits] == [0, 2, 4]
+            assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 3
+            assert _sample(hub, "taproom_hub_commits_calls_total") == 3
+            assert _sample(hub, "taproom_journal_fsync_calls_total") == 3  # durable as ever
+        # and on disk for a reader that opens the journal afresh
+        assert scan_segment(str(tmp_path / "j" / segment_name(0))).next_offset == 6
+
+    async def test_concurrent_senders_share_commits_on_both_paths(self, tmp_path):
+        """40 senders, one batch in flight each: each loop iteration's batches are one group,
+        small groups inline, larger ones in the commit thread; offsets follow submit order and
+        an output sees every batch once, in order."""
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+            sub = hub.subscribe("check")
+            order: list[tuple[int, int]] = []  # (first offset, sender) in submit order
+
+            async def sender(k: int, size: int) -> None:
+                for i in range(10):
+                    b = BatchBuilder()
+                    b.add("test", b"x" * size, stream=str(k), seq=i)
+                    commit = await hub.ingest(b.build())
+                    order.append((commit.first_offset, k))
+
+            # 40 x 100 B fit one inline group; 40 x 4 KiB do not
+            await asyncio.gather(*(sender(k, 100) for k in range(40)))
+            inline = _sample(hub, "taproom_hub_inline_commits_calls_total")
+            await asyncio.gather(*(sender(k, 4096) for k in range(40)))
+            commits = _sample(hub, "taproom_hub_commits_calls_total")
+            assert commits <= 40  # 800 batches, far fewer commits: group commit
+            assert 0 < inline <= 20 and commits - inline >= 10  # both paths took groups
+            offsets = sorted(first for first, _ in order)
+            assert offsets == list(range(800))
+            seen = []
+            while len(seen) < 800:
+                committed = await asyncio.wait_for(sub.__anext__(), 10)
+                seen += [r.offset for r in committed.records()]
+            assert seen == list(range(800))
+
+    async def test_a_failed_inline_commit_is_retried_by_the_commit_thread(
+        self, tmp_path, monkeypatch
+    ):
+        from taproom.errors import JournalFailed
+
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+            real, calls = hub.journal.commit, []
+
+            def fails_once(batches):
+                calls.append(len(batches))
+                if len(calls) == 1:
+                    raise JournalFailed("injected")
+                return real(batches)
+
+            monkeypatch.setattr(hub.journal, "commit", fails_once)
+            commit = await asyncio.wait_for(hub.ingest(_batch(3)), 30)
+            assert commit.first_offset == 0 and len(calls) == 2
+            assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 0
+            reason = "journal_failed"
+            assert _sample(hub, "taproom_hub_commit_failures_events_total", reason=reason) == 1
+            assert [r.payload for r in hub.journal.read(0)] == [b"e0", b"e1", b"e2"]
+
+    async def test_a_slow_disk_turns_inline_commits_off(self, tmp_path, monkeypatch):
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1)) as hub:
+            real = hub.journal.commit
+
+            def slow(batches):
+                import time
+
+                time.sleep(0.01)  # 10 ms a commit: the loop must not wait on that
+                return real(batches)
+
+            monkeypatch.setattr(hub.journal, "commit", slow)
+            for i in range(5):
+                await hub.ingest(_batch(1, tag=str(i)))
+            # the first one went inline and showed the disk slow; the rest went to the thread
+            assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 1
+            assert _sample(hub, "taproom_hub_commits_calls_total") == 5

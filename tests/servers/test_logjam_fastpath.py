@@ -180,3 +180,60 @@ async def test_numbers_wrap_alike_on_mixed_plain_and_ingested_batches(tmp_path):
         # "seq 1..4" is the latest round of numbers: 1, 2, 3 are offsets 8, 9, 10; its 4 is
         # not handed out yet
         assert [(m.meta.sequence, m.offset) for m in replayed] == [(1, 8), (2, 9), (3, 10)]
+
+
+async def test_other_protocols_are_numbered_unmapped_while_nobody_subscribes(tmp_path):
+    """Batches of other protocols' records (and mixed ones) are numbered and indexed without
+    being mapped while nobody subscribes (issue 32: a LogTK entry's commit spent a third of
+    its Python mapping it for no one): the numbers continue when a consumer comes, in journal
+    order, and the replay maps the early ones as the live path would have."""
+    async with running(tmp_path, routes=["logjam", "logtk"]) as app:
+        service = app.services["logjam"]
+
+        def build(items):
+            builder = BatchBuilder()
+            for protocol, i in items:
+                stream = "early-prod" if protocol == "logjam" else "app"
+                builder.add(
+                    protocol, b'{"i": %d}' % i, stream=stream, topic="logs", content_type="json"
+                )
+            return builder.build()
+
+        # logtk alone; lumberjack (not routed) alone; logtk, logjam and lumberjack mixed
+        batches = [
+            build([("logtk", 0), ("logtk", 1)]),
+            build([("lumberjack", 90)]),
+            build([("logtk", 2), ("logjam", 3), ("lumberjack", 91), ("logtk", 4)]),
+        ]
+        for batch in batches:
+            await app.hub.ingest(batch)
+
+        def work():
+            wait_published(app)
+            assert service.pub.published == 5
+            consumer = LogjamConsumer(
+                url(app, "logjam_pub"), [""], replay_endpoint=url(app, "logjam_replay")
+            )
+            wait_subscriptions(app, 1)
+            return consumer
+
+        consumer = await asyncio.to_thread(work)
+        await app.hub.ingest(build([("logtk", 5)]))
+
+        def read():
+            live = consumer.recv(5)
+            early = consumer.replay_seq(1, 5)
+            consumer.close()
+            return live, early
+
+        def value(message):  # another protocol's record comes wrapped (OutputMapper.body)
+            body = message.json()
+            return body["i"] if "i" in body else body["payload"]["i"]
+
+        live, early = await asyncio.to_thread(read)
+        assert (live.meta.sequence, value(live)) == (6, 5)
+        assert [(m.meta.sequence, value(m)) for m in early] == [
+            (1, 0), (2, 1), (3, 2), (4, 3), (5, 4)
+        ]  # fmt: skip
+        assert service.pub.seq_offsets(1, 5) == {0: 1, 1: 2, 3: 3, 4: 4, 6: 5}  # offset: number
+        assert sample(app, "taproom_logjam_published_messages_total", kind="data") == 6

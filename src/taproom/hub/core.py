@@ -101,6 +101,9 @@ class Subscription:
         self._queue: asyncio.Queue[CommittedBatch] = asyncio.Queue(maxsize)
         self._lagging = from_offset < hub.journal.end_offset
         self.closed = False
+        # The consumer waiting for the next batch (one future, woken by _offer and close):
+        # cheaper per batch than waiting on the queue and the hub's stop together.
+        self._waiter: asyncio.Future[None] | None = None
         m = hub.metrics
         self._m_lag = m.counter(
             "hub",
@@ -133,9 +136,16 @@ class Subscription:
                 return
             self._m_lag.inc()
             self._lagging = True  # read from the journal from next_offset on
+            self._wake()  # the consumer reads back from the journal
             return
         batch.queued += 1
         self._queue.put_nowait(batch)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _taken(self, batch: CommittedBatch) -> CommittedBatch:
         """``batch`` left this queue: its bytes are free once no queue holds it."""
@@ -160,18 +170,13 @@ class Subscription:
                     self.next_offset = batch_or_none.end_offset
                     return batch_or_none
                 continue
-            getter = asyncio.ensure_future(self._queue.get())
-            closed = asyncio.ensure_future(self.hub._stopped.wait())
-            done, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
-            closed.cancel()
-            if getter in done:
-                batch = self._taken(getter.result())
-                if batch.end_offset <= self.next_offset:
-                    continue
-                self.next_offset = batch.end_offset
-                return batch
-            getter.cancel()
-            raise StopAsyncIteration
+            if self.hub._stopped.is_set():
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter  # a batch offered, lagging, or closed (the hub stops)
+            finally:
+                self._waiter = None
 
     async def _read_back(self) -> CommittedBatch | None:
         """The next batch from the journal, or None once caught up with the live queue."""
@@ -216,6 +221,7 @@ class Subscription:
         self.hub._subscriptions.discard(self)
         while not self._queue.empty():
             self._taken(self._queue.get_nowait())
+        self._wake()
 
 
 class Hub:
@@ -260,9 +266,23 @@ class Hub:
         self._deliver_guard = self.supervisor.guard("hub.deliver", output="hub")
         # The group the commit thread holds, kept here so a restarted thread retries it.
         self._in_hand: list[_Pending] = []
+        # Inline commits (docs/architecture.md, "Commits on the loop"): a small group admitted
+        # while the commit thread has nothing in hand is written and fsynced by the loop itself,
+        # which saves the two thread hand-offs and wakeups that cost more CPU than the fsync.
+        hc = self.config.hub
+        self._inline_max_bytes = hc.inline_commit_max_bytes
+        self._inline_max_s = hc.inline_commit_max_ms / 1000
+        self._inline: list[_Pending] = []  # admitted this loop iteration, committed at its end
+        self._inline_bytes = 0
+        self._in_thread = 0  # batches handed to the commit thread and not yet delivered (loop)
+        self._write_lock = threading.Lock()  # the journal's write side: commit thread or loop
+        self._small_commit_s = 0.0  # recent write + fsync time of small groups (moving average)
         self._commit_stopping = False  # the stop sentinel was taken (survives a restart)
         m = self.metrics
         self._m_commits = m.counter("hub", "commits", "calls", "Group commits (one write + fsync)")
+        self._m_inline = m.counter(
+            "hub", "inline_commits", "calls", "Group commits the loop made itself (small, idle)"
+        )
         self._m_batches = m.counter("hub", "committed", "batches", "Batches committed")
         self._m_latency = m.histogram(
             "hub", "commit_latency", "seconds", "Submit to durable, per batch", _LATENCY_BUCKETS
@@ -366,11 +386,64 @@ class Hub:
         return future
 
     def _admit(self, pending: _Pending) -> None:
-        """Into the commit queue; its room in the pending holder is already taken."""
+        """Into the next group commit; its room in the pending holder is already taken.
+
+        The group goes inline (committed by the loop at the end of this iteration) while the
+        commit thread has nothing in hand, the group is small and recent small commits were
+        quick; otherwise to the commit thread, behind anything already there (submit order)."""
         with self._pending_lock:
             if self.oldest_pending_since is None:
                 self.oldest_pending_since = time.monotonic()
-        self._queue.put(pending)
+        if (
+            not self._in_thread
+            and self._inline_bytes + pending.size <= self._inline_max_bytes
+            and self._small_commit_s <= self._inline_max_s
+            and self._accepting
+            and self._loop is not None
+        ):
+            if not self._inline:
+                self._loop.call_soon(self._commit_inline)
+            self._inline.append(pending)
+            self._inline_bytes += pending.size
+            return
+        if self._inline:  # commit order is admission order: the inline group goes first
+            group, self._inline, self._inline_bytes = self._inline, [], 0
+            self._to_thread(group)
+        self._to_thread([pending])
+
+    def _to_thread(self, group: list[_Pending]) -> None:
+        self._in_thread += len(group)
+        for pending in group:
+            self._queue.put(pending)
+
+    def _commit_inline(self) -> None:
+        """On the loop, at the end of the iteration that admitted the group: one write and one
+        fsync, then the acks at once. Anything unusual (the commit thread took work meanwhile,
+        a journal failure, a bug) hands the group to the commit thread, which owns retries,
+        failure reporting and supervision: the journal's commit is all or nothing, so the same
+        offsets are handed out again there."""
+        group, nbytes = self._inline, self._inline_bytes
+        self._inline, self._inline_bytes = [], 0
+        if not group:
+            return
+        if self._in_thread or not self._write_lock.acquire(blocking=False):
+            self._to_thread(group)
+            return
+        try:
+            started = time.monotonic()
+            bases = self.journal.commit([p.batch for p in group])
+        except Exception as exc:
+            self._write_lock.release()
+            if isinstance(exc, (DiskFull, JournalFailed, JournalError, OSError)):
+                reason = "disk_full" if isinstance(exc, DiskFull) else "journal_failed"
+                self._m_failures.labels(reason=reason).inc(len(group))
+            self._to_thread(group)
+            return
+        self._write_lock.release()
+        now = time.monotonic()
+        self._committed(group, now, now - started, nbytes)
+        self._m_inline.inc()
+        self._deliver(group, bases, nbytes)
 
     def _admit_waiting(self) -> None:
         """The pending holder granted the oldest waiting batch its room (FIFO: the grants
@@ -466,7 +539,9 @@ class Hub:
                 continue
             self._in_hand = group
             try:
-                bases = self.journal.commit([p.batch for p in group])
+                with self._write_lock:
+                    started = time.monotonic()
+                    bases = self.journal.commit([p.batch for p in group])
             except (DiskFull, JournalFailed, JournalError, OSError) as exc:
                 reason = "disk_full" if isinstance(exc, DiskFull) else "journal_failed"
                 self._m_failures.labels(reason=reason).inc(len(group))
@@ -485,23 +560,29 @@ class Hub:
             self.journal_problem = None
             self._in_hand = []
             now = time.monotonic()
-            self.last_commit_at = now
             if jc.fsync == "interval" and now - last_sync >= interval:
                 self._sync_quietly()
                 last_sync = now
-            self._m_commits.inc()
-            self._m_batches.inc(len(group))
-            for p in group:
-                self._m_latency.observe(now - p.submitted)
-            with self._pending_lock:
-                self.oldest_pending_since = None if self._queue.empty() else now
+            self._committed(group, now, now - started, nbytes)
             assert self._loop is not None
             # The batches stay counted in pending bytes until _deliver: until then the loop
             # still holds their bodies (acks and outputs), so room made here would let the
             # loop admit more while they are in memory, past max_pending_bytes.
-            self._loop.call_soon_threadsafe(self._deliver, group, bases, nbytes)
+            self._loop.call_soon_threadsafe(self._deliver_from_thread, group, bases, nbytes)
             if time.monotonic() - last_retention > 10:
                 last_retention = self._housekeeping(last_retention)
+
+    def _committed(self, group: list[_Pending], now: float, seconds: float, nbytes: int) -> None:
+        """Bookkeeping of a group commit, on whichever thread made it."""
+        self.last_commit_at = now
+        if nbytes <= self._inline_max_bytes:
+            self._small_commit_s += (seconds - self._small_commit_s) / 4
+        self._m_commits.inc()
+        self._m_batches.inc(len(group))
+        for p in group:
+            self._m_latency.observe(now - p.submitted)
+        with self._pending_lock:
+            self.oldest_pending_since = None if self._queue.empty() else now
 
     _grace_deadline: float | None = None
     # Set by begin_shutdown (taproom serve, at the signal): when unwritable batches are given up.
@@ -541,7 +622,8 @@ class Hub:
 
     def _sync_quietly(self) -> None:
         try:
-            self.journal.sync()
+            with self._write_lock:
+                self.journal.sync()
         except JournalError as exc:
             self.journal_problem = str(exc)
 
@@ -549,15 +631,20 @@ class Hub:
         jc = self.config.journal
         if jc.retention_bytes or jc.retention_age_s:
             try:
-                self.journal.enforce_retention(
-                    jc.retention_bytes,
-                    jc.retention_age_s,
-                    unread=self.cursors.offsets() if jc.retain_unread else None,
-                    unread_max_bytes=jc.retain_unread_max_bytes,
-                )
+                with self._write_lock:  # the loop may commit inline meanwhile
+                    self.journal.enforce_retention(
+                        jc.retention_bytes,
+                        jc.retention_age_s,
+                        unread=self.cursors.offsets() if jc.retain_unread else None,
+                        unread_max_bytes=jc.retain_unread_max_bytes,
+                    )
             except OSError as exc:
                 log.warning("retention failed: %s", exc)
         return time.monotonic()
+
+    def _deliver_from_thread(self, group: list[_Pending], bases: list[int], nbytes: int) -> None:
+        self._in_thread -= len(group)
+        self._deliver(group, bases, nbytes)
 
     def _deliver(self, group: list[_Pending], bases: list[int], nbytes: int) -> None:
         """On the loop: resolve futures first (acks), then free the batches' room and feed
@@ -579,6 +666,7 @@ class Hub:
                         # output reads this batch back from the journal instead.
                         self._deliver_guard.failed(exc, f"committed batch for {sub.name}")
                         sub._lagging = True
+                        sub._wake()
 
     # --- outputs --------------------------------------------------------------------------
 
