@@ -31,12 +31,15 @@ __all__ = [
     "Burst",
     "Reader",
     "active",
+    "buffer_bytes",
     "drain",
     "ext_status",
     "ffi_lib",
     "reader",
     "select",
     "send_messages",
+    "send_prepared",
+    "view",
 ]
 
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -147,6 +150,28 @@ def drain(
         yield from burst.messages()
         if time.monotonic() >= deadline:
             return
+
+
+def view(burst: Burst) -> tuple[Any, list[int], list[int]] | None:
+    """``(burst, ends, starts)`` of a compiled burst for a protocol kernel, or None for a
+    burst of the pure-Python path (which the Python twin of every kernel handles)."""
+    if not isinstance(burst, _ExtBurst):
+        return None
+    starts, ends = burst._index()
+    return burst, ends, starts
+
+
+def buffer_bytes(burst: Any) -> bytes:
+    """The whole of a compiled burst's buffer as one bytes object (frames sliced from it)."""
+    return _FFI.buffer(burst.buf, burst.size)[:]
+
+
+def send_prepared(sock: zmq.Socket[bytes], buf: Any, frame_end: Any, counts: Any, n: int) -> int:
+    """Send ``n`` messages a protocol kernel laid out in C arrays (``tb_send``'s shape):
+    compiled path only. Returns the number sent whole."""
+    if sock.closed:
+        return 0
+    return int(_LIB.tb_send(handle(sock), buf, frame_end, counts, n))
 
 
 def send_messages(sock: zmq.Socket[bytes], messages: Sequence[Sequence[bytes]]) -> int:

@@ -63,15 +63,28 @@ typedef struct {
 void zt_take(const unsigned char *buf, size_t pos, size_t complete, const char *prefix,
              size_t prefix_len, int max_frames, int max_messages, size_t max_bytes, char *out,
              size_t out_cap, size_t *frame_end, size_t frames_cap, int *counts, zt_taken *res);
+
+typedef struct { int next; size_t next_frame; int slow; int scanned; } eb_scanned;
+void eb_scan(const char *buf, const size_t *frame_end, const int *counts, int max_frames,
+             int start, size_t start_frame, int n, size_t max_topic, size_t max_producer,
+             size_t max_data, int64_t *ts_ns, char *uuids, int cap, eb_scanned *res);
+typedef struct {
+    size_t out_bytes; size_t bc_frames; size_t bc_bytes; int error; int emitted;
+} eb_emitted;
+void eb_emit(const char *buf, const size_t *frame_end, const size_t *first_frames,
+             const uint64_t *seqs, const int *items, int count, const int64_t *ts_ns,
+             const char *uuids, int64_t received_ns, char *out, size_t out_cap, char *bc,
+             size_t bc_cap, size_t *bc_end, size_t bc_end_cap, eb_emitted *res);
 """
 
-SOURCE = Path(__file__).with_name("burst.c")
+# burst.c, then the protocol kernels kept in files of their own (one translation unit)
+SOURCES = [Path(__file__).with_name(name) for name in ("burst.c", "eventbus.c")]
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
 ffibuilder.set_source(
     "taproom.zmqburst._burst",
-    SOURCE.read_text(),
+    "\n".join(source.read_text() for source in SOURCES),
     libraries=["dl"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
     optional=True,  # no compiler: the install goes on, taproom takes the pure-Python path

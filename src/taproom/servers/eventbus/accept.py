@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import zmq
 
@@ -94,13 +95,20 @@ class Acceptor(BusBase):
             if len(self._dup_acks) > MAX_DUP_ACKS:
                 del self._dup_acks[next(iter(self._dup_acks))]
 
-    def _submit(self, batch: EncodedBatch, entries: list[Entry], events: list[Event]) -> None:
-        """Journal a burst and queue it for the broadcaster (after replicating it)."""
+    def _submit(
+        self,
+        batch: EncodedBatch,
+        entries: list[Entry],
+        events: list[Event],
+        wire: tuple[Any, Any, Any, int] | None = None,
+    ) -> None:
+        """Journal a burst and queue it for the broadcaster (after replicating it); ``wire``:
+        its BROADCASTs as the collector's kernel laid them out."""
         future = self.hub.submit(batch)
         self.assigned_seq = entries[-1].seq
         self.hub.metrics.accepted(PROTOCOL, len(entries), len(batch.body))
         needs_ack = self._replicate(events) if events else False
-        self._inflight.put_nowait(Burst(future, entries, needs_ack))
+        self._inflight.put_nowait(Burst(future, entries, needs_ack, None, wire))
 
     def _replicate(self, events: list[Event]) -> bool:
         """Send a burst to the passive peer; True when the broadcast must wait for its ack.

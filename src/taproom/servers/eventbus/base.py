@@ -31,6 +31,9 @@ class Burst:
     entries: list[Entry]
     needs_peer_ack: bool = False
     reply_to: bytes | None = None  # mirror bursts: the active peer's identity, to REPLICATED
+    # The entries' BROADCASTs laid out by the collector's kernel (buffer, frame ends, frame
+    # counts, messages: zmqburst.send_prepared), or None: built from the entries when sent.
+    wire: tuple[Any, Any, Any, int] | None = None
 
 
 class BusBase:

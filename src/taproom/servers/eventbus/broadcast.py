@@ -59,6 +59,40 @@ class Broadcaster(BinaryStarPeer):
             self._m_unreplicated.inc(len(burst.entries))
         sent = 0
         broadcast_seq = self._broadcast_seq
+        if (
+            burst.wire is not None
+            and broadcast
+            and chp_pub is None
+            and burst.entries[0].seq > broadcast_seq
+        ):
+            # the collector's kernel laid the BROADCASTs out as one burst: the hashmap here,
+            # the sends in one C call (its events all have data: none is a deletion)
+            for entry in burst.entries:
+                topic = entry[1][0]
+                current = hashmap.get(topic)
+                if current is None or current[0] < entry[0]:
+                    hashmap[topic] = entry
+            zmqburst.send_prepared(pub, *burst.wire)
+            sent = len(burst.entries)
+            broadcast_seq = burst.entries[-1].seq
+        else:
+            sent, broadcast_seq = self._apply_entries(burst, pub, broadcast, broadcast_seq)
+        self._broadcast_seq = broadcast_seq
+        if sent:
+            self._m_broadcast.inc(sent)
+        self.last_seq = max(self.last_seq, burst.entries[-1].seq)
+        self._applied_offset = max(self._applied_offset, commit.end_offset)
+        if burst.reply_to is not None:  # dropped (and counted) if the peer went away
+            self._collector.send([burst.reply_to, *replicated_frames(self.last_seq)])
+
+    def _apply_entries(
+        self, burst: Burst, pub: zmq.Socket[bytes], broadcast: bool, broadcast_seq: int
+    ) -> tuple[int, int]:
+        """The hashmap and the BROADCASTs (and kvmsgs) of a burst, entry by entry: how many
+        were sent, and the last sequence broadcast."""
+        hashmap = self.hashmap
+        chp_pub = self._chp_publisher_raw
+        sent = 0
         new_entry = Entry._make
         # BROADCASTs (and kvmsgs) go out a burst per call (taproom.zmqburst); a large value
         # is sent on its own, lent to ZeroMQ rather than copied into the burst (send_event).
@@ -93,13 +127,7 @@ class Broadcaster(BinaryStarPeer):
                 broadcast_seq = seq
                 sent += 1
         self._flush(pub, out, chp_pub, kv_out)
-        self._broadcast_seq = broadcast_seq
-        if sent:
-            self._m_broadcast.inc(sent)
-        self.last_seq = max(self.last_seq, burst.entries[-1].seq)
-        self._applied_offset = max(self._applied_offset, commit.end_offset)
-        if burst.reply_to is not None:  # dropped (and counted) if the peer went away
-            self._collector.send([burst.reply_to, *replicated_frames(self.last_seq)])
+        return sent, broadcast_seq
 
     @staticmethod
     def _flush(
