@@ -218,3 +218,91 @@ long bl_forward(void *in, void *out, long n) {
     }
     return got;
 }
+
+/* Many SUB sockets read in one loop (zmq_poll): whole messages whose last frame starts with a
+ * MessagePack [uint64, ...] (the fan-out bench's send time, ns) are counted per socket until
+ * each has `expected` or nothing came for `quiet_ms`; others are read and dropped. Every
+ * `sample`-th counted message of a socket adds its lag (now - that time, ns) to
+ * lags[socket * max_samples + k]. Returns the time of the last message counted (ns,
+ * CLOCK_REALTIME), or -1 when zmq_poll cannot be found. */
+typedef struct {
+    void *socket;
+    int fd;
+    short events;
+    short revents;
+} bl_pollitem;
+
+#include <time.h>
+
+static int (*z_poll)(bl_pollitem *, int, long);
+
+static int64_t bl_now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int64_t bl_count_many(void **socks, int n, long expected, int quiet_ms, int sample,
+                      long *received, int64_t *lags, int max_samples, int *samples) {
+    if (z_poll == NULL) {
+        char *path = NULL;
+        dl_iterate_phdr(tb_find_libzmq, &path);
+        void *lib = path && path[0] ? dlopen(path, RTLD_NOW | RTLD_NOLOAD) : NULL;
+        free(path);
+        if (lib == NULL || (*(void **)(&z_poll) = dlsym(lib, "zmq_poll")) == NULL)
+            return -1;
+    }
+    bl_pollitem *items = calloc((size_t)n, sizeof *items);
+    if (items == NULL)
+        return -1;
+    for (int i = 0; i < n; i++) {
+        items[i].socket = socks[i];
+        items[i].events = 1; /* ZMQ_POLLIN */
+    }
+    int64_t last = bl_now_ns(), quiet_since = last;
+    long done = 0;
+    for (int i = 0; i < n; i++)
+        done += received[i] >= expected;
+    while (done < n && (bl_now_ns() - quiet_since) / 1000000 < quiet_ms) {
+        int ready = z_poll(items, n, 100);
+        if (ready <= 0)
+            continue;
+        quiet_since = bl_now_ns();
+        for (int i = 0; i < n; i++) {
+            if (!(items[i].revents & 1))
+                continue;
+            for (;;) {
+                tb_zmq_msg m;
+                int more = 1, first = 1;
+                int64_t sent = 0;
+                while (more) {
+                    z_msg_init(&m);
+                    if (z_msg_recv(&m, socks[i], first ? TB_DONTWAIT : 0) < 0) {
+                        z_msg_close(&m);
+                        goto next_socket;
+                    }
+                    first = 0;
+                    more = z_msg_more(&m);
+                    if (!more) {
+                        const unsigned char *d = z_msg_data(&m);
+                        if (z_msg_size(&m) >= 10 && d[0] == 0x92 && d[1] == 0xcf)
+                            for (int k = 2; k < 10; k++)
+                                sent = sent << 8 | d[k];
+                    }
+                    z_msg_close(&m);
+                }
+                if (!sent)
+                    continue; /* not a stamped message (the bench's warm-ups): not counted */
+                last = bl_now_ns();
+                received[i]++;
+                if (received[i] == expected)
+                    done++;
+                if (sent && received[i] % sample == 0 && samples[i] < max_samples)
+                    lags[(size_t)i * (size_t)max_samples + (size_t)samples[i]++] = last - sent;
+            }
+        next_socket:;
+        }
+    }
+    free(items);
+    return last;
+}

@@ -34,6 +34,8 @@ long bl_count(void *sock, long n);
 long bl_bus_relay(void *router, void *pub, long n);
 long bl_lager_tap(void *sock, long n, const char *uuid16, int items);
 long bl_forward(void *in, void *out, long n);
+int64_t bl_count_many(void **socks, int n, long expected, int quiet_ms, int sample,
+                      long *received, int64_t *lags, int max_samples, int *samples);
 """
 
 _lib: Any = None
@@ -136,3 +138,27 @@ def forward(sock_in: zmq.Socket[bytes], sock_out: zmq.Socket[bytes], n: int) -> 
     """n whole messages from ``sock_in`` to ``sock_out`` as they are (a forwarder with no work)."""
     loops = lib()
     return int(loops.bl_forward(_handle(sock_in), _handle(sock_out), n))
+
+
+def count_many(
+    socks: list[zmq.Socket[bytes]], expected: int, quiet_ms: int, sample: int, max_samples: int
+) -> tuple[list[int], list[list[float]], float]:
+    """Read many SUB sockets in one C loop until each has ``expected`` messages or none came
+    for ``quiet_ms``: (messages per socket, sampled lags per socket in ms, wall time of the
+    last message). A message's lag needs its last frame to start with a MessagePack
+    ``[uint64 send time in ns, ...]``."""
+    loops = lib()
+    n = len(socks)
+    handles = _ffi.new("void *[]", [_handle(s) for s in socks])
+    received = _ffi.new("long[]", n)
+    lags = _ffi.new("int64_t[]", n * max_samples)
+    samples = _ffi.new("int[]", n)
+    last = int(
+        loops.bl_count_many(
+            handles, n, expected, quiet_ms, sample, received, lags, max_samples, samples
+        )
+    )
+    if last < 0:
+        raise RuntimeError("zmq_poll not found in pyzmq's libzmq")
+    per_socket = [[lags[i * max_samples + k] / 1e6 for k in range(samples[i])] for i in range(n)]
+    return list(received), per_socket, last / 1e9
