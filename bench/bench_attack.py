@@ -538,7 +538,9 @@ class HealthWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(0.1):
+        while True:  # one poll at once: a short attack still has its /health checked
+            if self.answered + len(self.failures) and self._stop.wait(0.1):
+                return
             started = time.monotonic()
             try:
                 with urllib.request.urlopen(self.url, timeout=self.timeout) as reply:
@@ -565,8 +567,18 @@ class HonestLoad:
     """Honest Lumberjack, logjam (DEALER, 202 replies) and LogTK (TCP) senders in threads; each
     counts what the hub acknowledged. ``acked_since(mark)`` tells who was acked after it."""
 
-    def __init__(self, addresses: Addresses) -> None:
+    def __init__(
+        self,
+        addresses: Addresses,
+        *,
+        logtk_app: str = "honest",
+        logjam_app_env: str = "honest-test",
+        ack_timeout: float = 120,
+    ) -> None:
         self.addresses = addresses
+        self.logtk_app = logtk_app  # an app whose token is LOGTK_TOKEN
+        self.logjam_app_env = logjam_app_env
+        self.ack_timeout = ack_timeout
         self.acked = {"lumberjack": 0, "logjam": 0, "logtk": 0}
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -583,7 +595,7 @@ class HonestLoad:
 
     def _lumberjack(self) -> None:
         host, port = self.addresses["lumberjack"]
-        with LumberjackClient(host, port, window_size=20, timeout=120) as client:
+        with LumberjackClient(host, port, window_size=20, timeout=self.ack_timeout) as client:
             while not self._stop.wait(0.05):
                 self.acked["lumberjack"] += client.send({"honest": i} for i in range(20))
 
@@ -591,7 +603,9 @@ class HonestLoad:
         from taproom.clients.logjam import LogjamAgent
 
         host, port = self.addresses["logjam_router"]
-        with LogjamAgent(f"tcp://{host}:{port}", app_env="honest-test", timeout=120) as agent:
+        with LogjamAgent(
+            f"tcp://{host}:{port}", app_env=self.logjam_app_env, timeout=self.ack_timeout
+        ) as agent:
             while not self._stop.wait(0.05):
                 if agent.send({"honest": True}) == b"202 Accepted":
                     self.acked["logjam"] += 1
@@ -600,12 +614,12 @@ class HonestLoad:
         from taproom.clients.logtk import SyncLogTKClient
 
         host, port = self.addresses["logtk_tcp"]
-        client = SyncLogTKClient("tcp", host, port, token=LOGTK_TOKEN, app="honest")
+        client = SyncLogTKClient("tcp", host, port, token=LOGTK_TOKEN, app=self.logtk_app)
         try:
             while not self._stop.wait(0.05):
                 for i in range(20):
                     client.send(orjson.dumps({"honest": i}))
-                client.flush(120)
+                client.flush(self.ack_timeout)
                 self.acked["logtk"] += 20
         finally:
             client.close()
@@ -624,6 +638,12 @@ class HonestLoad:
         self._stop.set()
         for thread in self._threads:
             thread.join(150)
+
+    def still_acked(self, timeout: float = 60) -> None:
+        """Every honest sender gets more acknowledged from now on (AssertionError if not)."""
+        got = self.wait_acked_beyond(dict(self.acked), timeout)
+        if self.errors or not all(got.values()):
+            raise AssertionError(f"honest senders: acked since {got}, errors {self.errors}")
 
     def wait_acked_beyond(self, mark: dict[str, int], timeout: float = 120) -> dict[str, int]:
         """Wait until every sender is acked past ``mark``; what each got since."""

@@ -21,20 +21,16 @@ import random
 import selectors
 import socket
 import struct
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import orjson
 import pytest
-from bench.bench_attack import ATTACKS, Attack, goal_mib, run_attack
+from bench.bench_attack import ATTACKS, Attack, HonestLoad, goal_mib, run_attack
+from bench.bench_attack import HealthWatch as _HealthWatch
 
-from taproom.clients.logjam import LogjamAgent
-from taproom.clients.logtk import SyncLogTKClient
-from taproom.clients.lumberjack import LumberjackClient
 from taproom.protocols.lumberjack import JsonFrame, WindowSizeFrame
 from taproom.servers.logtk import hash_token
 from tests.support import SOAK, HubProcess, fuzz_examples, write_config
@@ -100,98 +96,18 @@ def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-class HealthWatch:
+def HealthWatch(hub: HubProcess) -> _HealthWatch:
     """Polls /health every 0.1 s while attacks run; every request must answer 200 in time."""
+    return _HealthWatch(hub.address("web"), timeout=HEALTH_S)
+
+
+class HonestSenders(HonestLoad):
+    """Lumberjack, LogTK (TCP) and logjam (DEALER, 202 replies) senders in threads
+    (bench/bench_attack.py's HonestLoad); each counts what the hub acknowledged."""
 
     def __init__(self, hub: HubProcess) -> None:
-        self.hub = hub
-        self.failures: list[str] = []
-        self.answered = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.1):
-            started = time.monotonic()
-            try:
-                status = get(self.hub, "/health")
-            except OSError as exc:
-                self.failures.append(f"{exc!r} after {time.monotonic() - started:.2f}s")
-                continue
-            if status != 200:
-                self.failures.append(f"status {status}")
-            self.answered += 1
-
-    def __enter__(self) -> HealthWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-
-class HonestSenders:
-    """Lumberjack, LogTK (TCP) and logjam (DEALER, 202 replies) senders in threads; each counts
-    what the hub acknowledged."""
-
-    def __init__(self, hub: HubProcess) -> None:
-        self.hub = hub
-        self.acked = {"lumberjack": 0, "logtk": 0, "logjam": 0}
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._guard, args=(loop,), daemon=True)
-            for loop in (self._lumberjack, self._logtk, self._logjam)
-        ]
-
-    def _guard(self, loop: Callable[[], None]) -> None:
-        try:
-            loop()
-        except Exception as exc:  # reported by the test, not lost in a thread
-            self.errors.append(f"{loop.__name__}: {exc!r}")
-
-    def _lumberjack(self) -> None:
-        host, port = self.hub.address("lumberjack")
-        with LumberjackClient(host, port, window_size=20, timeout=60) as client:
-            while not self._stop.wait(0.05):
-                self.acked["lumberjack"] += client.send({"honest": i} for i in range(20))
-
-    def _logtk(self) -> None:
-        host, port = self.hub.address("logtk_tcp")
-        client = SyncLogTKClient("tcp", host, port, token=TOKEN, app="probe")
-        try:
-            while not self._stop.wait(0.05):
-                for i in range(20):
-                    client.send(orjson.dumps({"honest": i}))
-                client.flush(60)
-                self.acked["logtk"] += 20
-        finally:
-            client.close()
-
-    def _logjam(self) -> None:
-        host, port = self.hub.address("logjam_router")
-        with LogjamAgent(f"tcp://{host}:{port}", app_env="probe-test", timeout=60) as agent:
-            while not self._stop.wait(0.05):
-                if agent.send({"honest": True}) == b"202 Accepted":
-                    self.acked["logjam"] += 1
-
-    def __enter__(self) -> HonestSenders:
-        for thread in self._threads:
-            thread.start()
-        wait_for(lambda: all(self.acked.values()) or bool(self.errors), 60)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(90)
-
-    def still_acked(self) -> None:
-        """Every honest sender gets more acknowledged from now on."""
-        before = dict(self.acked)
-        wait_for(lambda: bool(self.errors) or all(self.acked[p] > before[p] for p in before), 60)
-        assert not self.errors, self.errors
+        addresses = {name: hub.address(name) for name in hub.addresses}
+        super().__init__(addresses, logtk_app="probe", logjam_app_env="probe-test", ack_timeout=60)
 
 
 @pytest.fixture(scope="module")
