@@ -337,6 +337,9 @@ class Hub:
             self._pending.cancel(held.waiter)
             _refuse_at_shutdown(held.future, HubStopped("the hub stopped before room"))
         self._waiting_bytes = 0
+        # An inline group still to come is committed now, so that one it hands to the commit
+        # thread (a failure) reaches the thread before the stop sentinel does.
+        self._commit_inline()
         if self._thread is not None:
             self._queue.put(None)
             await asyncio.to_thread(self._thread.join)
