@@ -1,5 +1,5 @@
-"""Settings for the whole suite: hypothesis profiles, the SOAK switch, and the ZeroMQ path
-(compiled or pure Python) fixture."""
+"""Settings for the whole suite: hypothesis profiles, the SOAK switch, the journal's check of
+declared kinds, and the ZeroMQ path (compiled or pure Python) fixture."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ settings.register_profile(
 )
 settings.register_profile("ci", parent=settings.get_profile("default"), print_blob=True)
 settings.load_profile("ci" if os.environ.get("CI") else "default")
+
+# Every commit checks the kinds its batches declare against their records (journal.kinds), in
+# this process and in the hubs it starts.
+os.environ.setdefault("TAPROOM_VERIFY_KINDS", "1")
 
 
 @pytest.fixture(params=["ext", "py"])

@@ -104,10 +104,18 @@ class Record:
 
 @dataclass(frozen=True, slots=True)
 class EncodedBatch:
-    """What the journal appends: ``count`` records encoded back to back in ``body``."""
+    """What the journal appends: ``count`` records encoded back to back in ``body``.
+
+    ``kinds``: labels of the records' protocols and content types (``"lumberjack/json"``, or
+    ``"logjam/*"`` for any content type of a protocol; see :mod:`taproom.journal.kinds`), so
+    the journal knows which segments hold what without reading records on the commit path.
+    None: not declared, the journal reads the records for them. Two batches are equal when
+    their records are: the labels are not compared.
+    """
 
     count: int
     body: bytes
+    kinds: frozenset[str] | None = field(default=None, compare=False)  # a hint, not content
 
 
 def _utf8(value: str, limit: int, name: str) -> bytes:
@@ -124,7 +132,16 @@ class BatchBuilder:
     the builder was created so one batch shares one receive time.
     """
 
-    __slots__ = ("_cache", "_count", "_nbytes", "_parts", "received_ns")
+    __slots__ = (
+        "_cache",
+        "_content_type",
+        "_count",
+        "_kinds",
+        "_nbytes",
+        "_parts",
+        "_protocol",
+        "received_ns",
+    )
 
     def __init__(self, received_ns: int | None = None) -> None:
         self.received_ns = time.time_ns() if received_ns is None else received_ns
@@ -132,6 +149,11 @@ class BatchBuilder:
         self._count = 0
         self._nbytes = 0
         self._cache: dict[str, bytes] = {"": b""}
+        # The batch's kinds (EncodedBatch.kinds), noted when the protocol or content type
+        # differs from the last record's: callers pass the same strings record after record.
+        self._kinds: set[str] = set()
+        self._protocol: str | None = None
+        self._content_type: str | None = None
 
     def _encode(self, value: str, limit: int, name: str) -> bytes:
         raw = _utf8(value, limit, name)
@@ -213,6 +235,9 @@ class BatchBuilder:
         self._parts += (head, p, c, s, t, r, e, a, payload)
         self._count += 1
         self._nbytes += _HEAD.size + rest
+        if protocol is not self._protocol or content_type is not self._content_type:
+            self._kinds.add(f"{protocol}/{content_type}")
+            self._protocol, self._content_type = protocol, content_type
 
     def add_record(self, record: Record) -> None:
         """Append a :class:`Record` (its ``offset`` is ignored; the journal assigns one)."""
@@ -232,10 +257,12 @@ class BatchBuilder:
 
     def build(self) -> EncodedBatch:
         """The batch so far. The builder is reset and can be reused."""
-        batch = EncodedBatch(self._count, b"".join(self._parts))
+        batch = EncodedBatch(self._count, b"".join(self._parts), frozenset(self._kinds))
         self._parts = []
         self._count = 0
         self._nbytes = 0
+        self._kinds = set()
+        self._protocol = self._content_type = None
         return batch
 
 
@@ -247,9 +274,13 @@ def encode_records(records: list[Record]) -> EncodedBatch:
     return builder.build()
 
 
-def iter_batch(body: bytes | memoryview, base_offset: int) -> Iterator[Record]:
+def iter_batch(
+    body: bytes | memoryview, base_offset: int, protocol: bytes | None = None
+) -> Iterator[Record]:
     """Decode the records of one batch body. Raises ``ValueError`` on a malformed body.
 
+    With ``protocol`` (encoded), only that protocol's records are decoded and given; the others
+    are stepped over (a service rebuilding its state from a journal of every protocol).
     The journal verifies each batch's CRC before handing its body here, so a malformed body
     means a bug, not disk corruption.
     """
@@ -266,7 +297,11 @@ def iter_batch(body: bytes | memoryview, base_offset: int) -> Iterator[Record]:
         if rec_end > end or length != _HEAD_AFTER_LEN + lp + lc + ls + lt + lr + le + la + ll:
             raise ValueError("record length mismatch")
         q = pos + _HEAD.size
-        protocol = str(view[q : q + lp], "utf-8", "surrogateescape")
+        raw_protocol = view[q : q + lp]
+        if protocol is not None and raw_protocol != protocol:
+            offset += 1
+            pos = rec_end
+            continue
         q += lp
         content_type = str(view[q : q + lc], "utf-8", "surrogateescape")
         q += lc
@@ -282,7 +317,7 @@ def iter_batch(body: bytes | memoryview, base_offset: int) -> Iterator[Record]:
         q += la
         payload = bytes(view[q : q + ll])
         yield Record(
-            protocol=protocol,
+            protocol=str(raw_protocol, "utf-8", "surrogateescape"),
             stream=stream,
             topic=topic,
             producer=producer,

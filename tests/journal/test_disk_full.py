@@ -42,7 +42,7 @@ def test_disk_full_at_a_segment_roll_recovers_by_itself(tmp_path):
             for _ in range(3):  # the same commit, retried as the hub does
                 with pytest.raises(DiskFull):
                     j.commit([small])
-            extra = {"cursors", ID_FILE}
+            extra = {"cursors", "index", ID_FILE}
             assert sorted(p.name for p in (mnt / "j").iterdir() if p.name not in extra) == [
                 segment_name(s.base_offset) for s in j.segments()
             ], "a failed roll leaves no empty or half-made segment"

@@ -39,6 +39,7 @@ from ..errors import DiskFull, JournalError, JournalFailed, OffsetsDeleted
 from ..metrics import Metrics
 from ..records import EncodedBatch, Record
 from .identity import journal_id
+from .kinds import Frame, Kind, KindIndex, SegmentKinds, body_labels, declared_cover
 from .segments import (
     FRAME,
     SEGMENT_HEADER,
@@ -72,6 +73,9 @@ FSYNC_POLICIES = ("always", "interval", "off")
 _CREATING = ".tmp"
 # /ready and logs name at most this many damaged regions, then say how many more there are.
 _DAMAGE_SHOWN = 5
+# Diagnostics (the test suite runs with it): check every batch's declared kinds against its
+# records on the commit path. A producer declaring too few would let a restart miss records.
+_VERIFY_KINDS = os.environ.get("TAPROOM_VERIFY_KINDS") == "1"
 
 
 @dataclass(slots=True)
@@ -81,6 +85,7 @@ class SegmentInfo:
     size: int
     end_offset: int  # offset after its last record (the next segment's base once sealed)
     index: list[tuple[int, int]] | None = None  # sparse (base offset, position), built lazily
+    kinds: SegmentKinds | None = None  # what it holds where (journal.kinds); loaded lazily
 
 
 class Journal:
@@ -146,7 +151,18 @@ class Journal:
         )
         os.makedirs(self.path, exist_ok=True)
         self.id = journal_id(self.path)  # created now for a journal made before identities
+        self._kinds = KindIndex(self.path, self.id, self._lock)
+        self._m_index_rebuilt = self.metrics.counter(
+            "journal",
+            "index_rebuilt",
+            "segments",
+            "Segments read whole to rebuild their index (what kinds of record they hold where)",
+        )
         self._recover()
+        # Offsets at or past this were not in the journal when it was opened: a service's
+        # checkpoint from before covering them saw a tail the journal lost (fsync = interval
+        # and a crash), so it must not be trusted.
+        self.opened_end_offset = self._durable_offset
         self.metrics.gauge_fn(
             "journal", "segments", "count", "Segments on disk", lambda: len(self._segments)
         )
@@ -183,6 +199,7 @@ class Journal:
             log.warning("journal: removing segment %s with a torn header", segment_name(bases[-1]))
             self._m_truncated.inc(os.path.getsize(last))
             os.unlink(last)
+            self._kinds.remove(bases[-1])
             fsync_dir(self.path)
             bases.pop()
         for base, next_base in itertools.pairwise(bases):
@@ -197,7 +214,9 @@ class Journal:
         else:
             path = os.path.join(self.path, segment_name(0))
             self._create_segment(path, 0)
-            self._segments.append(SegmentInfo(0, path, SEGMENT_HEADER.size, 0, []))
+            active_new = SegmentInfo(0, path, SEGMENT_HEADER.size, 0, [])
+            active_new.kinds = self._kinds.open_active(path, 0, 0, SEGMENT_HEADER.size)
+            self._segments.append(active_new)
         self._next_offset = self._segments[-1].end_offset
         self._open_active()
         self._durable_offset = self._synced_offset = self._next_offset
@@ -259,6 +278,11 @@ class Journal:
         active = SegmentInfo(
             result.base_offset, path, result.valid_end, result.next_offset, result.index
         )
+        rebuilt = self._kinds.rebuilt
+        active.kinds = self._kinds.open_active(
+            path, result.base_offset, result.next_offset, result.valid_end
+        )
+        self._m_index_rebuilt.inc(self._kinds.rebuilt - rebuilt)
         return active, handed_out
 
     def _create_segment(self, path: str, base_offset: int) -> None:
@@ -349,11 +373,14 @@ class Journal:
         except OSError as exc:
             raise JournalFailed(f"could not open new segment: {exc.strerror}") from exc
         old_fd = self._fd
+        sealed = self._segments[-1]
+        fresh = SegmentInfo(self._next_offset, path, SEGMENT_HEADER.size, self._next_offset, [])
+        fresh.kinds = self._kinds.start_segment(self._next_offset)
         with self._lock:
-            self._segments[-1].end_offset = self._next_offset
-            self._segments.append(
-                SegmentInfo(self._next_offset, path, SEGMENT_HEADER.size, self._next_offset, [])
-            )
+            sealed.end_offset = self._next_offset
+            self._segments.append(fresh)
+        assert sealed.kinds is not None
+        self._kinds.seal(sealed.kinds, sealed.size)
         self._fd = fd
         self._written_pos = self._durable_pos = SEGMENT_HEADER.size
         self._synced_offset = self._next_offset
@@ -378,6 +405,7 @@ class Journal:
         bases: list[int] = []
         offset = self._next_offset
         index_add: list[tuple[int, int]] = []
+        frames: list[Frame] = []
         pos = self._written_pos
         nbytes = 0
         events = 0
@@ -388,10 +416,19 @@ class Journal:
             parts += (header, batch.body)
             bases.append(offset)
             index_add.append((offset, pos))
-            pos += len(header) + len(batch.body)
-            nbytes += len(header) + len(batch.body)
+            size = len(header) + len(batch.body)
+            kinds = batch.kinds if batch.kinds is not None else body_labels(batch.body)
+            if _VERIFY_KINDS and not declared_cover(kinds, body_labels(batch.body)):
+                raise ValueError(
+                    f"a batch declares kinds {sorted(kinds)} but holds "
+                    f"{sorted(body_labels(batch.body))}"
+                )
+            frames.append(Frame(offset, pos, offset + batch.count, pos + size, kinds))
+            pos += size
+            nbytes += size
             offset += batch.count
             events += batch.count
+        self._before_write(active, frames)
         start = self._written_pos
         try:
             self._write_all(parts)
@@ -420,6 +457,17 @@ class Journal:
         self._m_appended.inc(events)
         self._m_bytes.inc(nbytes)
         return bases
+
+    def _before_write(self, active: SegmentInfo, frames: list[Frame]) -> None:
+        """The index first (journal.kinds): the summary must never miss a kind the segment
+        holds, so it is grown, durably, before frames of a new kind are written."""
+        assert active.kinds is not None  # always known for the active segment
+        try:
+            self._kinds.before_write(active.kinds, frames)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise DiskFull("no space left on the journal's device for its index") from exc
+            raise JournalFailed(f"could not write the journal's index: {exc.strerror}") from exc
 
     def _write_all(self, parts: list[bytes]) -> None:
         # writev takes at most IOV_MAX pieces (1024 on Linux; more is EINVAL, which would
@@ -475,6 +523,8 @@ class Journal:
                 active.size = self._durable_pos
                 active.end_offset = self._synced_offset
                 active.index = None
+                if active.kinds is not None:  # it described the frames written ahead
+                    active.kinds.truncate(self._synced_offset, self._durable_pos)
         self._continue_after_gap()
         self._m_recoveries.labels(reason="reopen_after_failure").inc()
         log.warning("journal: recovered after failure (%s)", self.failed)
@@ -563,6 +613,7 @@ class Journal:
                 os.unlink(oldest.path)
             except FileNotFoundError:
                 pass
+            self._kinds.remove(oldest.base_offset)
             deleted += 1
             self._m_deleted.inc()
             log.info("journal: retention deleted %s", name)
@@ -571,6 +622,7 @@ class Journal:
         return deleted
 
     def close(self) -> None:
+        self._kinds.close()
         if self._fd >= 0:
             try:
                 self.sync()
@@ -601,11 +653,35 @@ class Journal:
             seg.index = index
         return seg.index
 
+    def kinds_of(self, seg: SegmentInfo, next_base: int | None) -> SegmentKinds:
+        """What ``seg`` holds where (journal.kinds): a copy for the active segment, else from
+        its index files, or read from the segment when they are missing or stale (kept for
+        next time). ``next_base``: the next segment's base (None for the active segment)."""
+        with self._lock:
+            kinds = seg.kinds
+            if kinds is not None:
+                return kinds.copy() if seg is self._segments[-1] else kinds
+        assert next_base is not None  # the active segment's index is always in memory
+        rebuilt = self._kinds.rebuilt
+        kinds = self._kinds.load_sealed(seg.path, seg.base_offset, next_base, seg.size)
+        self._m_index_rebuilt.inc(self._kinds.rebuilt - rebuilt)
+        with self._lock:
+            seg.kinds = kinds
+        return kinds
+
     def read_frames(
-        self, from_offset: int = 0, end_offset: int | None = None, *, skip_deleted: bool = True
+        self,
+        from_offset: int = 0,
+        end_offset: int | None = None,
+        *,
+        kind: Kind | None = None,
+        skip_deleted: bool = True,
     ) -> Iterator[FrameInfo]:
         """Committed frames, verified (``body`` read, CRC checked, ``header`` as stored), from
         the one holding ``from_offset`` up to ``end_offset`` (default: the end when called).
+        With ``kind``, only the frames that may hold records of that kind are read: the index
+        (journal.kinds) skips segments, and runs of frames, that hold none, without reading
+        them. Other records can still be in the frames given: filter records.
 
         The first frame may start before ``from_offset``. Quarantined damage is skipped (and
         reported, see :meth:`damage`): its offsets are a gap between the frames yielded. A
@@ -621,6 +697,10 @@ class Journal:
             seg = segments[i]
             if seg.base_offset >= end:
                 return
+            next_base = bases[i + 1] if i + 1 < len(bases) else None
+            if kind is not None:
+                yield from self._read_kind(seg, next_base, kind, from_offset, end, skip_deleted)
+                continue
             try:
                 fd = os.open(seg.path, os.O_RDONLY)
             except FileNotFoundError:
@@ -644,17 +724,62 @@ class Journal:
                     start,
                     from_offset,
                     end,
-                    sealed_end=bases[i + 1] if i + 1 < len(bases) else None,
+                    sealed_end=next_base,
                     on_damage=self._quarantine,
                 )
             finally:
                 os.close(fd)
 
+    def _read_kind(
+        self,
+        seg: SegmentInfo,
+        next_base: int | None,
+        kind: Kind,
+        from_offset: int,
+        end: int,
+        skip_deleted: bool,
+    ) -> Iterator[FrameInfo]:
+        """The frames of ``seg`` in ``[from_offset, end)`` that may hold ``kind``."""
+        try:
+            spans = list(self.kinds_of(seg, next_base).spans(kind, from_offset, end))
+        except FileNotFoundError:
+            spans = []  # deleted by retention: the open below says how to take it
+        if not spans:
+            return
+        try:
+            fd = os.open(seg.path, os.O_RDONLY)
+        except FileNotFoundError:
+            if skip_deleted:
+                return
+            raise OffsetsDeleted(
+                f"segment {os.path.basename(seg.path)} was deleted by retention while being read",
+                requested=max(from_offset, seg.base_offset),
+                first_offset=self.first_offset,
+            ) from None
+        index = seg.index  # the frames' positions, when known: start near from_offset
+        try:
+            for first, position, span_end in spans:
+                if index and from_offset > first:
+                    k = bisect.bisect_right(index, (from_offset, float("inf"))) - 1
+                    if k >= 0 and index[k][0] > first:
+                        first, position = index[k]
+                yield from segment_frames(
+                    fd,
+                    seg.path,
+                    (first, position),
+                    from_offset,
+                    min(span_end, end),
+                    sealed_end=next_base,
+                    on_damage=self._quarantine,
+                )
+        finally:
+            os.close(fd)
+
     def read_batches(
-        self, from_offset: int = 0, end_offset: int | None = None
+        self, from_offset: int = 0, end_offset: int | None = None, *, kind: Kind | None = None
     ) -> Iterator[tuple[int, int, bytes]]:
         """:meth:`read_frames` as ``(base offset, count, body)``; use :meth:`read` for records."""
-        for frame in self.read_frames(from_offset, end_offset):
+        for frame in self.read_frames(from_offset, end_offset, kind=kind):
             assert frame.body is not None
             yield frame.base_offset, frame.count, frame.body
 

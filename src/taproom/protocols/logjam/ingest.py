@@ -29,6 +29,7 @@ __all__ = ["BURST_FULL", "BurstFull", "IngestParser", "IngestedBody", "Pushed"]
 _PROTOCOL = b"logjam"
 _JSON = b"json"
 _RAW = b"raw"  # a body that is not JSON, kept as it came (logjam-device forwards any body)
+_KINDS = frozenset({"logjam/json", "logjam/raw"})  # the journal's labels (EncodedBatch.kinds)
 _FIELD_MAX = 65535  # records.py stores stream/topic/producer lengths as u16
 _pack_head = RECORD_HEAD.pack
 
@@ -134,7 +135,7 @@ class IngestParser:
     def take_batch(self) -> EncodedBatch:
         """The records pushed since :meth:`start_batch`, as one journal batch."""
         parts = self._parts
-        batch = EncodedBatch(self.pending(), IngestedBody(b"".join(parts)))
+        batch = EncodedBatch(self.pending(), IngestedBody(b"".join(parts)), _KINDS)
         parts.clear()
         self._built = 0
         return batch

@@ -112,6 +112,8 @@ _MAX_NAME_CHARS = 255  # a stream/topic value longer than this is not a name: ig
 
 _CT_KV = b"kv"
 _CT_JSON = b"json"
+# The journal's label for what a window holds (EncodedBatch.kinds): any content type.
+_KINDS = frozenset({"lumberjack/*"})
 _ATTRS = {0x31: b'{"v":"1"}', 0x32: b'{"v":"2"}'}
 # Plain ints for the hot loop: comparing with IntEnum members is several times slower.
 _VER1 = int(Version.V1)
@@ -933,7 +935,7 @@ class ServerConnection:
         (``max_batch_bytes``, or waiting for room, inside a window), ``flush`` (idle or end of
         input) or ``refused`` (the window is being refused after these events)."""
         parts = self._parts
-        batch = EncodedBatch(len(parts) // 3, b"".join(parts) if parts else b"")
+        batch = EncodedBatch(len(parts) // 3, b"".join(parts) if parts else b"", _KINDS)
         version = self._version
         done = kind == "done" or (kind == "flush" and not self._window_size)
         fingerprints: tuple[int, ...] = ()

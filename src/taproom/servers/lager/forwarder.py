@@ -111,6 +111,7 @@ DATA_CONTENT_TYPE = "lager"
 ATTRIBUTION_CONTENT_TYPE = "lager-attribution"
 # Item frame sizes a real Mug reads (mug.cpp: 1, 2, 4 or 8 bytes; anything else aborts it).
 _NASA_ITEM_SIZES = frozenset((1, 2, 4, 8))
+_KINDS = frozenset({"lager/" + DATA_CONTENT_TYPE})  # the journal's label (EncodedBatch.kinds)
 
 
 # The record head split around ts_ns: [length, received_ns] | ts_ns | [seq, field lengths].
@@ -446,7 +447,7 @@ class Forwarder:
             if out_of_range:
                 hub.metrics.odd("lager", TIME_OUT_OF_RANGE, out_of_range)
             if forwards:
-                batch = EncodedBatch(len(forwards), b"".join(parts))
+                batch = EncodedBatch(len(forwards), b"".join(parts), _KINDS)
                 hub.metrics.accepted("lager", len(forwards), len(batch.body))
                 # A tap is alive when its rows arrive, not when our disk has them: touched
                 # after the commit, a live tap looked gone for as long as commits took.
