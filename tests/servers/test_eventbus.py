@@ -173,6 +173,46 @@ def test_the_collectors_inline_record_is_journal_events_record():
         assert b"".join(parts) == expected, topic
 
 
+def test_a_restart_reads_back_the_entry_each_event_made():
+    """replay_entries (a restart's reader of the journal) gives, for every form of event
+    journal_event stores, the hashmap entry the running bus made of it: seed PUBs, kvmsg
+    updates with and without properties, deletions, ttl expiry; a reset marker is None; other
+    protocols' records are stepped over."""
+    from taproom.protocols.eventbus import Event
+    from taproom.records import BatchBuilder
+    from taproom.servers.eventbus.state import (
+        PROTOCOL,
+        RESET_ATTRS,
+        Entry,
+        chp_data,
+        journal_event,
+        replay_entries,
+    )
+
+    u = str(uuid.uuid4())
+    events = [
+        Event("/a/b", 0, "p", TS, u, msgpack.packb({"v": 1}), 5),
+        Event("/a/ü", 0, "prödücer", "2026-11-22 08:00:00.25+02:00", u, msgpack.packb("x")),
+        Event("/del", 0, "p", TS, u, b""),
+        Event("/kv", 0, "p", TS, u, chp_data(b"body"), 0, (b"color=red\n", b"body")),
+        Event("/kv0", 0, "p", TS, u, chp_data(b"raw"), 0, (b"", b"raw"), 1_900_000_000_000),
+        Event("/kvdel", 0, "p", TS, u, b"", 0, (b"", b"")),
+        Event("/ttl", 0, "p", TS, u, msgpack.packb(2), 0, None, 1_900_000_000_000),
+    ]
+    builder = BatchBuilder()
+    builder.add("lumberjack", b"other", seq=1)
+    expected: list[tuple[int, Entry | None, str]] = []
+    for seq, event in enumerate(events, start=10):
+        journal_event(builder, event, seq, event.timestamp.encode())
+        frames = tuple(event._replace(sequence=seq).frames())
+        expected.append((seq, Entry(seq, frames, event.chp, event.expires_ms), event.uuid))
+    builder.add(PROTOCOL, b"", seq=99, attrs=RESET_ATTRS)
+    expected.append((99, None, ""))
+    body = builder.build().body
+    assert list(replay_entries(body, 1000, 0, 2000)) == expected
+    assert list(replay_entries(body, 1000, 1002, 1004)) == expected[1:3]
+
+
 @pytest.mark.usefixtures("zmq_path")  # the collector and broadcast on both burst paths
 class TestCollector:
     """Seed "Client-to-Server Updates": validation, commit before BROADCAST, dedup by UUID."""

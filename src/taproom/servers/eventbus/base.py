@@ -99,12 +99,14 @@ class BusBase:
         self._resync_buffered = 0
         self._resync_overflow = False
         self._inflight: asyncio.Queue[Burst] = asyncio.Queue()
+        # Bursts submitted and not yet applied (queued or being applied): while there are none,
+        # every bus record in the journal is applied (a checkpoint covers the journal's end).
+        self._bursts_open = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
         self._applied_offset = 0  # journal offset up to which bus records are applied
         self._snapshot_slots = asyncio.Semaphore(config.max_snapshots)
         self._snapshot_tasks: set[asyncio.Task[None]] = set()
-        self._checkpointed_offset = 0
         self._ctx: zmq.asyncio.Context | None = None
         self._zmq_access: ZmqAccess | None = None
         self._sockets: list[zmq.Socket[Any]] = []

@@ -38,6 +38,7 @@ class Broadcaster(BinaryStarPeer):
                 guard.failed(exc, "committed burst", len(burst.entries))
                 self._install(self.hashmap)
             finally:
+                self._bursts_open -= 1
                 self._inflight.task_done()
 
     async def _apply(self, burst: Burst, pub: zmq.Socket[bytes]) -> None:

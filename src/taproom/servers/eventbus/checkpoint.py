@@ -10,16 +10,18 @@ from collections import deque
 
 import msgpack
 
-from ...checkpoint import load_checkpoint, save_checkpoint
+from ...checkpoint import discard_checkpoint, load_checkpoint, save_checkpoint
 from ...hub import Hub
+from ...journal.kinds import Kind
 from ...protocols.eventbus import SEQUENCE
-from .state import PROTOCOL, BusState, Entry, record_entry
+from .state import PROTOCOL, BusState, Entry, replay_entries
 
 log = logging.getLogger("taproom.eventbus")
 
 # Version 2 adds each entry's CHP part and expiry, and each recent UUID's sequence. A version 1
 # file is not read: the state then comes from the journal alone, as without a checkpoint.
 _CHECKPOINT_MAGIC = b"TAPROOM-EVENTBUS-CHECKPOINT-2\n"
+BUS_KIND = Kind(PROTOCOL)
 
 
 def checkpoint_path(hub: Hub) -> str:
@@ -60,36 +62,59 @@ def read_checkpoint(path: str) -> BusState | None:
 
 
 def rebuild_state(hub: Hub, dedup_window: int, path: str | None = None) -> BusState:
-    """The checkpoint at ``path`` (if any and usable) plus the journal after it; run it in a
-    thread. Without a checkpoint every bus record of the journal is read."""
+    """The checkpoint at ``path`` (if any and usable) plus the bus records after it; run it in
+    a thread. Without a checkpoint every bus record of the journal is read. Either way the
+    journal's index (taproom.journal.kinds) skips the frames holding no bus record."""
     journal = hub.journal
     state = read_checkpoint(path) if path else None
-    if state is not None and state.offset > journal.end_offset:
+    if state is not None and state.offset > journal.opened_end_offset:
         # The journal lost a tail the checkpoint had seen (fsync = "interval" and a crash):
-        # the offsets no longer match, so trust the journal alone.
-        log.warning("eventbus: checkpoint is ahead of the journal; scanning the journal")
+        # its offsets may hold other events now, so trust the journal alone.
+        log.warning(
+            "eventbus: the checkpoint covers offsets up to %d, past the journal's end (%d) "
+            "when it was opened; reading the journal",
+            state.offset,
+            journal.opened_end_offset,
+        )
+        assert path is not None
+        discard_checkpoint(path)
         state = None
     if state is None:
         state = BusState()
+    else:
+        state.checkpoint_offset = state.offset
+        if state.offset < journal.first_offset:
+            log.warning(
+                "eventbus: retention deleted offsets %d-%d before a checkpoint covered them; "
+                "their bus events are not in the state",
+                state.offset,
+                journal.first_offset - 1,
+            )
     hashmap = state.hashmap
     uuids: deque[tuple[str, int]] = deque(state.recent_uuids, maxlen=max(dedup_window, 1))
-    for record in journal.read(max(state.offset, journal.first_offset)):
-        if record.protocol != PROTOCOL:
-            continue
-        if record.attrs.get("eventbus") == "reset":
-            hashmap.clear()
-            state.sequence = record.seq
-            continue
-        entry = record_entry(record)
-        topic = entry.frames[0]
-        current = hashmap.get(topic)
-        if current is None or current.seq < record.seq:
-            if entry.frames[5]:
-                hashmap[topic] = entry
-            else:  # a deletion
-                hashmap.pop(topic, None)
-        state.sequence = max(state.sequence, record.seq)
-        uuids.append((record.event_id, record.seq))
+    start = max(state.offset, journal.first_offset)
+    end = journal.end_offset
+    replayed = 0
+    sequence = state.sequence
+    for base, _count, body in journal.read_batches(start, end, kind=BUS_KIND):
+        for seq, entry, uuid in replay_entries(body, base, start, end):
+            replayed += 1
+            if entry is None:  # a reset marker: the state copied from a Binary Star peer
+                hashmap.clear()
+                sequence = seq
+                continue
+            topic = entry.frames[0]
+            current = hashmap.get(topic)
+            if current is None or current.seq < seq:
+                if entry.frames[5]:
+                    hashmap[topic] = entry
+                else:  # a deletion
+                    hashmap.pop(topic, None)
+            if seq > sequence:
+                sequence = seq
+            uuids.append((uuid, seq))
+    state.sequence = sequence
     state.recent_uuids = list(uuids) if dedup_window else []
-    state.offset = journal.end_offset
+    state.offset = end
+    state.replayed = replayed
     return state

@@ -13,7 +13,7 @@ from ...protocols.eventbus import SEQUENCE, Command, Event, EventBusError, parse
 from ...records import EncodedBatch
 from .broadcast import Broadcaster
 from .kernel import SeedKernel
-from .state import ENTRY_OVERHEAD, PROTOCOL, Entry, seed_record
+from .state import ENTRY_OVERHEAD, PROTOCOL, SEED_KINDS, Entry, seed_record
 from .wire import MAX_FRAMES
 
 
@@ -89,7 +89,7 @@ class Collector(Broadcaster):
         if batch.entries:
             wire = kernel.broadcasts() if kernel is not None and batch.wire else None
             self._submit(
-                EncodedBatch(len(batch.entries), b"".join(batch.parts)),
+                EncodedBatch(len(batch.entries), b"".join(batch.parts), SEED_KINDS),
                 batch.entries,
                 batch.events,
                 wire,

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 import zmq
 import zmq.asyncio
 
+from ...checkpoint import CheckpointSchedule
 from ...hub import Hub
 from ...zmqaccess import ZmqAccess
 from ..zmtp import ZmtpSocket
@@ -28,6 +29,8 @@ class EventBusService(SnapshotServer):
     """The sockets, the broadcaster, the heartbeat and the Binary Star peer link."""
 
     _broadcaster: asyncio.Task[None] | None = None
+    _schedule: CheckpointSchedule
+    _saved_seq = 0  # the bus sequence of the state the last checkpoint saved
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -38,8 +41,21 @@ class EventBusService(SnapshotServer):
         )
         self.last_seq = self.assigned_seq = state.sequence
         self._applied_offset = state.offset
-        # A state rebuilt by a full scan is saved at the first chance.
-        self._checkpointed_offset = state.offset if state.from_checkpoint else -1
+        cfg = self.config
+        self._schedule = CheckpointSchedule(
+            self.hub.metrics,
+            "eventbus",
+            interval_s=cfg.checkpoint_interval_s,
+            after_events=cfg.checkpoint_after_events,
+            min_gap_s=min(1.0, cfg.checkpoint_interval_s),
+        )
+        # A state that holds records read from the journal is saved at the first chance.
+        self._schedule.started(
+            seconds=time.monotonic() - started,
+            replayed=state.replayed,
+            covered=state.checkpoint_offset,
+        )
+        self._saved_seq = state.sequence if not self._schedule.unsaved else -1
         for key, seq in state.recent_uuids:
             self.dedup.add(key, seq)
         self._ctx = zmq.asyncio.Context()
@@ -47,10 +63,12 @@ class EventBusService(SnapshotServer):
         addresses = await self._bind()
         self._install(state.hashmap)
         log.info(
-            "eventbus: %d topics, sequence %d rebuilt from %s in %.2fs; role %s",
+            "eventbus: %d topics, sequence %d rebuilt from %s (%d bus records read) in %.2fs; "
+            "role %s",
             len(self.hashmap),
             self.last_seq,
             "a checkpoint and the journal" if state.from_checkpoint else "the journal",
+            state.replayed,
             time.monotonic() - started,
             self.config.role,
         )
@@ -241,33 +259,58 @@ class EventBusService(SnapshotServer):
 
     # --- checkpoint ------------------------------------------------------------------------
 
+    def _covered(self) -> int:
+        """The journal offset the applied state covers: the journal's end while no bus burst
+        is between its submit and its apply (every bus record committed is then applied), else
+        the end of the last burst applied."""
+        if not self._bursts_open and not self._resyncing:
+            return max(self._applied_offset, self.hub.journal.end_offset)
+        return self._applied_offset
+
     def _capture(self) -> BusState:
         """The applied state, taken in one step on the loop (entries are immutable tuples)."""
         return BusState(
             hashmap=dict(self.hashmap),
             sequence=self.last_seq,
             recent_uuids=list(self.dedup.recent()),
-            offset=self._applied_offset,
+            offset=self._covered(),
         )
 
     async def checkpoint(self) -> None:
         """Save the applied state beside the journal (a no-op when nothing changed)."""
-        if self._applied_offset == self._checkpointed_offset:
+        schedule = self._schedule
+        if (
+            not schedule.unsaved
+            and self.last_seq == self._saved_seq
+            and self._covered() == schedule.covered
+        ):
             return
         state = self._capture()
-        await asyncio.to_thread(write_checkpoint, checkpoint_path(self.hub), state)
-        self._checkpointed_offset = state.offset
+        previous, self._saved_seq = self._saved_seq, state.sequence
+        began = time.monotonic()
+        try:
+            await asyncio.to_thread(write_checkpoint, checkpoint_path(self.hub), state)
+        except BaseException:
+            self._saved_seq = previous
+            schedule.failed(0)
+            raise
+        schedule.written(state.offset, time.monotonic() - began)
 
     async def _checkpoint_loop(self) -> None:
+        """Checkpoints by progress (CheckpointSchedule): checked about once a second."""
         interval = self.config.checkpoint_interval_s
         if not interval:
             return
+        schedule = self._schedule
         while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.checkpoint()
-            except OSError as exc:
-                log.warning("eventbus: checkpoint failed: %s", exc)
+            # Bus events applied since the state last saved: the sequence counts them.
+            schedule.applied = max(0, self.last_seq - self._saved_seq)
+            if schedule.due(time.monotonic(), self._covered(), len(self.hashmap)):
+                try:
+                    await self.checkpoint()
+                except OSError as exc:
+                    log.warning("eventbus: checkpoint failed: %s", exc)
+            await asyncio.sleep(min(1.0, interval))
 
 
 def create_service(hub: Hub, config: EventBusConfig) -> EventBusService:

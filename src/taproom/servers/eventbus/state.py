@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -19,7 +20,7 @@ import orjson
 
 from ...protocols.eventbus import SEQUENCE, Event
 from ...protocols.eventbus.kvmsg import update_properties
-from ...records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, BatchBuilder, Record
+from ...records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, BatchBuilder
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -72,6 +73,8 @@ class BusState:
     recent_uuids: list[tuple[str, int]] = field(default_factory=list)  # (uuid, sequence)
     offset: int = 0  # journal offset the state covers (everything before it is applied)
     from_checkpoint: bool = False
+    checkpoint_offset: int | None = None  # what the checkpoint loaded at start covered
+    replayed: int = 0  # journal records applied at start after the checkpoint
 
 
 class Dedup:
@@ -149,6 +152,7 @@ def journal_event(builder: BatchBuilder, event: Event, seq: int, timestamp: byte
 # bytes equal journal_event's): the head, protocol and content type, then stream, topic,
 # producer, event UUID, attrs, data. Every length is bounded by the bus's own limits.
 SEED_MIDDLE = PROTOCOL.encode() + b"msgpack"
+SEED_KINDS = frozenset({PROTOCOL + "/msgpack"})  # the journal's label (EncodedBatch.kinds)
 SEED_HEAD_FIXED = RECORD_HEAD_AFTER_LEN + len(SEED_MIDDLE) + 36  # + the UUID's 36 bytes
 
 
@@ -183,20 +187,57 @@ def seed_record(
     return head, SEED_MIDDLE, stream, topic, producer, uuid, attrs, data
 
 
-def record_entry(record: Record) -> Entry:
-    """The hashmap entry a journal record stands for (see :func:`journal_event`)."""
-    attrs = record.attrs
-    data = record.payload
-    chp = None
-    if attrs.get("dialect") == "chp":
-        chp = (str(attrs.get("properties", "")).encode(), data)
-        data = chp_data(data)
-    frames = (
-        record.topic.encode(),
-        SEQUENCE.pack(record.seq),
-        record.producer.encode(),
-        str(attrs.get("timestamp", "")).encode(),
-        record.event_id.encode(),
-        data,
-    )
-    return Entry(record.seq, frames, chp, int(attrs.get("expires_ms", 0) or 0))
+_PROTOCOL = PROTOCOL.encode()
+_SEED_ATTRS = b'{"timestamp":"'
+_HEAD_SIZE = RECORD_HEAD.size
+
+
+def replay_entries(
+    body: bytes, base_offset: int, start: int, end: int
+) -> Iterator[tuple[int, Entry | None, str]]:
+    """``(sequence, entry, event uuid)`` of the bus records of one journal batch body whose
+    offsets are in ``[start, end)``, read straight from the bytes (a restart may read a
+    million): the entry each stands for (see :func:`journal_event`), or None for a reset
+    marker. Records of other protocols are stepped over."""
+    unpack = RECORD_HEAD.unpack_from
+    pos = 0
+    size = len(body)
+    offset = base_offset
+    while pos < size:
+        length, _rcv, _ts, seq, lp, lc, ls, lt, lr, le, la, ll = unpack(body, pos)
+        q = pos + _HEAD_SIZE
+        if start <= offset < end and body[q : q + lp] == _PROTOCOL:
+            q += lp + lc + ls
+            topic = body[q : q + lt]
+            q += lt
+            producer = body[q : q + lr]
+            q += lr
+            uuid = body[q : q + le]
+            q += le
+            raw_attrs = body[q : q + la]
+            data = body[q + la : q + la + ll]
+            chp = None
+            expires_ms = 0
+            if (
+                raw_attrs.startswith(_SEED_ATTRS)
+                and raw_attrs.endswith(b'"}')
+                and raw_attrs.count(b'"') == 4
+                and b"\\" not in raw_attrs
+            ):  # the seed's hot path: {"timestamp":"..."} and nothing else
+                timestamp = raw_attrs[len(_SEED_ATTRS) : -2]
+            else:
+                attrs = orjson.loads(raw_attrs) if la else {}
+                if attrs.get("eventbus") == "reset":
+                    yield seq, None, ""
+                    pos += 4 + length
+                    offset += 1
+                    continue
+                if attrs.get("dialect") == "chp":
+                    chp = (str(attrs.get("properties", "")).encode(), data)
+                    data = chp_data(data)
+                timestamp = str(attrs.get("timestamp", "")).encode()
+                expires_ms = int(attrs.get("expires_ms", 0) or 0)
+            frames = (topic, SEQUENCE.pack(seq), producer, timestamp, uuid, data)
+            yield seq, Entry(seq, frames, chp, expires_ms), uuid.decode("utf-8", "surrogateescape")
+        pos += 4 + length
+        offset += 1

@@ -5,10 +5,12 @@ SNAPSHOT ROUTER at P answers ``ICANHAZ?``; PUBLISHER PUB at P+1 sends each hashm
 to the journal (content type ``lager-registration``, stream = tap key, producer = tap uuid,
 payload = the format XML) before the hashmap changes and the update is published, so the
 journal is the source of truth. ``<journal dir>/lager-registrar.json`` is a checkpoint of the
-hashmap plus the journal offset it covers (written atomically at most every
-``checkpoint_interval_s`` and at stop); on start the checkpoint is loaded and the journal
-replayed from that offset (from the start if there is no checkpoint), so registrations survive
-a restart and even a SIGKILL.
+hashmap plus the journal offset it covers (the journal's end whenever no registration is being
+committed), written atomically after registrations (at most every ``checkpoint_interval_s``),
+once a minute while only the journal moved on, and at stop; on start the checkpoint is loaded
+and the registrations after that offset replayed (every one in the journal if there is no
+checkpoint; the journal's index skips the frames holding none), so registrations survive a
+restart and even a SIGKILL.
 
 A key moves to a new uuid only when a registration names that uuid: a registration for a
 held key takes it over once the holder is *gone* (nothing, rows or registrations, came from the
@@ -35,8 +37,10 @@ import zmq
 import zmq.asyncio
 
 from ... import zmqburst
+from ...checkpoint import CheckpointSchedule, discard_checkpoint
 from ...errors import HubStopped, ProtocolError
 from ...hub import Hub
+from ...journal.kinds import Kind
 from ...protocols.lager.chp import (
     ChpError,
     Registrar,
@@ -57,9 +61,14 @@ __all__ = ["REGISTRATION_CONTENT_TYPE", "RegistrarServer"]
 log = logging.getLogger("taproom.lager")
 
 REGISTRATION_CONTENT_TYPE = "lager-registration"
+REGISTRATION_KIND = Kind("lager", REGISTRATION_CONTENT_TYPE)
 _STATE_VERSION = 1
 _MAX_CLAIMS = 1024
 _CLAIM_TICK_S = 0.1  # how often claims are checked against their holders
+# Only the journal moved on (no registration): the checkpoint's offset is brought up to date
+# this often. Not needed for speed (the journal's index skips frames without registrations),
+# it keeps the offset a restart starts from recent.
+_IDLE_CHECKPOINT_S = 60.0
 
 
 class RegistrarServer:
@@ -105,7 +114,14 @@ class RegistrarServer:
             hub.config.journal.dir, "lager-registrar.json"
         )
         self._registered_offset = 0  # journal end covered by the hashmap
-        self._dirty = False
+        self._schedule = CheckpointSchedule(
+            hub.metrics,
+            "lager",
+            interval_s=max(_IDLE_CHECKPOINT_S, config.checkpoint_interval_s),
+            after_events=1,  # a few taps: a checkpoint is a small file
+            size_ratio=0.0,
+            min_gap_s=config.checkpoint_interval_s,
+        )
         self._last_publish = 0.0
         m = hub.metrics
         self._m_hugz = m.counter("lager", "hugz", "messages", "HUGZ sent by the registrar")
@@ -183,8 +199,12 @@ class RegistrarServer:
         )
 
     async def close(self) -> None:
-        if self._dirty:
-            await asyncio.to_thread(self.checkpoint)
+        schedule = self._schedule
+        if schedule.unsaved or schedule.applied or self._covered() != schedule.covered:
+            try:
+                await self.save()
+            except OSError as exc:
+                log.error("lager: checkpoint at stop failed (%s); the journal has it all", exc)
         self.collector.close()
         for sock in (self.snapshot, self.publisher):
             sock.close(linger=0)
@@ -193,11 +213,21 @@ class RegistrarServer:
 
     def restore(self) -> None:
         """Checkpoint, then every registration the journal holds after it."""
+        began = time.monotonic()
         journal = self.hub.journal
         start = journal.first_offset
+        covered: int | None = None
         try:
             with open(self.state_path, "rb") as f:
                 state = orjson.loads(f.read())
+            if int(state["journal_offset"]) > journal.opened_end_offset:
+                # The journal lost a tail the checkpoint had seen (fsync = "interval" and a
+                # crash): its offsets may hold other records now; replay the journal alone.
+                discard_checkpoint(self.state_path)
+                raise ValueError(
+                    f"it covers offsets up to {state['journal_offset']}, past the journal's "
+                    f"end ({journal.opened_end_offset}) when it was opened"
+                )
             entries = []
             for tap in state["taps"]:
                 fmt = parse_format_xml(tap["value"], max_bytes=1 << 30, max_items=1 << 20)
@@ -208,7 +238,8 @@ class RegistrarServer:
                 )
             self.registrar.restore(entries)
             self.registrar.sequence = max(self.registrar.sequence, int(state["sequence"]))
-            start = max(start, int(state["journal_offset"]))
+            covered = int(state["journal_offset"])
+            start = max(start, covered)
         except FileNotFoundError:
             pass
         except (ValueError, KeyError, TypeError, ProtocolError) as exc:
@@ -216,15 +247,19 @@ class RegistrarServer:
                 "lager: checkpoint %s unreadable (%s); replaying the journal", self.state_path, exc
             )
             self.registrar = Registrar(max_taps=self.config.max_taps)
-        replayed = 0
+        replayed = read = 0
         marker = REGISTRATION_CONTENT_TYPE.encode()
-        for base, _count, body in journal.read_batches(start):
+        end = journal.end_offset
+        for base, _count, body in journal.read_batches(start, end, kind=REGISTRATION_KIND):
             if marker not in body:  # data batches never mention it; skip decoding them
                 continue
 
-            for record in iter_batch(body, base):
+            for record in iter_batch(body, base, b"lager"):
                 if record.offset < start or record.content_type != REGISTRATION_CONTENT_TYPE:
                     continue
+                if record.offset >= end:
+                    break
+                read += 1
                 try:
                     reg = parse_registration(
                         [record.stream.encode(), bytes(8), uuid_module.UUID(record.producer).bytes,
@@ -239,24 +274,48 @@ class RegistrarServer:
                         replayed += 1
                 except (ProtocolError, ValueError) as exc:
                     log.warning("lager: journal registration at %d skipped: %s", record.offset, exc)
-        self._registered_offset = journal.end_offset
-        self._dirty = replayed > 0
+        self._registered_offset = end
+        self._schedule.started(seconds=time.monotonic() - began, replayed=read, covered=covered)
         log.info(
             "lager: %d taps registered (%d replayed from the journal)",
             len(self.registrar),
             replayed,
         )
 
-    def checkpoint(self) -> None:
-        state = {
+    def _covered(self) -> int:
+        """The journal offset the hashmap covers: the journal's end while no registration is
+        being committed (each holds the map lock from its commit to its apply)."""
+        if not self._map_lock.locked():
+            self._registered_offset = max(self._registered_offset, self.hub.journal.end_offset)
+        return self._registered_offset
+
+    def _state(self) -> dict[str, object]:
+        """The checkpoint's content, taken on the loop in one step."""
+        return {
             "version": _STATE_VERSION,
-            "journal_offset": self._registered_offset,
+            "journal_offset": self._covered(),
             "sequence": self.registrar.sequence,
             "taps": [
                 {"key": r.key, "uuid": r.uuid.hex(), "value": r.value, "sequence": r.sequence}
                 for r in self.registrar.snapshot()
             ],
         }
+
+    async def save(self) -> None:
+        """Write the checkpoint (in a thread), of the state as it is now."""
+        state = self._state()
+        taken = self._schedule.taken()
+        began = time.monotonic()
+        try:
+            await asyncio.to_thread(self._write, state)
+        except BaseException:
+            self._schedule.failed(taken)
+            raise
+        offset = state["journal_offset"]
+        assert isinstance(offset, int)
+        self._schedule.written(offset, time.monotonic() - began)
+
+    def _write(self, state: dict[str, object]) -> None:
         tmp = self.state_path + ".tmp"
         os.makedirs(os.path.dirname(os.path.abspath(self.state_path)), exist_ok=True)
         with open(tmp, "wb") as f:
@@ -271,15 +330,16 @@ class RegistrarServer:
             os.close(fd)
 
     async def _checkpoint_loop(self) -> None:
+        """Checkpoints by progress (CheckpointSchedule): after registrations, or once the
+        journal moved on for a while."""
+        schedule = self._schedule
         while True:
-            await asyncio.sleep(self.config.checkpoint_interval_s)
-            if self._dirty:
-                self._dirty = False
+            if schedule.due(time.monotonic(), self._covered(), len(self.registrar)):
                 try:
-                    await asyncio.to_thread(self.checkpoint)
+                    await self.save()
                 except OSError as exc:
-                    self._dirty = True
                     log.error("lager: checkpoint failed (%s); the journal still has it all", exc)
+            await asyncio.sleep(min(1.0, self.config.checkpoint_interval_s))
 
     # --- sockets --------------------------------------------------------------------------
 
@@ -392,7 +452,7 @@ class RegistrarServer:
             self._publish(stored.frames())
             self._on_applied(stored)
         self._registered_offset = max(self._registered_offset, commit.end_offset)
-        self._dirty = True
+        self._schedule.applied += len(accepted)
         return True
 
     # --- takeovers ------------------------------------------------------------------------

@@ -134,9 +134,23 @@ class LogTKConfig:
     )
     dedup_checkpoint_interval_s: float = setting(
         60.0,
-        "the index is saved beside the journal this often (and at stop) so a restart reads "
-        "only the journal after it; 0: never, a restart reads the whole window",
+        "the index is saved beside the journal at least this often while anything changed "
+        "(and at stop) so a restart reads only the journal after it; 0: never, a restart "
+        "reads the whole window",
         min=0,
+    )
+    dedup_checkpoint_after_events: int = setting(
+        100_000,
+        "the index is also saved once this many keys were added since the last save: a "
+        "restart re-reads at most about that many LogTK records (~2 us each)",
+        min=1,
+    )
+    dedup_checkpoint_size_ratio: float = setting(
+        0.25,
+        "...and at least this share of the keys it holds: a save writes every key (~0.05 us "
+        "each, numpy), so a big index is saved at most once per quarter of it added",
+        min=0.0,
+        max=100.0,
     )
     auth_failures_per_minute: float = setting(
         10.0, "failed authentications refill this fast per peer address", min=0.1

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from ...checkpoint import load_checkpoint, save_checkpoint
+from ...checkpoint import discard_checkpoint, load_checkpoint, save_checkpoint
 from ...journal import Journal
+from ...journal.kinds import Kind
 from ...records import RECORD_HEAD
 
 __all__ = ["DedupIndex", "Snapshot", "read_checkpoint", "rebuild", "write_checkpoint"]
@@ -36,6 +37,7 @@ TAG_BITS = 6
 _TAG_MASK = (1 << TAG_BITS) - 1
 _MAX_KEY = (1 << (64 - TAG_BITS)) - 1
 _NONE = np.zeros(0, dtype=np.uint64)
+LOGTK_KIND = Kind("logtk")
 _CHUNK = 65536  # keys converted per step while the loop may want the GIL
 
 U64Array = np.ndarray[Any, np.dtype[np.uint64]]
@@ -72,6 +74,7 @@ class DedupIndex:
         self._frozen: U64Array = _NONE
         self._frozen_starts: list[float] = []  # tag -> bucket start
         self.evicted = 0
+        self.added = 0  # keys added since the index was made (checkpoints by progress)
         # Every LogTK record below this journal offset is in the index (see Snapshot).
         self.covered_offset = 0
 
@@ -143,6 +146,7 @@ class DedupIndex:
         self._bucket(when).append(key)
         self._keys.add(key)
         self._slot_keys[key >> 32] += 1
+        self.added += 1
         self._bound()
 
     def add_many(self, keys: list[int], when: float) -> None:
@@ -157,6 +161,7 @@ class DedupIndex:
             return
         self._bucket(when).extend(keys)
         self._slot_keys.update(key >> 32 for key in keys)
+        self.added += len(keys)
         self._bound()
 
     def _bucket(self, when: float) -> list[int]:
@@ -354,7 +359,7 @@ def _logtk_records(
     skipped by the journal's reader, as everywhere."""
     unpack = RECORD_HEAD.unpack_from
     head = RECORD_HEAD.size
-    for base, _count, body in journal.read_batches(start, end):
+    for base, _count, body in journal.read_batches(start, end, kind=LOGTK_KIND):
         offset = base
         pos = 0
         while pos < len(body) and offset < end:
@@ -388,10 +393,18 @@ def rebuild(
     covered (None when none served)."""
     end = journal.end_offset
     snapshot = read_checkpoint(path) if path else None
-    if snapshot is not None and snapshot.covered_offset > end:
+    if snapshot is not None and snapshot.covered_offset > journal.opened_end_offset:
         # The journal lost a tail the checkpoint had seen (fsync = "interval" and a crash):
-        # it may name records that are gone, so trust the journal alone.
-        log.warning("logtk: the idempotency checkpoint is ahead of the journal; reading it all")
+        # it may name records that are gone, and their offsets may hold others now, so
+        # trust the journal alone.
+        log.warning(
+            "logtk: the idempotency checkpoint covers offsets up to %d, past the journal's "
+            "end (%d) when it was opened; reading the journal",
+            snapshot.covered_offset,
+            journal.opened_end_offset,
+        )
+        assert path is not None
+        discard_checkpoint(path)
         snapshot = None
     cutoff_ns = int((now - index.window_s) * 1e9)
     if snapshot is not None:

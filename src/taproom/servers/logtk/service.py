@@ -23,6 +23,7 @@ from websockets.headers import parse_subprotocol
 
 from ...access import ConnectionGate, access_for
 from ...budget import CONNECTION_BUFFERS
+from ...checkpoint import CheckpointSchedule
 from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.logtk import CloseCode, ServerConnection
@@ -74,7 +75,14 @@ class LogTKService:
         self.settings = config.server_settings()
         self.dedup = DedupIndex(config.dedup_window_s, config.dedup_max_entries)
         self._checkpoint_path = os.path.join(hub.config.journal.dir, "logtk", "dedup.checkpoint")
-        self._checkpointed = -1  # the covered offset of the last checkpoint written
+        self._schedule = CheckpointSchedule(
+            hub.metrics,
+            "logtk",
+            interval_s=config.dedup_checkpoint_interval_s,
+            after_events=config.dedup_checkpoint_after_events,
+            size_ratio=config.dedup_checkpoint_size_ratio,
+            min_gap_s=min(1.0, config.dedup_checkpoint_interval_s),
+        )
         self.pending: dict[int, asyncio.Future[Commit]] = {}
         self.limiter = AuthLimiter(
             config.auth_failures_per_minute, config.auth_failure_burst, config.max_tracked_peers
@@ -170,7 +178,10 @@ class LogTKService:
             self.config.dedup_rebuild_max_records,
             time.time(),
         )
-        self._checkpointed = -1 if checkpointed is None else checkpointed
+        self._schedule.started(
+            seconds=time.monotonic() - began, replayed=count, covered=checkpointed
+        )
+        self.dedup.added = 0  # the keys read at start are in the state a checkpoint saves
         log.info(
             "logtk: idempotency index of %d keys from %s%d journal records in %.2f s",
             len(self.dedup),
@@ -248,30 +259,48 @@ class LogTKService:
             await asyncio.sleep(max(1.0, self.dedup.window_s / DedupIndex.BUCKETS))
             self.dedup.expire(time.time())
 
-    async def checkpoint(self) -> None:
-        """Save the index beside the journal (nothing when no LogTK commit came since)."""
+    def _covered(self) -> int:
+        """The journal offset the index covers: the journal's end while no LogTK batch is in
+        flight (every LogTK record committed so far is indexed)."""
         dedup = self.dedup
         if not self.pending:
-            # No LogTK batch is in flight: every LogTK record committed so far is indexed.
             dedup.covered_offset = max(dedup.covered_offset, self.hub.journal.end_offset)
-        if dedup.covered_offset == self._checkpointed:
+        return dedup.covered_offset
+
+    async def checkpoint(self) -> None:
+        """Save the index beside the journal (nothing when nothing changed since)."""
+        schedule = self._schedule
+        schedule.applied = self.dedup.added
+        if not schedule.unsaved and not schedule.applied and self._covered() == schedule.covered:
             return
-        snapshot = dedup.snapshot()
+        self._covered()
+        snapshot = self.dedup.snapshot()
+        self.dedup.added = 0
+        taken = schedule.taken()
         began = time.monotonic()
-        keys = await asyncio.to_thread(write_checkpoint, self._checkpoint_path, snapshot)
-        self._checkpointed = snapshot.covered_offset
+        try:
+            keys = await asyncio.to_thread(write_checkpoint, self._checkpoint_path, snapshot)
+        except BaseException:
+            self.dedup.added += taken
+            schedule.failed(taken)
+            raise
+        schedule.written(snapshot.covered_offset, time.monotonic() - began)
         log.debug("logtk: checkpoint of %d keys in %.2f s", keys, time.monotonic() - began)
 
     async def _checkpoint_loop(self) -> None:
+        """Checkpoints by progress (CheckpointSchedule): checked about once a second."""
         interval = self.config.dedup_checkpoint_interval_s
         if not interval:
             return
+        schedule = self._schedule
         while True:
-            await asyncio.sleep(interval)
-            try:
-                await self.checkpoint()
-            except OSError as exc:
-                log.warning("logtk: idempotency checkpoint failed: %s", exc)
+            schedule.applied = self.dedup.added
+            if schedule.due(time.monotonic(), self._covered(), len(self.dedup)):
+                try:
+                    await self.checkpoint()
+                except OSError as exc:
+                    log.warning("logtk: idempotency checkpoint failed: %s", exc)
+            await asyncio.sleep(min(1.0, interval))
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
