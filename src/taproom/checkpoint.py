@@ -9,12 +9,13 @@ CRC is ignored (logged) and the caller falls back to the journal, the only truth
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import struct
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from .metrics import Metrics
 
@@ -25,8 +26,20 @@ log = logging.getLogger("taproom.checkpoint")
 _CRC = struct.Struct(">I")
 
 
-def save_checkpoint(path: str, magic: bytes, body: Iterable[bytes | memoryview]) -> None:
-    """Write ``magic``, the CRC and the ``body`` parts (not joined: a body may be large)."""
+def _fsync_dir(directory: str) -> None:
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def save_checkpoint(
+    path: str, magic: bytes, body: Iterable[bytes | memoryview], *, durable: bool = True
+) -> None:
+    """Write ``magic``, the CRC and the ``body`` parts (not joined: a body may be large).
+    Without ``durable``, not fsynced: for derived files that are rebuilt when lost (the
+    journal's index)."""
     parts = list(body)
     crc = 0
     for part in parts:
@@ -39,13 +52,11 @@ def save_checkpoint(path: str, magic: bytes, body: Iterable[bytes | memoryview])
         for part in parts:
             f.write(part)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    if durable:
+        _fsync_dir(directory)
 
 
 def discard_checkpoint(path: str) -> None:
@@ -56,16 +67,14 @@ def discard_checkpoint(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         return
-    directory = os.path.dirname(path) or "."
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    _fsync_dir(os.path.dirname(path) or ".")
 
 
-def load_checkpoint(path: str, magic: bytes) -> bytes | None:
-    """The body saved at ``path``; None when there is none or it does not verify."""
+def load_checkpoint(
+    path: str, magic: bytes, *, instead: str = "the journal is read instead"
+) -> bytes | None:
+    """The body saved at ``path``; None when there is none or it does not verify (logged,
+    with what the caller does ``instead``)."""
     try:
         with open(path, "rb") as f:
             blob = f.read()
@@ -73,11 +82,11 @@ def load_checkpoint(path: str, magic: bytes) -> bytes | None:
         return None
     head = len(magic) + _CRC.size
     if not blob.startswith(magic) or len(blob) < head:
-        log.warning("%s is not a checkpoint of this kind; the journal is read instead", path)
+        log.warning("%s is not a file of this kind; %s", path, instead)
         return None
     body = blob[head:]
     if zlib.crc32(body) != _CRC.unpack_from(blob, len(magic))[0]:
-        log.warning("%s fails its CRC; the journal is read instead", path)
+        log.warning("%s fails its CRC; %s", path, instead)
         return None
     return body
 
@@ -197,3 +206,26 @@ class CheckpointSchedule:
     def failed(self, taken: int) -> None:
         self.applied += taken
         self._retry_at = time.monotonic() + self.min_gap_s  # not in a tight loop
+
+    async def run(
+        self,
+        *,
+        check_s: float,
+        applied: Callable[[], int] | None,
+        covered: Callable[[], int],
+        size: Callable[[], int],
+        save: Callable[[], Awaitable[None]],
+        what: str,
+    ) -> None:
+        """A service's checkpoint loop: every ``check_s``, ``save()`` when :meth:`due` (with
+        ``applied()`` own records since the last save, when the service counts them so; else
+        it adds to :attr:`applied` itself). A failed write is logged and tried again later."""
+        while True:
+            if applied is not None:
+                self.applied = applied()
+            if self.due(time.monotonic(), covered(), size()):
+                try:
+                    await save()
+                except OSError as exc:
+                    log.error("%s: checkpoint failed (%s); the journal still has it all", what, exc)
+            await asyncio.sleep(check_s)

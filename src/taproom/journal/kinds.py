@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import orjson
 
+from ..checkpoint import load_checkpoint, save_checkpoint
 from ..records import RECORD_HEAD
 from .segments import SEGMENT_HEADER, Damage, fsync_dir, walk_frames
 
@@ -66,7 +67,6 @@ log = logging.getLogger("taproom.journal")
 ANY = "*"
 _SUMMARY_MAGIC = b"TAPROOM-SEGMENT-KINDS-1\n"
 _RUNS_MAGIC = b"TAPROOM-SEGMENT-RUNS-1\n"
-_CRC = struct.Struct(">I")
 _BASE = struct.Struct("<Q")
 _CHUNK = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _RUN = np.dtype([("offset", "<u8"), ("position", "<u8"), ("mask", "<u8")])
@@ -296,29 +296,20 @@ class KindIndex:
     def load_summary(self, base: int, sealed_size: int | None = None) -> frozenset[str] | None:
         """The summary of the segment at ``base``; None when missing or stale."""
         path = self._path(base, "kinds")
-        try:
-            with open(path, "rb") as f:
-                blob = f.read()
-        except FileNotFoundError:
+        body = load_checkpoint(path, _SUMMARY_MAGIC, instead="reading the segment")
+        if body is None:
             return None
-        head = len(_SUMMARY_MAGIC) + _CRC.size
-        body = blob[head:]
         problem = ""
         labels: frozenset[str] = frozenset()
-        if not blob.startswith(_SUMMARY_MAGIC) or len(blob) < head:
-            problem = "is not a segment summary"
-        elif zlib.crc32(body) != _CRC.unpack_from(blob, len(_SUMMARY_MAGIC))[0]:
-            problem = "fails its CRC"
-        else:
-            try:
-                doc = orjson.loads(body)
-                labels = frozenset(str(x) for x in doc["labels"])
-                if doc["base"] != base or doc["journal"] != self.journal_id:
-                    problem = "is of another segment or journal"
-                elif sealed_size is not None and doc.get("size", sealed_size) != sealed_size:
-                    problem = f"was sealed at {doc['size']} bytes, the segment has {sealed_size}"
-            except (ValueError, KeyError, TypeError) as exc:
-                problem = f"is unreadable ({exc})"
+        try:
+            doc = orjson.loads(body)
+            labels = frozenset(str(x) for x in doc["labels"])
+            if doc["base"] != base or doc["journal"] != self.journal_id:
+                problem = "is of another segment or journal"
+            elif sealed_size is not None and doc.get("size", sealed_size) != sealed_size:
+                problem = f"was sealed at {doc['size']} bytes, the segment has {sealed_size}"
+        except (ValueError, KeyError, TypeError) as exc:
+            problem = f"is unreadable ({exc})"
         if problem:
             log.warning("journal: segment summary %s %s; reading the segment", path, problem)
             return None
@@ -332,9 +323,8 @@ class KindIndex:
         doc: dict[str, Any] = {"base": base, "journal": self.journal_id, "labels": sorted(labels)}
         if size is not None:
             doc["size"] = size
-        body = orjson.dumps(doc)
-        self._write_file(
-            self._path(base, "kinds"), _SUMMARY_MAGIC + _CRC.pack(zlib.crc32(body)) + body, durable
+        save_checkpoint(
+            self._path(base, "kinds"), _SUMMARY_MAGIC, [orjson.dumps(doc)], durable=durable
         )
 
     def _write_file(self, path: str, blob: bytes, durable: bool) -> None:

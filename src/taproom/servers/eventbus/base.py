@@ -102,6 +102,7 @@ class BusBase:
         # Bursts submitted and not yet applied (queued or being applied): while there are none,
         # every bus record in the journal is applied (a checkpoint covers the journal's end).
         self._bursts_open = 0
+        self._cover_limit = 1 << 63  # a burst whose apply failed: checkpoints stay before it
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
         self._applied_offset = 0  # journal offset up to which bus records are applied

@@ -37,6 +37,9 @@ class Broadcaster(BinaryStarPeer):
             except Exception as exc:
                 guard.failed(exc, "committed burst", len(burst.entries))
                 self._install(self.hashmap)
+                # The hashmap may lack this burst: no checkpoint may cover it (a restart then
+                # reads it from the journal again).
+                self._cover_limit = min(self._cover_limit, self._applied_offset)
             finally:
                 self._bursts_open -= 1
                 self._inflight.task_done()

@@ -264,8 +264,10 @@ class EventBusService(SnapshotServer):
         is between its submit and its apply (every bus record committed is then applied), else
         the end of the last burst applied."""
         if not self._bursts_open and not self._resyncing:
-            return max(self._applied_offset, self.hub.journal.end_offset)
-        return self._applied_offset
+            covered = max(self._applied_offset, self.hub.journal.end_offset)
+        else:
+            covered = self._applied_offset
+        return min(covered, self._cover_limit)
 
     def _capture(self) -> BusState:
         """The applied state, taken in one step on the loop (entries are immutable tuples)."""
@@ -301,16 +303,15 @@ class EventBusService(SnapshotServer):
         interval = self.config.checkpoint_interval_s
         if not interval:
             return
-        schedule = self._schedule
-        while True:
+        await self._schedule.run(
+            check_s=min(1.0, interval),
             # Bus events applied since the state last saved: the sequence counts them.
-            schedule.applied = max(0, self.last_seq - self._saved_seq)
-            if schedule.due(time.monotonic(), self._covered(), len(self.hashmap)):
-                try:
-                    await self.checkpoint()
-                except OSError as exc:
-                    log.warning("eventbus: checkpoint failed: %s", exc)
-            await asyncio.sleep(min(1.0, interval))
+            applied=lambda: max(0, self.last_seq - self._saved_seq),
+            covered=self._covered,
+            size=lambda: len(self.hashmap),
+            save=self.checkpoint,
+            what="eventbus",
+        )
 
 
 def create_service(hub: Hub, config: EventBusConfig) -> EventBusService:

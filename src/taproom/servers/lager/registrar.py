@@ -332,14 +332,14 @@ class RegistrarServer:
     async def _checkpoint_loop(self) -> None:
         """Checkpoints by progress (CheckpointSchedule): after registrations, or once the
         journal moved on for a while."""
-        schedule = self._schedule
-        while True:
-            if schedule.due(time.monotonic(), self._covered(), len(self.registrar)):
-                try:
-                    await self.save()
-                except OSError as exc:
-                    log.error("lager: checkpoint failed (%s); the journal still has it all", exc)
-            await asyncio.sleep(min(1.0, self.config.checkpoint_interval_s))
+        await self._schedule.run(
+            check_s=min(1.0, self.config.checkpoint_interval_s),
+            applied=None,  # counted as registrations are applied
+            covered=self._covered,
+            size=lambda: len(self.registrar),
+            save=self.save,
+            what="lager registrar",
+        )
 
     # --- sockets --------------------------------------------------------------------------
 

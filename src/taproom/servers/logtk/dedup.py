@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import struct
 from collections import Counter, deque
-from collections.abc import Container, Iterator
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,25 +352,68 @@ def read_checkpoint(path: str) -> Snapshot | None:
 # --- start-up -------------------------------------------------------------------------------
 
 
-def _logtk_records(
-    journal: Journal, start: int, end: int
-) -> Iterator[tuple[bytes, bytes, int, int]]:
-    """``(stream, producer, idem, received_ns)`` of the LogTK records in ``[start, end)``,
-    walked without building records (a restart may read millions). Damaged journal frames are
-    skipped by the journal's reader, as everywhere."""
-    unpack = RECORD_HEAD.unpack_from
+# The record head up to the producer's length: all a rebuild needs (records.RECORD_HEAD).
+_KEY_HEAD = struct.Struct("<IqqQBBHHH")
+_LOGTK = b"logtk"
+
+
+def _read_keys(index: DedupIndex, journal: Journal, lo: int, hi: int, cutoff_ns: int) -> int:
+    """Add the keys of the LogTK records in ``[lo, hi)`` received after ``cutoff_ns``, walked
+    straight from the journal's bytes (a restart may read millions: ~1 us a record). The
+    journal's index skips the frames of other protocols; damaged frames are skipped by its
+    reader, as everywhere. Returns the records read."""
+    unpack = _KEY_HEAD.unpack_from
     head = RECORD_HEAD.size
-    for base, _count, body in journal.read_batches(start, end, kind=LOGTK_KIND):
+    slots: dict[tuple[bytes, bytes], int] = {}
+    bucket_ns = int(index.window_s / index.BUCKETS * 1e9)
+    keys: list[int] = []  # of one time bucket, added at once (a set update, not one by one)
+    bucket = when_ns = count = 0
+    for base, _count, body in journal.read_batches(lo, hi, kind=LOGTK_KIND):
         offset = base
         pos = 0
-        while pos < len(body) and offset < end:
-            length, received_ns, _ts, seq, lp, lc, ls, lt, lr, _le, _la, _ll = unpack(body, pos)
+        size = len(body)
+        # A batch is one session's: the same app and client record after record.
+        last: tuple[int, int, bytes] | None = None
+        slot = -1
+        while pos < size and offset < hi:
+            length, received_ns, _ts, idem, lp, lc, ls, lt, lr = unpack(body, pos)
             q = pos + head
-            if offset >= start and body[q : q + lp] == b"logtk":
+            if offset >= lo and received_ns >= cutoff_ns and body[q : q + lp] == _LOGTK:
                 q += lp + lc
-                yield body[q : q + ls], body[q + ls + lt : q + ls + lt + lr], seq, received_ns
+                ident = (ls, lt, body[q : q + ls + lt + lr])
+                if ident != last:
+                    last = ident
+                    slot = _slot(index, slots, ident[2][:ls], ident[2][ls + lt :])
+                if slot >= 0:
+                    if received_ns // bucket_ns != bucket:
+                        if keys:
+                            index.add_many(keys, when_ns / 1e9)
+                            count += len(keys)
+                            keys = []
+                        bucket = received_ns // bucket_ns
+                    keys.append(slot | idem)
+                    when_ns = received_ns
             pos += 4 + length
             offset += 1
+    if keys:
+        index.add_many(keys, when_ns / 1e9)
+        count += len(keys)
+    return count
+
+
+def _slot(
+    index: DedupIndex, slots: dict[tuple[bytes, bytes], int], stream: bytes, producer: bytes
+) -> int:
+    """The key prefix of one (app, client id); -1 for a producer that is no client id."""
+    slot = slots.get((stream, producer))
+    if slot is None:  # producer is the client id in hex (docs/protocols/logtk.md)
+        try:
+            client_id = int(producer, 16)
+        except ValueError:
+            return -1
+        app = stream.decode("utf-8", "surrogateescape")
+        slot = slots[(stream, producer)] = index.slot(app, client_id)
+    return slot
 
 
 def _window_start(journal: Journal, cutoff_ns: int) -> int:
@@ -412,33 +456,6 @@ def rebuild(
         start = max(snapshot.covered_offset, journal.first_offset)
     else:
         start = _window_start(journal, cutoff_ns)
-    slots: dict[tuple[bytes, bytes], int] = {}
-    bucket_ns = int(index.window_s / index.BUCKETS * 1e9)
-    keys: list[int] = []  # of one time bucket, added at once (a set update, not one by one)
-    bucket = when_ns = count = 0
-    for stream, producer, idem, received_ns in _logtk_records(
-        journal, max(start, end - max_records), end
-    ):
-        if received_ns < cutoff_ns:
-            continue
-        slot = slots.get((stream, producer))
-        if slot is None:  # producer is the client id in hex (docs/protocols/logtk.md)
-            try:
-                client_id = int(producer, 16)
-            except ValueError:
-                continue
-            app = stream.decode("utf-8", "surrogateescape")
-            slot = slots[(stream, producer)] = index.slot(app, client_id)
-        if received_ns // bucket_ns != bucket:
-            if keys:
-                index.add_many(keys, when_ns / 1e9)
-                count += len(keys)
-                keys = []
-            bucket = received_ns // bucket_ns
-        keys.append(slot | idem)
-        when_ns = received_ns
-    if keys:
-        index.add_many(keys, when_ns / 1e9)
-        count += len(keys)
+    count = _read_keys(index, journal, max(start, end - max_records), end, cutoff_ns)
     index.covered_offset = end
     return count, None if snapshot is None else snapshot.covered_offset

@@ -292,15 +292,14 @@ class LogTKService:
         interval = self.config.dedup_checkpoint_interval_s
         if not interval:
             return
-        schedule = self._schedule
-        while True:
-            schedule.applied = self.dedup.added
-            if schedule.due(time.monotonic(), self._covered(), len(self.dedup)):
-                try:
-                    await self.checkpoint()
-                except OSError as exc:
-                    log.warning("logtk: idempotency checkpoint failed: %s", exc)
-            await asyncio.sleep(min(1.0, interval))
+        await self._schedule.run(
+            check_s=min(1.0, interval),
+            applied=lambda: self.dedup.added,
+            covered=self._covered,
+            size=lambda: len(self.dedup),
+            save=self.checkpoint,
+            what="logtk idempotency index",
+        )
 
     def _spawn(self, coro: Awaitable[Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
