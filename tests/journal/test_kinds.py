@@ -10,14 +10,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taproom.journal import Journal
 from taproom.journal.kinds import ANY, Kind, body_labels, covers, declared_cover
 from taproom.journal.segments import segment_name
 from taproom.records import BatchBuilder, EncodedBatch, iter_batch
-from tests.support import flip_byte
+from tests.support import flip_byte, fuzz_examples
 
 PROTOCOLS = ("lumberjack", "logtk", "eventbus", "lager")
 CONTENT = {"lumberjack": ("json",), "logtk": ("bson", "json"), "eventbus": ("msgpack", "raw"),
@@ -106,6 +106,7 @@ class TestLabels:
 
 
 class TestReadsByKind:
+    @settings(max_examples=fuzz_examples(20, 300))
     @given(st.integers(0, 2**32), st.booleans())
     def test_same_records_as_a_full_read(self, tmp_path_factory, seed, declared):
         path = tmp_path_factory.mktemp("j")
@@ -307,3 +308,28 @@ def _rebuilt(journal: Journal) -> int:
         if line.startswith("taproom_journal_index_rebuilt_segments_total "):
             return int(float(line.split()[1]))
     return 0
+
+
+def test_a_long_run_of_one_kind_is_logged_now_and_then(tmp_path):
+    """Groups that start no run are logged with the next chunk (at most every few MiB): the
+    log stays small, and an open reads the frames it does not describe from the segment."""
+    j = Journal(tmp_path, segment_bytes=64 << 20, fsync="off")
+    b = BatchBuilder()
+    b.add("lumberjack", b"x" * 1000, content_type="json")
+    same = b.build()
+    for _ in range(3000):  # 3 MB of one kind
+        j.commit([same])
+    e = BatchBuilder()
+    e.add("eventbus", b"y", content_type="msgpack")
+    j.commit([e.build()])
+    for _ in range(10):
+        j.commit([same])
+    runs = tmp_path / "index" / f"{0:020d}.runs"
+    assert os.path.getsize(runs) < 400, "a few chunks, not one per commit"
+    assert_index_agrees(j)
+    j.close()
+    reopened = Journal(tmp_path, segment_bytes=64 << 20)
+    assert _rebuilt(reopened) == 0
+    assert by_kind(reopened, Kind("eventbus")) == ([3000], 1)
+    assert_index_agrees(reopened)
+    reopened.close()

@@ -70,6 +70,7 @@ _RUNS_MAGIC = b"TAPROOM-SEGMENT-RUNS-1\n"
 _BASE = struct.Struct("<Q")
 _CHUNK = struct.Struct("<II")  # payload length, CRC-32 of the payload
 _RUN = np.dtype([("offset", "<u8"), ("position", "<u8"), ("mask", "<u8")])
+_RUN_STRUCT = struct.Struct("<QQQ")
 _SPAN = struct.Struct("<QQ")  # (offset, position)
 _COUNT = struct.Struct("<I")
 _LABEL_COUNT = struct.Struct("<H")
@@ -77,6 +78,8 @@ _HEAD = RECORD_HEAD.size
 _LENGTH = struct.Struct("<I")
 _LP_AT = 28  # RECORD_HEAD: len(protocol), then len(content_type), after u32 i64 i64 u64
 _MAX_LABELS = 63  # labels one segment's runs can name; past it, the rest share ANY's bit
+# A group of frames that changes no run is logged with the next chunk, at most this far on.
+_LOG_EVERY_BYTES = 4 << 20
 
 
 class Kind(NamedTuple):
@@ -163,14 +166,19 @@ class SegmentKinds:
     masks: list[int] = field(default_factory=list)
     end_offset: int = 0
     end_position: int = SEGMENT_HEADER.size
+    # The bits of each label set met so far (the commit path looks each batch's up once).
+    masks_of: dict[frozenset[str], int] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.end_offset:
             self.end_offset = self.base
 
-    def mask_of(self, labels: Iterable[str], new: list[str]) -> int:
+    def mask_of(self, labels: frozenset[str], new: list[str]) -> int:
         """The bits of ``labels``, appending labels not seen yet to the table and to ``new``
         (past the table's size, a new label shares the bit of ``*``)."""
+        mask = self.masks_of.get(labels)
+        if mask is not None:
+            return mask
         mask = 0
         for name in labels:
             if name not in self.labels:
@@ -180,6 +188,7 @@ class SegmentKinds:
                     self.labels.append(name)
                     new.append(name)
             mask |= 1 << self.labels.index(name)
+        self.masks_of[labels] = mask
         return mask
 
     def cut(self, offset: int) -> None:
@@ -284,6 +293,9 @@ class KindIndex:
         self.rebuilt = 0  # segments read for their index (metrics, tests)
         self._log_fd = -1  # the active segment's runs log, open for appending
         self._log_base = -1
+        # What the log on disk says: up to where, and how many labels it has defined.
+        self._logged_end = (0, 0)
+        self._logged_labels = 0
 
     def _runs_header(self, base: int) -> bytes:
         return _RUNS_MAGIC + _BASE.pack(base) + self.journal_id.encode()
@@ -356,7 +368,10 @@ class KindIndex:
             raw = name.encode("utf-8", "surrogateescape")
             parts += (_LABEL_COUNT.pack(len(raw)), raw)
         parts += (_SPAN.pack(*start), _COUNT.pack(len(runs)))
-        parts.append(np.array(runs, dtype=_RUN).tobytes() if runs else b"")
+        if len(runs) > 32:
+            parts.append(np.array(runs, dtype=_RUN).tobytes())
+        else:  # a group commit's few runs: cheaper than a numpy array
+            parts += [_RUN_STRUCT.pack(*run) for run in runs]
         parts.append(_SPAN.pack(*end))
         payload = b"".join(parts)
         return _CHUNK.pack(len(payload), zlib.crc32(payload)) + payload
@@ -423,6 +438,7 @@ class KindIndex:
             return False  # frames with no run: only possible if a chunk is missing
         kinds.cut(start[0])  # a chunk rewrites from its first frame on (a retried commit)
         kinds.labels += names
+        kinds.masks_of.clear()
         kinds.offsets += offsets
         kinds.positions += runs["position"].tolist()
         kinds.masks += masks
@@ -447,6 +463,8 @@ class KindIndex:
         self._write_file(path, self._runs_header(kinds.base) + chunk, durable)
         self._log_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._log_base = kinds.base
+        self._logged_end = (kinds.end_offset, kinds.end_position)
+        self._logged_labels = len(kinds.labels)
 
     def close(self) -> None:
         if self._log_fd >= 0:
@@ -495,30 +513,61 @@ class KindIndex:
     def before_write(self, kinds: SegmentKinds, frames: list[Frame]) -> None:
         """Before the commit thread writes ``frames`` to the active segment: grow its summary
         (durably) if they hold a new kind, and append their runs to its log. Raises OSError
-        (nothing is written to the segment then; the commit is retried)."""
-        labels: set[str] = set()
-        for frame in frames:
-            labels |= frame.labels
-        if not kinds.summary.issuperset(labels):
-            grown = kinds.summary | labels
-            self.save_summary(kinds.base, grown)
-            kinds.summary = grown
+        (nothing is written to the segment then; the commit is retried).
+
+        A group that starts no run and names no new label is not written to the log until
+        ``_LOG_EVERY_BYTES`` of frames have gone by (the next chunk covers it): a long run of
+        one kind then costs one write per few MiB, and an open reads at most that much of the
+        segment for what the log does not say."""
+        masks_of = kinds.masks_of
+        if any(frame.labels not in masks_of for frame in frames):  # label sets not met yet
+            labels: set[str] = set()
+            for frame in frames:
+                labels |= frame.labels
+            if not kinds.summary.issuperset(labels):
+                grown = kinds.summary | labels
+                self.save_summary(kinds.base, grown)
+                kinds.summary = grown
         first = frames[0]
         new: list[str] = []
+        retry = first.offset < kinds.end_offset
         with self._lock:
-            if first.offset < kinds.end_offset:
+            if retry:
                 kinds.cut(first.offset)  # a retry writes the same frames again
-            k = len(kinds.offsets)
+            offsets, positions, masks = kinds.offsets, kinds.positions, kinds.masks
+            k = len(offsets)
+            last = masks[-1] if masks else -1
             for frame in frames:
-                self._add_frame(kinds, frame, new)
-        runs = list(zip(kinds.offsets[k:], kinds.positions[k:], kinds.masks[k:], strict=True))
+                mask = masks_of.get(frame.labels)
+                if mask is None:
+                    mask = kinds.mask_of(frame.labels, new)
+                if mask != last:
+                    offsets.append(frame.offset)
+                    positions.append(frame.position)
+                    masks.append(mask)
+                    last = mask
+            kinds.end_offset, kinds.end_position = frames[-1].end_offset, frames[-1].end_position
         if self._log_base != kinds.base:
             self._open_log(kinds, durable=False)
             return
+        # Frames the log already describes are written again (a retry, or frames cut back
+        # after a failure): the chunk starts at them and replaces what the log said.
+        rewrite = first.offset < self._logged_end[0]
+        if (
+            not rewrite
+            and len(offsets) == k
+            and len(kinds.labels) == self._logged_labels
+            and kinds.end_position - self._logged_end[1] < _LOG_EVERY_BYTES
+        ):
+            return
+        # The chunk starts where the log stopped, or at the frames written again.
+        start = (first.offset, first.position) if rewrite else self._logged_end
+        j = int(np.searchsorted(np.asarray(offsets, dtype=np.uint64), start[0], "left"))
+        runs = list(zip(offsets[j:], positions[j:], masks[j:], strict=True))
         chunk = self._chunk(
-            new,
+            kinds.labels[self._logged_labels :],
             runs,
-            (first.offset, first.position),
+            start,
             (kinds.end_offset, kinds.end_position),
         )
         try:
@@ -527,6 +576,9 @@ class KindIndex:
             # The runs log is not the truth: without it the segment is read at open.
             log.warning("journal: runs log of segment %d not written: %s", kinds.base, exc)
             self.close()
+            return
+        self._logged_end = (kinds.end_offset, kinds.end_position)
+        self._logged_labels = len(kinds.labels)
 
     def start_segment(self, base: int) -> SegmentKinds:
         """A new active segment: no summary or runs yet (any left by an older one go)."""
