@@ -15,6 +15,7 @@ from taproom.servers.eventbus.checkpoint import rebuild_state
 from taproom.servers.lager.config import LagerConfig
 from taproom.servers.lager.registrar import RegistrarServer
 from taproom.servers.logtk.dedup import TAG_BITS, DedupIndex, rebuild
+from taproom.supervise import Supervisor
 
 __all__ = ["BUS_WINDOW", "WINDOW_S", "Host", "checkpoint_paths", "open_host", "registrar", "states"]
 
@@ -24,18 +25,20 @@ BUS_WINDOW = 50
 
 @dataclass
 class Host:
-    """What the services' rebuilds use of a hub: its journal, metrics and configuration."""
+    """What the services' rebuilds use of a hub: its journal (here with segments smaller than
+    a hub's configuration allows, to have many), metrics, supervisor and configuration."""
 
     config: Config
     metrics: Metrics
     journal: Journal
+    supervisor: Supervisor
 
 
 def open_host(directory: str, segment_bytes: int) -> Host:
     config = load_config(None, env={"TAPROOM_JOURNAL__DIR": directory})
     metrics = Metrics()
     journal = Journal(directory, segment_bytes=segment_bytes, fsync="off", metrics=metrics)
-    return Host(config, metrics, journal)
+    return Host(config, metrics, journal, Supervisor(config.hub, metrics))
 
 
 def checkpoint_paths(directory: str) -> dict[str, str]:
