@@ -35,6 +35,24 @@ def test_unknown_key_names_file_line_and_key(tmp_path):
     assert str(err.value).startswith(f"{path}:4: journal.fsynk: unknown key")
 
 
+def test_a_retired_key_loads_and_is_named_with_file_and_line(tmp_path):
+    """A setting a release removed (Lumberjack's per-window bounds, issue 24) must not stop a
+    hub that is upgraded with its old file: it loads, the key is ignored and named."""
+    path = tmp_path / "old.toml"
+    path.write_text(
+        "[lumberjack]\nport = 0\nmax_frame_bytes = 16777216\n\n[lager]\ninput_hwm = 5\n"
+    )
+    config = load("", path=str(path))
+    assert config.lumberjack.port == 0
+    assert not hasattr(config.lumberjack, "max_frame_bytes")
+    assert [w.split(": retired")[0] for w in config.warnings] == [
+        f"{path}:3: lumberjack.max_frame_bytes",
+        f"{path}:6: lager.input_hwm",
+    ]
+    assert all("retired, ignored: " in w for w in config.warnings)
+    assert load("[lumberjack]\nport = 0\n").warnings == ()
+
+
 def test_unknown_section():
     with pytest.raises(ConfigError) as err:
         load("[journl]\ndir = 'x'\n")

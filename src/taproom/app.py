@@ -67,6 +67,8 @@ class App:
                 ", ".join(exposed),
                 "s" if len(exposed) == 1 else "",
             )
+        for warning in self.config.warnings:
+            log.warning("configuration: %s", warning)
         await self.hub.start()
         web = self.config.web
         if web.enabled and (self.only is None or "web" in self.only):

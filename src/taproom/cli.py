@@ -88,6 +88,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     exposed = open_listeners(config)
     if exposed:
         print(f"taproom: warning: {_open_warning(exposed)}", file=sys.stderr)
+    for warning in config.warnings:
+        print(f"taproom: warning: {warning}", file=sys.stderr)
     print(f"{config.source or '<defaults>'}: valid ({len(config.names)} sections)")
     return 0
 

@@ -64,6 +64,7 @@ SECTION_MODULES = (
 )
 
 _SECTIONS: dict[str, type] = {}
+_RETIRED: dict[str, dict[str, str]] = {}  # section -> retired key -> why
 # Checks that need several sections (a listener's host and the access rules that cover it).
 _CHECKS: list[Callable[[Config], None]] = []
 
@@ -75,13 +76,21 @@ class _Text(str):
     __slots__ = ()
 
 
-def config_section(name: str) -> Callable[[type[T]], type[T]]:
-    """Register a frozen dataclass as the ``[name]`` section of the configuration."""
+def config_section(
+    name: str, *, retired: Mapping[str, str] | None = None
+) -> Callable[[type[T]], type[T]]:
+    """Register a frozen dataclass as the ``[name]`` section of the configuration.
+
+    ``retired`` names settings a release removed, each with why: a file that still sets one
+    loads (an upgrade must not stop a hub for a key that no longer means anything), and the
+    key is named in :attr:`Config.warnings` (``validate`` prints them, ``serve`` logs them).
+    """
 
     def register(cls: type[T]) -> type[T]:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls!r} must be a dataclass")
         _SECTIONS[name] = cls
+        _RETIRED[name] = dict(retired or {})
         return cls
 
     return register
@@ -408,9 +417,16 @@ class ConsoleConfig:
 class Config:
     """All sections, validated. ``config.journal`` or ``config.section("journal")``."""
 
-    def __init__(self, sections: Mapping[str, Any], source: str | None = None) -> None:
+    def __init__(
+        self,
+        sections: Mapping[str, Any],
+        source: str | None = None,
+        warnings: tuple[str, ...] = (),
+    ) -> None:
         self._sections = dict(sections)
         self.source = source
+        # What loaded but an operator should change (retired settings), one line each.
+        self.warnings = warnings
 
     def section(self, name: str) -> Any:
         return self._sections[name]
@@ -429,7 +445,7 @@ class Config:
         """A copy with some fields of one section changed (tests and CLI flags)."""
         sections = dict(self._sections)
         sections[name] = dataclasses.replace(sections[name], **changes)
-        return Config(sections, self.source)
+        return Config(sections, self.source, self.warnings)
 
 
 def known_sections() -> dict[str, type]:
@@ -684,15 +700,21 @@ def load_config(
         if name not in sections:
             known = ", ".join(sorted(sections))
             raise located(ConfigError(f"unknown section (known: {known})", key=name))
+    warnings: list[str] = []
     for name, cls in sections.items():
         table = data.get(name, {})
         if not isinstance(table, dict):
             raise located(ConfigError("expected a table", key=name))
+        for key, why in _RETIRED.get(name, {}).items():
+            if key in table:
+                table = {k: v for k, v in table.items() if k != key}
+                where = located(ConfigError(f"retired, ignored: {why}", key=f"{name}.{key}"))
+                warnings.append(str(where))
         try:
             built[name] = _build(cls, table, name)
         except ConfigError as exc:
             raise located(exc) from None
-    config = Config(built, source)
+    config = Config(built, source, tuple(warnings))
     for check in _CHECKS:
         try:
             check(config)

@@ -75,7 +75,16 @@ _HOLD_ROOM = 8  # waiting for journal room (the pending holder)
 _HOLD_INFLATE = 16  # waiting for room to inflate (the inflate holder)
 
 
-@config_section("lumberjack")
+@config_section(
+    "lumberjack",
+    retired={
+        "max_frame_bytes": "frames are read as a stream now; max_event_bytes bounds one event",
+        "max_decompressed_bytes": "inflating is bounded by the memory budget's inflate share "
+        "and max_event_bytes, not per window",
+        "max_buffered_bytes": "unfinished frames reserve from the memory budget's "
+        "connection_buffers share",
+    },
+)
 @dataclass(frozen=True)
 class LumberjackConfig:
     enabled: bool = setting(True, "Filebeat-style shippers are the most common source")

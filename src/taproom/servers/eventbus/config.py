@@ -11,7 +11,13 @@ from ...protocols.eventbus import (
 )
 
 
-@config_section("eventbus")
+@config_section(
+    "eventbus",
+    retired={
+        "collector_hwm": "the collectors are read by taproom's own ZMTP transport: "
+        "bounded in bytes by the memory budget's connection_buffers and [zmtp]"
+    },
+)
 @dataclass(frozen=True)
 class EventBusConfig:
     enabled: bool = setting(True, "the durable Clone-pattern bus")
@@ -124,12 +130,6 @@ class EventBusConfig:
         "costs less per event, and its first event waits that much longer for its commit",
         min=0.0,
         max=1000.0,
-    )
-    collector_hwm: int = setting(
-        32,
-        "unused since the collectors are taproom's own transport (bounded in bytes by the "
-        "budget's connection buffers, [zmtp]); kept so configurations that set it still load",
-        min=1,
     )
     publisher_hwm: int = setting(
         100_000,

@@ -13,7 +13,15 @@ FORWARDER_OFFSET = 10
 FORWARDER_FOLLOWS_REGISTRAR = -1
 
 
-@config_section("lager")
+@config_section(
+    "lager",
+    retired={
+        "collector_hwm": "the registrar collector is read by taproom's own ZMTP transport: "
+        "bounded in bytes by the memory budget's connection_buffers and [zmtp]",
+        "input_hwm": "the forwarder input is read by taproom's own ZMTP transport: "
+        "bounded in bytes by the memory budget's connection_buffers and [zmtp]",
+    },
+)
 @dataclass(frozen=True)
 class LagerConfig:
     enabled: bool = setting(True, "robot telemetry taps and mugs")
@@ -50,12 +58,6 @@ class LagerConfig:
         "at least max_format_bytes + max_key_bytes)",
         min=1024,
     )
-    collector_hwm: int = setting(
-        64,
-        "unused since the collector is taproom's own transport (bounded in bytes by the "
-        "budget's connection buffers, [zmtp]); kept so configurations that set it still load",
-        min=1,
-    )
     max_payload_bytes: int = setting(
         1024 * 1024,
         "one row; a data message may take this plus its frames' framing and 4 KiB of header "
@@ -79,12 +81,6 @@ class LagerConfig:
         100_000,
         "messages queued per mug before ZeroMQ drops for that slow mug only (counted by the "
         "mug through marks); 100k 5-frame rows of 32 B is ~30 MB per stuck mug",
-        min=1,
-    )
-    input_hwm: int = setting(
-        100_000,
-        "unused since the forwarder input is taproom's own transport (bounded in bytes by the "
-        "budget's connection buffers, [zmtp]); kept so configurations that set it still load",
         min=1,
     )
     mark_repeat: int = setting(
