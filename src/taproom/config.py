@@ -701,15 +701,16 @@ def load_config(
             known = ", ".join(sorted(sections))
             raise located(ConfigError(f"unknown section (known: {known})", key=name))
     warnings: list[str] = []
-    for name, cls in sections.items():
-        table = data.get(name, {})
+    for name, table in data.items():  # in the file's order, whatever order sections register in
         if not isinstance(table, dict):
             raise located(ConfigError("expected a table", key=name))
-        for key, why in _RETIRED.get(name, {}).items():
-            if key in table:
-                table = {k: v for k, v in table.items() if k != key}
-                where = located(ConfigError(f"retired, ignored: {why}", key=f"{name}.{key}"))
-                warnings.append(str(where))
+        retired = _RETIRED.get(name, {})
+        for key in [k for k in table if k in retired]:
+            where = located(ConfigError(f"retired, ignored: {retired[key]}", key=f"{name}.{key}"))
+            warnings.append(str(where))
+        data[name] = {k: v for k, v in table.items() if k not in retired}
+    for name, cls in sections.items():
+        table = data.get(name, {})
         try:
             built[name] = _build(cls, table, name)
         except ConfigError as exc:
