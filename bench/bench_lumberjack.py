@@ -64,6 +64,21 @@ def _event(i: int) -> dict[str, object]:
     }
 
 
+def _event_1k(i: int) -> dict[str, object]:
+    # ~1 KiB: issue 32's shape (a Filebeat log line with its usual fields).
+    event = _event(i)
+    event["message"] = str(event["message"]) + " lorem ipsum dolor sit amet" * 26
+    event["agent"] = {"name": "filebeat", "version": "8.15.0", "type": "filebeat"}
+    event["log"] = {"file": {"path": "/var/log/shop/access.log"}, "offset": i * 1024}
+    return event
+
+
+def _window_1k_zlib0() -> bytes:
+    """2,048 events of ~1 KiB as bare J frames (Filebeat with compression_level 0)."""
+    session = ClientSession(Version.V2, compression_level=0)
+    return session.encode_window([_event_1k(i) for i in range(WINDOW)]).data
+
+
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (Linux)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -275,6 +290,7 @@ def run(quick: bool) -> list[Figure]:
     figures: list[Figure] = []
     v2 = _window_bytes(2)
     v1 = _window_bytes(1)
+    v2_1k = _window_1k_zlib0()
     with tempfile.TemporaryDirectory(prefix="bench-lj-") as tmp:
         hub = Hub(Path(tmp))
         try:
@@ -306,6 +322,18 @@ def run(quick: bool) -> list[Figure]:
             figures.append(
                 Figure(
                     "v1 events per hub CPU-second", rate1 * seconds / max(cpu1, 1e-9), "ev/cpu-s"
+                )
+            )
+            cpu0 = _cpu_seconds(hub.proc.pid)
+            rate_1k, _ = _drive(hub.address, v2_1k, seconds)
+            cpu_1k = _cpu_seconds(hub.proc.pid) - cpu0
+            figures.append(Figure("v2 1 KiB events/s (zlib 0, bare J frames)", rate_1k, "ev/s"))
+            figures.append(
+                Figure(
+                    "v2 1 KiB zlib 0 events per hub CPU-second",
+                    rate_1k * seconds / max(cpu_1k, 1e-9),
+                    "ev/cpu-s",
+                    ">= 300000",
                 )
             )
             _, lat = _drive(hub.address, v2, seconds * 2 / 3, rate=rate2 / 2)

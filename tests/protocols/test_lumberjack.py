@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import struct
+import sys
 import zlib
 
 import orjson
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from taproom.protocols.lumberjack import (
@@ -30,9 +32,22 @@ from taproom.protocols.lumberjack import (
     seq_after,
 )
 from taproom.records import BatchBuilder, decode_batch
+from taproom.servers.lumberjack_kernel import WindowKernels
 from tests.support import fuzz_examples
 
 V1, V2 = Version.V1, Version.V2
+_ServerConnection = ServerConnection
+
+
+@pytest.fixture
+def decoder_path(zmq_path: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the compiled window kernel and with the Python decoder alone: this
+    module's ServerConnection gets the kernels a server gives it on that path (issue 32)."""
+    kernels = WindowKernels.create()
+    assert (kernels is None) == (zmq_path == "py")
+    patched = functools.partial(_ServerConnection, kernels=kernels)
+    monkeypatch.setattr(sys.modules[__name__], "ServerConnection", patched)
+    return zmq_path
 
 
 def W(size: int, v: Version = V2) -> bytes:
@@ -98,6 +113,7 @@ MIXED = b"".join(
 )
 
 
+@pytest.mark.usefixtures("decoder_path")
 class TestFraming:
     """Seed "Framing": the same windows whatever the TCP segmentation."""
 
@@ -127,12 +143,13 @@ class TestFraming:
         assert conn.buffered_bytes == 0
 
     @given(st.lists(st.integers(1, 64), max_size=40))
-    @settings(max_examples=200)
+    @settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
     def test_random_segmentation(self, chunks: list[int]) -> None:
         expected = summary(feed(ServerConnection("p"), MIXED))
         assert summary(feed(ServerConnection("p"), MIXED, chunks)) == expected
 
 
+@pytest.mark.usefixtures("decoder_path")
 class TestRecords:
     """Data frames become journal records identical to what BatchBuilder would encode."""
 
@@ -221,6 +238,7 @@ class TestRecords:
         assert orjson.loads(rec.payload) == {"k": "\ufffd\ufffd"}
 
 
+@pytest.mark.usefixtures("decoder_path")
 class TestAcks:
     """Seed "'ack' frame type": ack the highest sequence number received, never a count."""
 
@@ -339,6 +357,7 @@ MAL = [
 ]
 
 
+@pytest.mark.usefixtures("decoder_path")
 class TestMalformed:
     """Every malformed case gets its documented reason; nothing before it is lost."""
 
@@ -376,6 +395,7 @@ class TestMalformed:
         assert window.ack_seq == 1
 
 
+@pytest.mark.usefixtures("decoder_path")
 class TestStreaming:
     """Issue 24: a C frame is never whole in memory, nor what it inflates to; the glue grants
     room before events are made; a refused window hands over what it had; a resent window is

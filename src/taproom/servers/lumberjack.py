@@ -50,6 +50,7 @@ from ..protocols.lumberjack import (
     Window,
     encode_ack,
 )
+from .lumberjack_kernel import WindowKernels
 from .lumberjack_resend import Remembered, ResendMemory
 from .tlsaccept import start_server_tls, tls_refusal
 
@@ -336,6 +337,7 @@ class _Connection(asyncio.Protocol):
             limits=server.limits,
             stream_fields=cfg.stream_fields,
             topic_fields=cfg.topic_fields,
+            kernels=server.kernels,
         )
         parser.room = 0  # granted from the budget before each step
         parser.inflate_room = 0
@@ -772,6 +774,8 @@ class LumberjackServer:
         m = hub.metrics
         self.m_connections = m.connections(PROTOCOL, "lumberjack")
         self.resend = ResendMemory(config.resend_memory_events, m)
+        # Runs of J frames in C while the compiled path is selected (issue 32), else None.
+        self.kernels = WindowKernels.create()
         # TLS handshakes under way (tlsaccept: each failure is counted with its cause at once).
         self.handshaking: set[asyncio.Task[None]] = set()
         self._tls: ssl.SSLContext | None = None

@@ -75,10 +75,22 @@ void eb_emit(const char *buf, const size_t *frame_end, const size_t *first_frame
              const uint64_t *seqs, const int *items, int count, const int64_t *ts_ns,
              const char *uuids, int64_t received_ns, char *out, size_t out_cap, char *bc,
              size_t bc_cap, size_t *bc_end, size_t bc_end_cap, eb_emitted *res);
+
+typedef struct lw_paths lw_paths;
+lw_paths *lw_paths_new(int nstream, int ntopic, const int *parts, const char *text,
+                       const size_t *ends);
+void lw_paths_free(lw_paths *paths);
+typedef struct {
+    size_t pos; int events; int stop; int count; uint32_t high; size_t out_bytes;
+} lw_ran;
+void lw_run(const lw_paths *paths, const char *buf, size_t end, int version, size_t max_event,
+            const char *tail, size_t producer_len, size_t tail_len, int64_t received_ns,
+            int max_events, size_t batch_room, size_t room, char *out, size_t out_cap,
+            lw_ran *res);
 """
 
 # burst.c, then the protocol kernels kept in files of their own (one translation unit)
-SOURCES = [Path(__file__).with_name(name) for name in ("burst.c", "eventbus.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("burst.c", "eventbus.c", "lumberjack.c")]
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)

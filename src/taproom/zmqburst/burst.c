@@ -17,6 +17,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 /* ---- libzmq, resolved at run time ------------------------------------------------------- */
 
@@ -295,6 +298,23 @@ static const unsigned char tb_plain[256] = {
 /* p is just past the opening quote; returns just past the closing quote, or NULL. */
 static const unsigned char *tb_string(const unsigned char *p, const unsigned char *e) {
     for (;;) {
+#if defined(__SSE2__)
+        /* 16 bytes at a time up to the first that is not plain ASCII: a quote, a backslash,
+         * a control character, or (signed: negative) a byte of a multi-byte character */
+        while (e - p >= 16) {
+            __m128i v = _mm_loadu_si128((const __m128i *)p);
+            __m128i special = _mm_or_si128(
+                _mm_or_si128(_mm_cmpeq_epi8(v, _mm_set1_epi8('"')),
+                             _mm_cmpeq_epi8(v, _mm_set1_epi8('\\'))),
+                _mm_cmplt_epi8(v, _mm_set1_epi8(0x20)));
+            int mask = _mm_movemask_epi8(special);
+            if (mask) {
+                p += __builtin_ctz((unsigned)mask);
+                break;
+            }
+            p += 16;
+        }
+#endif
         /* the bulk of a string: one table look-up a byte */
         while (e - p >= 4 && tb_plain[p[0]] && tb_plain[p[1]] && tb_plain[p[2]] && tb_plain[p[3]])
             p += 4;

@@ -28,6 +28,11 @@ connections from the same sender: a resent window whose first events match them 
 (already stored) and acknowledges them, so a refused or cut-off window is stored once across
 resends even by a sender that never saw the partial ack. Decisions on the seed's ambiguities
 are in ``docs/protocols/lumberjack.md``.
+
+Given ``kernels`` (the compiled window kernel, ``taproom.servers.lumberjack_kernel``; None is
+the pure-Python path), runs of ``J`` frames are recorded in C: the kernel takes only frames this
+module's own path would store, writes the same records, and stops before any other, which this
+module then handles as without it (issue 32).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -108,6 +113,7 @@ class Window:
 _REC_HEAD = RECORD_HEAD
 _REC_AFTER_LEN = RECORD_HEAD_AFTER_LEN
 _SEQ_IN_HEAD = struct.Struct("<Q")  # at offset 20 of the head: after rest, received_ns, ts_ns
+_U32LE = struct.Struct("<I")  # the head's first field (the rest's length); payload length at 42
 _MAX_NAME_CHARS = 255  # a stream/topic value longer than this is not a name: ignored
 
 _CT_KV = b"kv"
@@ -134,10 +140,63 @@ class ResendMemory(Protocol):
     def get(self, first: int, /) -> Sequence[int] | None: ...
 
 
+class WindowKernel(Protocol):
+    """The compiled window kernel of one set of paths (``lumberjack_kernel.PathKernel``)."""
+
+    def run(
+        self,
+        view: bytes,
+        pos: int,
+        end: int,
+        version: int,
+        max_event: int,
+        tail: bytes,
+        producer_len: int,
+        received_ns: int,
+        max_events: int,
+        batch_room: int,
+        room: int,
+        count: int,
+        high: int,
+    ) -> Any: ...
+
+    def records(self) -> bytes: ...
+
+    def fit(self, max_event: int, tail_len: int) -> None: ...
+
+
+class WindowKernels(Protocol):
+    """What the glue gives a connection: kernels by paths (``lumberjack_kernel``)."""
+
+    def for_paths(
+        self, stream_fields: Sequence[str], topic_fields: Sequence[str]
+    ) -> WindowKernel | None: ...
+
+
+# lw_run's stops after which the frame at its position is Python's (the others: call again)
+_KERNEL_HANDS_OVER = frozenset({0, 1, 2, 3})
+
+
 def fingerprint(seq: int, payload: bytes) -> int:
     """What identifies an event in a resent window: its sequence number and its bytes (a
     resending sender numbers and encodes the window as before)."""
     return hash((seq, payload))
+
+
+def _fingerprints(body: bytes) -> tuple[int, ...]:
+    """The fingerprint of every record of a batch body, read from the records (each ends with
+    its payload; the sequence number is in the head)."""
+    unpack_len = _U32LE.unpack_from
+    unpack_seq = _SEQ_IN_HEAD.unpack_from
+    view = memoryview(body)  # hashes as the bytes it shows, without a copy
+    found = []
+    pos, end = 0, len(body)
+    while pos < end:
+        stop = pos + 4 + unpack_len(body, pos)[0]
+        size = unpack_len(body, pos + 42)[0]
+        found.append(hash((unpack_seq(body, pos + 20)[0], view[stop - size : stop])))
+        pos = stop
+    return tuple(found)
 
 
 def _compile_paths(paths: Sequence[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
@@ -170,6 +229,8 @@ class ServerConnection:
         "_in_window",
         "_inflated",
         "_json_cache",
+        "_kernel",
+        "_kernel_tail",
         "_kv_cache",
         "_levels",
         "_limits",
@@ -184,6 +245,7 @@ class ServerConnection:
         "_producer",
         "_pushed",
         "_received_ns",
+        "_records",
         "_skipped",
         "_stream_keys",
         "_stream_paths",
@@ -208,6 +270,7 @@ class ServerConnection:
         limits: Limits | None = None,
         stream_fields: Sequence[str] = ("fields.app", "beat.name", "agent.name"),
         topic_fields: Sequence[str] = ("type", "fields.type"),
+        kernels: WindowKernels | None = None,
     ) -> None:
         self._limits = limits or Limits()
         self._producer = producer.encode("utf-8", "replace")[:65535]
@@ -215,7 +278,9 @@ class ServerConnection:
         self._topic_paths = _compile_paths(topic_fields)
         self._stream_keys = tuple(p for p in stream_fields if p)
         self._topic_keys = tuple(p for p in topic_fields if p)
-        self._buf = bytearray()  # raw bytes not in a C frame (an incomplete frame, or after one)
+        # Raw bytes not in a C frame (an incomplete frame, or after one): a read's bytes as they
+        # came (parsed in place), or a bytearray while a large frame grows.
+        self._buf: bytes | bytearray = b""
         self._need = 0  # bytes the incomplete frame at the top needs, as far as known
         self._more = False  # complete frames (or inflatable bytes) left for the next call
         self._pushed = False  # _parse stopped at a C frame's header: parse inside it
@@ -229,8 +294,15 @@ class ServerConnection:
         # boundaries even after an idle flush acknowledged part of one.
         self._in_window = 0
         self._high = 0
-        self._parts: list[bytes | bytearray] = []
+        self._parts: list[bytes | bytearray] = []  # records of the open batch, in pieces
+        self._records = 0  # how many
         self._nbytes = 0  # journal bytes of the open batch (self._parts)
+        # The compiled window kernel, when the glue gives one (taproom.servers.lumberjack_kernel)
+        # and it fits the paths: it takes runs of J frames it is certain of, Python the rest.
+        self._kernel = kernels.for_paths(stream_fields, topic_fields) if kernels else None
+        if self._kernel is not None:
+            self._kernel.fit(self._limits.max_event_bytes, len(self._producer) + 9)
+        self._kernel_tail = {v: self._producer + attrs for v, attrs in _ATTRS.items()}
         self._received_ns = 0
         self._events: list[Window] = []
         self._json_cache: dict[tuple[int, str, str], tuple[bytes, int, int, int]] = {}
@@ -340,7 +412,7 @@ class ServerConnection:
                 # before the close, so the sender resends only the rest.
                 self._close_window("refused")
             exc.windows = events
-            self._buf = bytearray()
+            self._buf = b""
             self._levels = []
             raise
         finally:
@@ -399,7 +471,18 @@ class ServerConnection:
             if len(data) <= n:
                 return
             data = data[n:]
-        self._buf += data
+        buf = self._buf
+        if not buf:
+            self._buf = data if type(data) is bytes else bytes(data)  # parsed where it is
+        elif type(buf) is bytes and len(buf) <= len(data):
+            # The start of a frame and a read at least as large: one copy (the buffer doubles
+            # at least, so a frame arriving in pieces is copied a bounded number of times).
+            self._buf = buf + data
+        else:
+            if type(buf) is bytes:
+                buf = bytearray(buf)
+            buf += data
+            self._buf = buf
 
     def _run(self) -> None:
         """Parse and inflate until more input, more room or the next call is needed."""
@@ -410,12 +493,12 @@ class ServerConnection:
                 buf = self._buf
                 if not buf or len(buf) < self._need or self._more:
                     return
-                # One copy per completed frame run; parsing bytes (not a memoryview) is
-                # markedly faster for the many small slices of D and J frames.
-                data = bytes(buf)
+                # Parsed as bytes (not a memoryview: markedly faster for the many small slices
+                # of D and J frames); a read's own bytes are parsed without a copy.
+                data = buf if type(buf) is bytes else bytes(buf)
                 self._pushed = False
                 pos = self._parse(data, 0, len(data), 0)
-                self._buf = bytearray(data[pos:]) if pos < len(data) else bytearray()
+                self._buf = data[pos:] if pos < len(data) else b""
                 if not self._pushed:
                     if not self._buf:
                         self._need = 0
@@ -551,12 +634,61 @@ class ServerConnection:
         ver1, ver2, t_json = _VER1, _VER2, _T_J
         max_name, rec_size, rec_after = _MAX_NAME_CHARS, _REC_HEAD.size, _REC_AFTER_LEN
         mask, half, json_error = SEQ_MASK, _HALF, _JSONDecodeError
+        kernel = self._kernel
+        python_at = -1  # the frame the kernel stopped before: Python's
         while end - pos >= 2:
             version = view[pos]
             ftype = view[pos + 1]
             if version != ver2 and version != ver1:
                 raise LumberjackError(f"unknown version byte {version:#04x}", reason="bad_version")
             if ftype == t_json:
+                if (
+                    kernel is not None
+                    and pos != python_at
+                    and not self._matching
+                    and not (depth and self._in_c_window_done)
+                ):
+                    # A run of J frames in C (lumberjack.c); what follows it is handled below.
+                    target = self._window_size or max_window
+                    res = kernel.run(
+                        view,
+                        pos,
+                        end,
+                        version,
+                        max_event,
+                        self._kernel_tail[version],
+                        producer_len,
+                        received_ns,
+                        target - self._in_window,
+                        max_batch - self._nbytes,
+                        self.room,
+                        self._count,
+                        self._high,
+                    )
+                    taken = res.events
+                    if res.stop in _KERNEL_HANDS_OVER:
+                        python_at = res.pos
+                    if taken:
+                        size = res.out_bytes
+                        parts.append(kernel.records())
+                        self._records += taken
+                        self.room -= size
+                        self._nbytes += size
+                        self._version = version
+                        self._count = res.count
+                        self._high = res.high
+                        pos = res.pos
+                        in_window = self._in_window + taken
+                        if in_window >= target:
+                            self._in_window = 0
+                            self._close_window("done")
+                            if depth:
+                                self._in_c_window_done = self._window_size > 0
+                        else:
+                            self._in_window = in_window
+                            if self._nbytes >= max_batch:
+                                self._close_window("part")
+                        continue
                 if end - pos < 10:
                     self._need = 10
                     return pos
@@ -644,6 +776,7 @@ class ServerConnection:
                     mid,
                     payload,
                 )
+                self._records += 1
                 self._nbytes += size
                 count = self._count
                 if count:
@@ -895,6 +1028,7 @@ class ServerConnection:
                 mid,
                 payload,
             )
+            self._records += 1
             self._nbytes += size
             count = self._count
             if count:
@@ -935,17 +1069,14 @@ class ServerConnection:
         (``max_batch_bytes``, or waiting for room, inside a window), ``flush`` (idle or end of
         input) or ``refused`` (the window is being refused after these events)."""
         parts = self._parts
-        batch = EncodedBatch(len(parts) // 3, b"".join(parts) if parts else b"", _KINDS)
+        batch = EncodedBatch(self._records, b"".join(parts) if parts else b"", _KINDS)
         version = self._version
         done = kind == "done" or (kind == "flush" and not self._window_size)
         fingerprints: tuple[int, ...] = ()
         if not done:
-            unpack = _SEQ_IN_HEAD.unpack_from
-            fingerprints = tuple(
-                fingerprint(unpack(parts[i], 20)[0], parts[i + 2])  # type: ignore[arg-type]
-                for i in range(0, len(parts), 3)
-            )
+            fingerprints = _fingerprints(batch.body)
         parts.clear()  # in place: _parse holds a reference to this list
+        self._records = 0
         self._nbytes = 0
         self.events_total += batch.count
         skipped = tuple(self._skipped)
