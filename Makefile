@@ -52,8 +52,13 @@ lint: $(STAMP_ALL)
 typecheck: $(STAMP_ALL)
 	$(BIN)/mypy
 
+# The suite on parallel workers (pytest-xdist): most tests wait on sockets, disks and child
+# processes, not on a core, so more workers than cores (measured: docs/testing.md). Tests that
+# share something costly run on one worker as a group (tests/conftest.py); one test alone,
+# serially: `.venv/bin/python -m pytest tests/x.py::test_y`, or `make unit TEST_WORKERS=0`.
+TEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
 unit: $(STAMP_ALL) $(PEERS) browser
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # A wheel, built as pip builds one, must carry the compiled ZeroMQ burst module (setup.py).
 wheel: $(STAMP_ALL)

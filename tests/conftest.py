@@ -1,13 +1,17 @@
 """Settings for the whole suite: hypothesis profiles, the SOAK switch, the journal's check of
-declared kinds, and the ZeroMQ path (compiled or pure Python) fixture."""
+declared kinds, the ZeroMQ path (compiled or pure Python) fixture, and how tests are spread
+over parallel workers (tests/scheduling.py)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from tests import scheduling
 
 settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
@@ -44,3 +48,26 @@ def zmq_path(request: pytest.FixtureRequest) -> Iterator[str]:
             os.environ.pop("TAPROOM_NO_EXT", None)
         else:
             os.environ["TAPROOM_NO_EXT"] = saved
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    scheduling.order(items)
+    scheduling.record_groups(config, items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist, on the controller: tell each worker where to write its groups."""
+    node.workerinput[scheduling.GROUPS_DIR] = scheduling.groups_dir(node.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    return scheduling.make_scheduler(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    scheduling.remove_groups_dir(config)

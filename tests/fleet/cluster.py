@@ -6,9 +6,9 @@ One master and ``workers`` workers, each a JVM of its own (``spark-class ...Mast
 workers, each with its own Python workers. Everything binds 127.0.0.1 and lives in a work
 directory the test owns.
 
-The JVMs run with the client compiler only (``-XX:TieredStopAtLevel=1``) and the serial
-collector: on a small shared machine that halves their start-up time, which dominates jobs
-this short. A real cluster leaves both at their defaults.
+The JVMs run with the client compiler only and the serial collector (``FAST_JVM``): on a small
+shared machine that halves their start-up time, which dominates jobs this short. A real cluster
+leaves both at their defaults.
 """
 
 from __future__ import annotations
@@ -25,12 +25,11 @@ from pathlib import Path
 
 import pyspark
 
-from tests.support import descendants, free_port
+from tests.support import FAST_JVM, descendants, free_port
 
 __all__ = ["SPARK_HOME", "SparkCluster", "descendants"]
 
 SPARK_HOME = Path(pyspark.__file__).parent
-_FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 
 def _python_driver(pid: int) -> int | None:
@@ -93,7 +92,7 @@ class SparkCluster:
             "SPARK_LOCAL_IP": "127.0.0.1",
             "SPARK_LOG_DIR": str(work / "logs"),
             "SPARK_LOCAL_DIRS": str(work / "local"),
-            "SPARK_DAEMON_JAVA_OPTS": _FAST_JVM,
+            "SPARK_DAEMON_JAVA_OPTS": FAST_JVM,
             "PYSPARK_PYTHON": sys.executable,
         }
 
@@ -180,11 +179,11 @@ class SparkCluster:
             "spark.ui.enabled": "false",
             "spark.pyspark.python": sys.executable,
             "spark.pyspark.driver.python": sys.executable,
-            "spark.executor.extraJavaOptions": _FAST_JVM,
+            "spark.executor.extraJavaOptions": FAST_JVM,
             "spark.sql.shuffle.partitions": "2",
         }
         command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", self.url]
-        command += ["--driver-java-options", _FAST_JVM]
+        command += ["--driver-java-options", FAST_JVM]
         for key, value in conf.items():
             command += ["--conf", f"{key}={value}"]
         command += [driver.__file__, *args]

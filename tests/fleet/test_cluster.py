@@ -37,7 +37,7 @@ from .feed import LOGJAM, logjam_requests, send_logjam_events
 
 # A dozen JVMs and Pythons on a shared 2-core machine: minutes under load, past the suite's
 # per-test timeout (the waits inside have deadlines of their own).
-pytestmark = [pytest.mark.spark, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(900)]
 
 HUBS = 3
 STREAM_TABLES = ("requests", "logs")

@@ -15,6 +15,8 @@ pytest.importorskip(
     "pyspark", reason="the Spark tests need the spark extra (make test installs it)"
 )
 
+from tests.support import FAST_JVM
+
 from .generate import GeneratedEvent, generate_events, write_journal
 
 
@@ -34,7 +36,7 @@ def spark() -> Iterator[Any]:
         .appName("taproom-tests")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.ui.enabled", "false")
-        .config("spark.driver.extraJavaOptions", "-Dlog4j2.level=ERROR")
+        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.level=ERROR {FAST_JVM}")
     )
     for key, value in SESSION_CONF.items():
         builder = builder.config(key, value)

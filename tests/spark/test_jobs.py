@@ -18,7 +18,7 @@ import pytest
 
 from taproom.spark.jobs.report import report_text
 from taproom.spark.jobs.rollup import day_range, run_rollup
-from tests.support import descendants
+from tests.support import FAST_JVM, descendants
 
 from .generate import (
     BASE_NS,
@@ -170,7 +170,13 @@ TABLES = ("requests",)
 
 
 def _stream(journal: Path, out: Path, checkpoint: Path) -> subprocess.Popen[bytes]:
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, TZ="UTC")
+    env = dict(
+        os.environ,
+        PYSPARK_PYTHON=sys.executable,
+        TZ="UTC",
+        # The driver's JVM, started by pyspark for the CLI's session: see FAST_JVM.
+        PYSPARK_SUBMIT_ARGS=f"--driver-java-options '{FAST_JVM}' pyspark-shell",
+    )
     log = open(checkpoint.parent / "stream.log", "ab")  # noqa: SIM115 (the child owns it)
     return subprocess.Popen(
         [
@@ -253,6 +259,7 @@ def _append(journal: Path, events: list[GeneratedEvent]) -> None:
 
 # Three stream jobs (each a JVM) and a batch job: past the suite's 300 s on a loaded machine
 # (at load 10 it was still in the final batch job then); the waits have deadlines of their own.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_stream_exactly_once_across_stop_and_sigkill(spark: Any, tmp_path: Path) -> None:
     events = generate_events(600, seed=21, minute_span=15, in_order=True)

@@ -1,0 +1,120 @@
+"""How the suite is spread over pytest-xdist workers (`make unit`: ``-n N --dist loadgroup``).
+
+Each test goes to the next free worker, except that tests sharing something costly go to one
+worker as a unit, in file order (a group; docs/testing.md):
+
+* tests using the ``spark`` session fixture (one local JVM): the group ``spark``, so one JVM
+  serves them all, except those marked ``slow``, which run beside it with a session of their
+  own;
+* other tests using a fixture of module or class scope (a hub, a browser, a Spark cluster set
+  up once for the module): grouped by module, so it is set up once and its tests keep their
+  order (the probe's last test checks what the others left);
+* tests with an ``xdist_group`` mark written by hand: that group.
+
+Tests marked ``slow`` are sent first, then the ``spark`` group, then the rest, so the longest
+units never start last and hold the run open while the other workers are idle.
+
+xdist's own loadgroup finds its groups by renaming each test's node id, which pytest 9.2 no
+longer allows (node ids became structured values): with it every test ran alone, module
+fixtures were set up once per worker, and the probe's tests were split across hubs. Here each
+worker writes the groups it computed while collecting to a file in a directory the controller
+names (``workerinput``); the controller's scheduler, xdist's load-scope scheduling, reads it
+and sends each group as one unit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = ["GROUPS_DIR", "group_of", "make_scheduler", "order", "record_groups"]
+
+# The workerinput key naming the directory where workers write their groups.
+GROUPS_DIR = "taproom_groups_dir"
+
+
+def _uses_fixture_of_scope(item: pytest.Item, scopes: tuple[str, ...]) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(d.scope in scopes for defs in info.name2fixturedefs.values() for d in defs)
+
+
+def group_of(item: pytest.Item) -> str | None:
+    """The group ``item`` runs in, or None when it may run on any worker alone."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+    if "spark" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slow"):
+        return "spark"
+    if _uses_fixture_of_scope(item, ("module", "class", "package")):
+        return item.nodeid.split("::", 1)[0]
+    return None
+
+
+def order(items: list[pytest.Item]) -> None:
+    """Slow tests first, then the ``spark`` group, then the rest; file order within each (a
+    stable sort). Units are sent in the order their first test comes (no reordering by size:
+    `make unit` passes ``--no-loadscope-reorder``)."""
+
+    def rank(item: pytest.Item) -> int:
+        if item.get_closest_marker("slow"):
+            return 0
+        return 1 if group_of(item) == "spark" else 2
+
+    items.sort(key=rank)
+
+
+def record_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a worker: write {node id: group} where the controller's scheduler reads it."""
+    workerinput = getattr(config, "workerinput", None)
+    if not workerinput or GROUPS_DIR not in workerinput:
+        return
+    groups = {item.nodeid: group for item in items if (group := group_of(item)) is not None}
+    path = Path(workerinput[GROUPS_DIR]) / f"{workerinput['workerid']}.json"
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(groups))
+    os.replace(partial, path)  # whole or absent: the controller reads it after collection
+
+
+def groups_dir(config: pytest.Config) -> str:
+    """On the controller: the directory workers write their groups to (made once)."""
+    key = "_taproom_groups_dir"
+    if not hasattr(config, key):
+        setattr(config, key, tempfile.mkdtemp(prefix="taproom-xdist-groups-"))
+    return str(getattr(config, key))
+
+
+def remove_groups_dir(config: pytest.Config) -> None:
+    path = getattr(config, "_taproom_groups_dir", None)
+    if path is not None:
+        for name in os.listdir(path):
+            os.unlink(os.path.join(path, name))
+        os.rmdir(path)
+
+
+def make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's load-scope scheduling, where a test's scope is its group (or itself)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    directory = groups_dir(config)
+
+    class GroupScheduling(LoadScopeScheduling):
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                # Called once every worker has collected (and so written its file); the
+                # workers collected the same tests (xdist checks), so any file will do.
+                self._groups = {}
+                for name in sorted(os.listdir(directory)):
+                    if name.endswith(".json"):
+                        self._groups.update(json.loads(Path(directory, name).read_text()))
+            return self._groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
