@@ -578,7 +578,7 @@ class ServerConnection:
         try:
             chunk = memoryview(level.inbuf)[level.inpos : level.inpos + INFLATE_IN]
             piece = level.decomp.decompress(chunk, want)
-        except Exception as exc:  # zlib.error
+        except Exception as exc:  # zlib_ng.error
             raise LumberjackError(
                 f"C payload is not zlib: {exc}", reason="bad_compressed"
             ) from None

@@ -9,7 +9,7 @@ or compressed bytes of a nested frame).
 
 from __future__ import annotations
 
-import zlib
+from zlib_ng import zlib_ng
 
 __all__ = ["INFLATE_IN", "INFLATE_MIN", "INFLATE_STEP", "Level"]
 
@@ -21,6 +21,10 @@ INFLATE_STEP = 1024 * 1024
 # With less inflate room than this left, a connection waits for more rather than inflating
 # slivers (each call costs ~10 us besides its output).
 INFLATE_MIN = 64 * 1024
+# zlib-ng, not the standard library's zlib: the same streams and the same Decompress API
+# (max_length, unconsumed_tail, eof), and it inflates ~1.8 times as fast here (issue 32: an
+# 85 MB window of large events, 0.48 -> 0.26 s of CPU; inflating was half of the hub's CPU).
+#
 # Compressed input given to one zlib call: zlib hands back what it did not consume as a copy
 # (``unconsumed_tail``), so a whole frame given at once would be copied again at every step.
 INFLATE_IN = 256 * 1024
@@ -38,7 +42,7 @@ class Level:
         return len(self.inbuf) - self.inpos
 
     def __init__(self, length: int) -> None:
-        self.decomp = zlib.decompressobj()
+        self.decomp = zlib_ng.decompressobj()
         self.remaining = length
         self.inbuf: bytes | bytearray = b""
         self.inpos = 0  # how much of inbuf zlib has consumed
