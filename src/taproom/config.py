@@ -61,6 +61,7 @@ SECTION_MODULES = (
     "taproom.servers.lager",
     "taproom.budget",  # no section: its check that the holders fit in memory_budget_bytes
     "taproom.servers.zmtp",
+    "taproom.spark.settings",
 )
 
 _SECTIONS: dict[str, type] = {}
@@ -412,6 +413,26 @@ class ConsoleConfig:
         min=64 * 1024,
     )
     max_rows: int = setting(10_000, "rows one /api/ answer may hold", min=100)
+    hubs: Mapping[str, str] = setting(
+        None,
+        "journal id -> web address (host:port) of the fleet's other hubs: the Request page reads "
+        "a request stored on another hub from that hub (none: this hub's journal only)",
+        factory=dict,
+    )
+    hubs_token: str = setting(
+        "", "[web] token of the hubs in `hubs` (empty: this hub's own token; a fleet shares one)"
+    )
+    hub_timeout_s: float = setting(
+        10.0, "a fleet hub that has not answered a request lookup within this is unavailable",
+        min=0.1, max=300,
+    )  # fmt: skip
+    find_dates: int = setting(
+        31,
+        "dates a request-id search reads (newest first) when the id carries no time (not a "
+        "version 1 UUID) and no date is given; each costs one row group per index file",
+        min=1,
+        max=3660,
+    )
 
 
 class Config:

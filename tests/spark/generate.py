@@ -29,9 +29,12 @@ __all__ = [
     "BASE_NS",
     "GeneratedEvent",
     "generate_events",
+    "reference_exception_samples",
     "reference_exceptions",
     "reference_logs",
     "reference_requests",
+    "reference_samples",
+    "request_rows",
     "write_damaged_journal",
     "write_journal",
 ]
@@ -99,6 +102,8 @@ def _request(rng: random.Random, minute_span: int, received_ns: int | None) -> d
     if rng.random() < 0.1:
         doc["exceptions"] = rng.sample(EXCEPTIONS, rng.randint(1, 2))
     doc["request_id"] = f"{rng.getrandbits(64):016x}"
+    if rng.random() < 0.9:
+        doc["host"] = f"web-{rng.randint(1, 3)}"
     return doc
 
 
@@ -240,7 +245,9 @@ def _is_request(e: GeneratedEvent) -> bool:
 
 
 def request_rows(events: list[GeneratedEvent]) -> Iterator[dict[str, Any]]:
-    for e in events:
+    """One dict per request; ``offset`` is the event's index (``events`` written in order to a
+    new journal: the journal's offsets)."""
+    for offset, e in enumerate(events):
         if not _is_request(e):
             continue
         doc = _parsed(e)
@@ -273,6 +280,10 @@ def request_rows(events: list[GeneratedEvent]) -> Iterator[dict[str, Any]]:
             "code": int(doc.get("code", 500)),
             "severity": int(severity),
             "exceptions": list(doc.get("exceptions") or []),
+            "started": started.astimezone(dt.UTC).replace(tzinfo=None),
+            "request_id": doc.get("request_id"),
+            "host": doc.get("host"),
+            "offset": offset,
         }
 
 
@@ -324,6 +335,43 @@ def reference_exceptions(events: list[GeneratedEvent]) -> dict[tuple[Any, ...], 
         for name in row["exceptions"]:
             counts[(*key, name)] += 1
     return dict(counts)
+
+
+def reference_exception_samples(
+    events: list[GeneratedEvent], samples: int
+) -> dict[tuple[Any, ...], list[int]]:
+    """Per exception row key: the offsets of the first ``samples`` requests that raised it."""
+    out: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for row in request_rows(events):
+        key = tuple(row[k] for k in ("minute", "app", "env", "action", "module", "frontend"))
+        for name in dict.fromkeys(row["exceptions"]):
+            if len(out[(*key, name)]) < samples:
+                out[(*key, name)].append(row["offset"])
+    return dict(out)
+
+
+def reference_samples(
+    events: list[GeneratedEvent], slow: int, failed: int
+) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Per (minute, app, env, action, module, frontend): the offsets of the ``slow`` slowest
+    requests (ties: the later offset), of the first ``failed`` failed ones by start time (ties:
+    the earlier offset), and how many failed."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for row in request_rows(events):
+        key = tuple(row[k] for k in ("minute", "app", "env", "action", "module", "frontend"))
+        groups[key].append(row)
+    out = {}
+    for key, rows in groups.items():
+        by_time = sorted(rows, key=lambda r: (r["total_time"], r["offset"]), reverse=True)
+        bad = [r for r in rows if r["code"] >= 500 or r["severity"] >= 3 or bool(r["exceptions"])]
+        first = sorted(bad, key=lambda r: (r["started"], r["offset"]))
+        out[key] = {
+            "slow": {r["offset"] for r in by_time[:slow]},
+            "failed": {r["offset"] for r in first[:failed]},
+            "failed_count": len(bad),
+            "rows": {r["offset"]: r for r in rows},
+        }
+    return out
 
 
 _LEVELS = {"0": "debug", "1": "info", "2": "warn", "3": "error", "4": "fatal", "5": "unknown"}

@@ -9,7 +9,13 @@ import pytest
 
 from taproom.spark import transforms as T
 
-from .generate import reference_exceptions, reference_logs, reference_requests
+from .generate import (
+    reference_exception_samples,
+    reference_exceptions,
+    reference_logs,
+    reference_requests,
+    reference_samples,
+)
 
 pytestmark = pytest.mark.spark
 
@@ -182,9 +188,72 @@ def test_a_request_time_the_journal_cannot_hold_falls_back_to_ts_then_receive_ti
 
 def test_exception_rollup_matches_reference(events_df: Any, logjam_events: Any) -> None:
     expected = reference_exceptions(logjam_events)
-    rows = events_df.transform(T.logjam_requests).transform(T.exception_rollup).collect()
+    samples = reference_exception_samples(logjam_events, 2)
+    rows = events_df.transform(T.logjam_requests).transform(T.exception_rollup, samples=2).collect()
     got = {(*(r[k] for k in KEY), r["exception"]): r["count"] for r in rows}
     assert expected and got == expected
+    # Each class's first requests (journal order), pointing back into the journal.
+    got_samples = {(*(r[k] for k in KEY), r["exception"]): r["samples"] for r in rows}
+    by_offset = {e["offset"]: e for e in events_df.select("offset", "payload").collect()}
+    assert max(len(v) for v in samples.values()) == 2  # the bound was reached somewhere
+    for key, offsets in samples.items():
+        refs = got_samples[key]
+        assert [ref["offset"] for ref in refs] == offsets, key
+        for ref in refs:
+            assert (
+                ref["journal"] and ref["request_id"] in bytes(by_offset[ref["offset"]][1]).decode()
+            )
+
+
+def test_request_samples_keep_the_slowest_and_the_failed(
+    events_df: Any, logjam_events: Any
+) -> None:
+    """Per minute and action: the N slowest, the first M failed (by start), each request once
+    with its key fields and its place in the journal; failed_count counts every failed one."""
+    slow, failed = 2, 1
+    expected = reference_samples(logjam_events, slow, failed)
+    rows = (
+        events_df.transform(T.logjam_requests)
+        .transform(T.request_samples, slow=slow, failed=failed)
+        .collect()
+    )
+    journal = events_df.select("journal").first()[0]
+    got: dict[tuple[Any, ...], list[Any]] = {}
+    for r in rows:
+        got.setdefault(tuple(r[k] for k in KEY), []).append(r)
+    assert set(got) == set(expected)
+    assert any(e["failed_count"] > failed for e in expected.values())  # the bound was hit
+    assert any(len(e["rows"]) > slow for e in expected.values())
+    for key, want in expected.items():
+        kept = got[key]
+        offsets = [r["offset"] for r in kept]
+        assert len(offsets) == len(set(offsets)), key  # a request slow and failed: one row
+        assert {r["offset"] for r in kept if r["slow"]} == want["slow"], key
+        failed_first = want["failed"]
+        assert set(offsets) == want["slow"] | failed_first, key
+        for r in kept:
+            ref = want["rows"][r["offset"]]
+            is_failed = ref["code"] >= 500 or ref["severity"] >= 3 or bool(ref["exceptions"])
+            assert r["failed"] == is_failed, key
+            assert r["failed_count"] == want["failed_count"]
+            assert r["journal"] == journal and r["date"] == key[0].strftime("%Y-%m-%d")
+            for name in ("code", "total_time", "severity", "exceptions", "request_id", "host"):
+                assert r[name] == ref[name], (key, name)
+            assert abs((r["started"] - ref["started"]).total_seconds()) < 1e-5
+
+
+def test_request_index_maps_every_request_id(events_df: Any, logjam_events: Any) -> None:
+    from .generate import request_rows
+
+    rows = events_df.transform(T.logjam_requests).transform(T.request_index).collect()
+    expected = {
+        (r["request_id"], r["offset"], r["minute"])
+        for r in request_rows(logjam_events)
+        if r["request_id"]
+    }
+    assert len(expected) > 2000
+    assert {(r["request_id"], r["offset"], r["minute"]) for r in rows} == expected
+    assert len(rows) == len(expected)
 
 
 def test_log_rollup_matches_reference(events_df: Any, logjam_events: Any) -> None:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 import time
 from typing import Any
 
 __all__ = ["register_commands"]
+
+# The jobs' TABLES (spelled out here: importing the jobs would import pyspark).
+ALL_TABLES = "requests,exceptions,logs,request_samples,request_ids"
 
 
 def _when(text: str) -> dt.datetime:
@@ -42,10 +46,31 @@ def _journals(args: argparse.Namespace, required: bool = True) -> Any:
     return SourceSpec(tuple(args.journal or ()), tuple(args.hub or ()))
 
 
+def _settings(args: argparse.Namespace) -> Any:
+    """The ``[spark]`` section of ``--config`` (defaults without one)."""
+    from ..config import load_config
+    from ..errors import ConfigError
+
+    try:
+        return load_config(args.config).section("spark")
+    except ConfigError as exc:
+        raise SystemExit(f"taproom spark: config error: {exc}") from None
+
+
+def _tables(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    tables = tuple(t for t in text.split(",") if t)
+    unknown = sorted(set(tables) - set(known))
+    if unknown:
+        raise SystemExit(f"taproom spark: unknown tables {unknown}; known: {', '.join(known)}")
+    return tables
+
+
 def cmd_rollup(args: argparse.Namespace) -> int:
-    from .jobs.rollup import run_rollup
+    from .jobs.rollup import TABLES, run_rollup
 
     journals = _journals(args)
+    settings = _settings(args)
+    tables = _tables(args.tables, TABLES)
     spark = _session(args, "rollup")
     started = time.monotonic()
     cache: str | bool = False if args.no_cache else (args.cache or True)
@@ -57,6 +82,8 @@ def cmd_rollup(args: argparse.Namespace) -> int:
         args.until,
         progress=not args.quiet,
         cache=cache,
+        tables=tables,
+        settings=settings,
     )
     print(
         f"rollup: wrote {args.out} in {time.monotonic() - started:.1f}s "
@@ -68,9 +95,11 @@ def cmd_rollup(args: argparse.Namespace) -> int:
 
 
 def cmd_stream(args: argparse.Namespace) -> int:
-    from .jobs.stream import run_stream
+    from .jobs.stream import TABLES, run_stream
 
     journals = _journals(args)
+    settings = _settings(args)
+    tables = _tables(args.tables, TABLES)
     spark = _session(args, "stream", args.shuffle_partitions)
     return run_stream(
         spark,
@@ -81,9 +110,10 @@ def cmd_stream(args: argparse.Namespace) -> int:
         trigger_seconds=args.trigger_seconds,
         available_now=args.available_now,
         max_records=args.max_records_per_trigger,
-        tables=tuple(t for t in args.tables.split(",") if t),
+        tables=tables,
         cursor=args.cursor or None,
         retry_seconds=args.retry_seconds,
+        settings=settings,
     )
 
 
@@ -116,6 +146,16 @@ def register_commands(subparsers: Any) -> None:
             "--master", metavar="URL", help="Spark master (default local[2]; spark-submit's)"
         )
 
+    def config(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--config",
+            "-c",
+            metavar="PATH",
+            default=os.environ.get("TAPROOM_CONFIG"),
+            help="TOML configuration for the [spark] section (default: embedded defaults; env "
+            "TAPROOM_CONFIG)",
+        )
+
     def journals(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--journal", action="append", metavar="DIR", help="journal directory (repeatable)"
@@ -140,6 +180,12 @@ def register_commands(subparsers: Any) -> None:
         help="parsed-segment cache (default OUT/_cache; none when OUT is a URL)",
     )
     p.add_argument("--no-cache", action="store_true", help="parse every segment, keep nothing")
+    p.add_argument(
+        "--tables",
+        default=ALL_TABLES,
+        help="comma-separated tables to write (default: all)",
+    )
+    config(p)
     common(p)
     p.set_defaults(func=cmd_rollup)
 
@@ -153,9 +199,10 @@ def register_commands(subparsers: Any) -> None:
     p.add_argument("--max-records-per-trigger", type=int, metavar="N")
     p.add_argument(
         "--tables",
-        default="requests,exceptions,logs",
-        help="comma-separated tables to maintain (one query and checkpoint each)",
+        default=ALL_TABLES,
+        help="comma-separated tables to maintain (one query and checkpoint each; default: all)",
     )
+    config(p)
     p.add_argument(
         "--shuffle-partitions",
         type=int,

@@ -20,6 +20,14 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from .logjamdoc import (
+    LOGJAM_CALL_RESOURCES,
+    LOGJAM_FRONTEND_RESOURCES,
+    LOGJAM_MEMORY_RESOURCES,
+    LOGJAM_RESOURCES,
+    LOGJAM_TIME_RESOURCES,
+)
+
 __all__ = [
     "EVENT_PAYLOAD_SCHEMA",
     "EVENT_SCHEMA",
@@ -34,9 +42,13 @@ __all__ = [
     "LOGJAM_TIME_RESOURCES",
     "LOG_ROLLUP_SCHEMA",
     "PARSED_EVENT_SCHEMA",
+    "REQUEST_ID_SCHEMA",
     "REQUEST_ROLLUP_SCHEMA",
+    "REQUEST_SAMPLE_SCHEMA",
     "RESOURCES_SCHEMA",
+    "SAMPLE_REF_TYPE",
     "TELEMETRY_ROLLUP_SCHEMA",
+    "TIMES_SCHEMA",
 ]
 
 # One row per journal record (records.Record), plus the journal it came from: offsets are
@@ -59,45 +71,9 @@ EVENT_SCHEMA = StructType(
     ]
 )
 
-# The numeric resources of a logjam request that the request rollup sums (beside total_time),
-# by the kinds logjam-tools' importer groups its configured resources into: time (ms), call
-# (counts), memory and heap (objects, bytes), and the browser's page timings (ms). A request
-# carries any subset; what it leaves out adds nothing. Resources outside this list are not summed.
-LOGJAM_TIME_RESOURCES = (
-    "view_time",
-    "db_time",
-    "api_time",
-    "search_time",
-    "memcache_time",
-    "redis_time",
-    "gc_time",
-    "other_time",
-)
-LOGJAM_CALL_RESOURCES = ("db_calls", "api_calls", "search_calls", "memcache_calls", "redis_calls")
-LOGJAM_MEMORY_RESOURCES = (
-    "allocated_memory",
-    "allocated_objects",
-    "allocated_bytes",
-    "heap_size",
-    "live_data_set_size",
-)
-LOGJAM_FRONTEND_RESOURCES = (
-    "page_time",
-    "ajax_time",
-    "connect_time",
-    "request_time",
-    "response_time",
-    "processing_time",
-    "load_time",
-    "dom_interactive",
-)
-LOGJAM_RESOURCES = (
-    *LOGJAM_TIME_RESOURCES,
-    *LOGJAM_CALL_RESOURCES,
-    *LOGJAM_MEMORY_RESOURCES,
-    *LOGJAM_FRONTEND_RESOURCES,
-)
 RESOURCES_SCHEMA = StructType([StructField(name, DoubleType()) for name in LOGJAM_RESOURCES])
+# The time resources alone (ms): a drill-down row's "time by resource".
+TIMES_SCHEMA = StructType([StructField(name, DoubleType()) for name in LOGJAM_TIME_RESOURCES])
 
 # The fields of a logjam request payload the rollups use (logjam_agent's request JSON).
 # Anything else in the payload is ignored; a field of another type becomes null and then
@@ -112,6 +88,10 @@ LOGJAM_REQUEST_SCHEMA = StructType(
         StructField("severity", LongType()),
         StructField("lines", ArrayType(ArrayType(StringType()))),
         StructField("exceptions", ArrayType(StringType())),
+        # Where the request can be found again: logjam_agent sends a version 1 UUID as 32 hex
+        # digits (its time is the request's start), and the host it ran on.
+        StructField("request_id", StringType()),
+        StructField("host", StringType()),
         *RESOURCES_SCHEMA.fields,
     ]
 )
@@ -131,6 +111,9 @@ EVENT_PAYLOAD_SCHEMA = StructType(
 # cache (spark/segcache.py) use it. Request columns are null for events that are not requests.
 PARSED_EVENT_SCHEMA = StructType(
     [
+        # Where the event is stored: the drill-down tables point back into the journal.
+        StructField("journal", StringType(), True),
+        StructField("offset", LongType(), True),
         StructField("protocol", StringType(), False),
         StructField("stream", StringType(), False),
         StructField("topic", StringType(), False),
@@ -150,6 +133,8 @@ PARSED_EVENT_SCHEMA = StructType(
         StructField("severity", LongType(), True),
         StructField("exceptions", ArrayType(StringType()), True),
         StructField("resources", RESOURCES_SCHEMA, True),
+        StructField("request_id", StringType(), True),
+        StructField("host", StringType(), True),
     ]
 )
 
@@ -204,12 +189,59 @@ REQUEST_ROLLUP_SCHEMA = StructType(
     ]
 )
 
+# A request the drill-down can open: its id and where it is stored.
+SAMPLE_REF_TYPE = StructType(
+    [
+        StructField("request_id", StringType(), True),
+        StructField("journal", StringType(), True),
+        StructField("offset", LongType(), True),
+    ]
+)
+
 EXCEPTION_ROLLUP_SCHEMA = StructType(
     [
         *_DIMENSIONS,
         StructField("date", StringType(), False),
         StructField("exception", StringType(), False),
         StructField("count", LongType(), False),
+        # The first [spark] exception_samples requests (journal order) that raised it.
+        StructField("samples", ArrayType(SAMPLE_REF_TYPE, True), False),
+    ]
+)
+
+# The drill-down rows (transforms.request_samples): per minute and action the slowest
+# requests and the failed ones (bounded; failed_count counts them all), one row per request.
+REQUEST_SAMPLE_SCHEMA = StructType(
+    [
+        *_DIMENSIONS,
+        StructField("frontend", BooleanType(), False),
+        StructField("date", StringType(), False),
+        StructField("failed_count", LongType(), False),
+        StructField("slow", BooleanType(), False),
+        StructField("failed", BooleanType(), False),
+        StructField("request_id", StringType(), True),
+        StructField("started", TimestampType(), False),
+        StructField("code", LongType(), False),
+        StructField("total_time", DoubleType(), False),
+        StructField("severity", LongType(), False),
+        StructField("exceptions", ArrayType(StringType()), False),
+        StructField("host", StringType(), True),
+        StructField("times", TIMES_SCHEMA, False),
+        StructField("journal", StringType(), True),
+        StructField("offset", LongType(), True),
+    ]
+)
+
+# The request-id index (transforms.request_index): one row per request that has an id.
+REQUEST_ID_SCHEMA = StructType(
+    [
+        StructField("request_id", StringType(), False),
+        StructField("journal", StringType(), True),
+        StructField("offset", LongType(), True),
+        StructField("app", StringType(), False),
+        StructField("env", StringType(), False),
+        StructField("minute", TimestampType(), False),
+        StructField("date", StringType(), False),
     ]
 )
 

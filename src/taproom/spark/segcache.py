@@ -41,8 +41,9 @@ from .sources import JournalSource, Segment, SourceSpec
 
 __all__ = ["CACHE_VERSION", "CacheStats", "parsed_events"]
 
-# 2: parsed rows carry the request's resources; 3: keyed by journal id, `journal` is the id
-CACHE_VERSION = 5  # 4: raw logjam bodies are not requests; 5: the event-time rule on started
+# 2: parsed rows carry the request's resources; 3: keyed by journal id, `journal` is the id;
+# 4: raw logjam bodies are not requests; 5: the event-time rule on started
+CACHE_VERSION = 6  # 6: journal, offset, request_id and host kept (the drill-down tables)
 # What parse_events needs from the source: producer, seq and event_id are never decoded.
 PARSE_COLUMNS = "journal,offset,received,ts,protocol,stream,topic,content_type,payload,attrs"
 

@@ -29,7 +29,13 @@ from pyspark.sql import functions as F
 
 from ..eventtime import MAX_MS, MAX_NS, MIN_MS, MIN_NS
 from .buckets import GAMMA, LOG_GAMMA, PERCENTILE_FLOOR_MS, PERCENTILE_RELATIVE_ERROR
-from .schemas import EVENT_PAYLOAD_SCHEMA, LOGJAM_RESOURCES, PARSED_EVENT_SCHEMA
+from .logjamdoc import SEVERITY_NAMES
+from .schemas import (
+    EVENT_PAYLOAD_SCHEMA,
+    LOGJAM_RESOURCES,
+    LOGJAM_TIME_RESOURCES,
+    PARSED_EVENT_SCHEMA,
+)
 
 __all__ = [
     "BACKEND_APDEX_MS",
@@ -44,7 +50,9 @@ __all__ = [
     "logjam_requests",
     "parse_events",
     "parsed_rows",
+    "request_index",
     "request_rollup",
+    "request_samples",
     "telemetry_rollup",
 ]
 
@@ -54,6 +62,13 @@ DEFAULT_ACTION = "Unknown#unknown_method"
 DEFAULT_CODE = 500
 DEFAULT_TOTAL_TIME = 1.0
 DEFAULT_SEVERITY = 1
+# The drill-down tables' defaults: [spark] slow_requests_per_action, failed_requests_per_action,
+# exception_samples (spark/settings.py) give the job's values.
+DEFAULT_SLOW_REQUESTS = 10
+DEFAULT_FAILED_REQUESTS = 50
+DEFAULT_EXCEPTION_SAMPLES = 5
+FAILED_SEVERITY = 3  # error, fatal, unknown
+MAX_REQUEST_ID = 256  # the console's longest text parameter
 # Percentiles come from a histogram of total_time with logarithmic buckets (spark/buckets.py,
 # as DDSketch does): each reported percentile is within PERCENTILE_RELATIVE_ERROR of the exact
 # value (nearest rank), for values of at least PERCENTILE_FLOOR_MS; smaller values (and zero or
@@ -62,9 +77,20 @@ _GAMMA = GAMMA
 _LOG_GAMMA = LOG_GAMMA
 _QUANTILES = (0.5, 0.9, 0.95, 0.99)
 _QUANTILE_NAMES = ("p50", "p90", "p95", "p99")
-# Logger severities as logjam numbers them (Ruby Logger: DEBUG 0 .. FATAL 4, UNKNOWN 5).
-SEVERITY_NAMES = ("debug", "info", "warn", "error", "fatal", "unknown")
 _DIMENSIONS = ("minute", "app", "env", "action", "module", "frontend")
+# A drill-down row's request fields, in REQUEST_SAMPLE_SCHEMA's order.
+_SAMPLE_FIELDS = (
+    "request_id",
+    "started",
+    "code",
+    "total_time",
+    "severity",
+    "exceptions",
+    "host",
+    "times",
+    "journal",
+    "offset",
+)
 
 
 def _is_request_topic(topic: Column) -> Column:
@@ -88,10 +114,15 @@ def parse_events(events: DataFrame) -> DataFrame:
     """One row per event with everything the three rollups read (:data:`PARSED_EVENT_SCHEMA`).
 
     Each payload is parsed at most once, for the log level and (for logjam requests) the
-    request fields together. Passes ``journal`` and ``offset`` through when present. Request
-    columns are null for events that are not requests (``is_request`` false).
+    request fields together. Passes ``journal`` and ``offset`` through (null when the input
+    has none): the drill-down tables point back into the journal. Request columns are null
+    for events that are not requests (``is_request`` false).
     """
-    keep = [c for c in ("journal", "offset") if c in events.columns]  # passed through
+    # Where each event is stored, passed through (null when the input has no such column).
+    keep = [
+        F.col(c) if c in events.columns else F.lit(None).cast(t).alias(c)
+        for c, t in (("journal", "string"), ("offset", "long"))
+    ]
     topic = F.col("topic")
     # A body the logjam server stored raw (not JSON) is no request document: no defaulted row.
     is_request = (
@@ -157,7 +188,8 @@ def parse_events(events: DataFrame) -> DataFrame:
         return F.when(req, column)
 
     out = parsed.select(
-        *keep,
+        "journal",
+        "offset",
         "protocol",
         "stream",
         "topic",
@@ -181,10 +213,11 @@ def parse_events(events: DataFrame) -> DataFrame:
         request(F.struct(*[F.col(f"r.{name}").alias(name) for name in LOGJAM_RESOURCES])).alias(
             "resources"
         ),
+        F.col("r.request_id").alias("request_id"),
+        F.col("r.host").alias("host"),
     )
     module = F.regexp_extract(F.col("action"), r"^([^:#]+)::", 1)
     return out.select(
-        *keep,
         *PARSED_EVENT_SCHEMA.fieldNames()[: PARSED_EVENT_SCHEMA.fieldNames().index("minute")],
         F.date_trunc("minute", F.col("started")).alias("minute"),
         "action",
@@ -196,6 +229,8 @@ def parse_events(events: DataFrame) -> DataFrame:
         "severity",
         "exceptions",
         "resources",
+        "request_id",
+        "host",
     )
 
 
@@ -210,7 +245,8 @@ def logjam_requests(events: DataFrame) -> DataFrame:
     Takes raw events or parsed rows (:func:`parse_events`). Columns: journal and offset (when
     the input has them), stream, topic, app, env, frontend, started, minute, date, action,
     module, code, total_time, severity, exceptions (array of names), resources (struct of the
-    numeric resources, :data:`~taproom.spark.schemas.LOGJAM_RESOURCES`; null where absent).
+    numeric resources, :data:`~taproom.spark.schemas.LOGJAM_RESOURCES`; null where absent),
+    request_id and host (null where absent).
     """
     parsed = parsed_rows(events)
     return (
@@ -231,6 +267,8 @@ def logjam_requests(events: DataFrame) -> DataFrame:
             "severity",
             "exceptions",
             "resources",
+            "request_id",
+            "host",
         )
         .withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
     )
@@ -372,14 +410,112 @@ def request_rollup(requests: DataFrame, watermark: str | None = None) -> DataFra
     )
 
 
-def exception_rollup(requests: DataFrame, watermark: str | None = None) -> DataFrame:
-    """Per minute, app, env, action, module and exception class: how many were raised."""
-    exploded = requests.select(*_DIMENSIONS, F.explode("exceptions").alias("exception"))
+def exception_rollup(
+    requests: DataFrame, watermark: str | None = None, samples: int = DEFAULT_EXCEPTION_SAMPLES
+) -> DataFrame:
+    """Per minute, app, env, action, module and exception class: how many were raised, and
+    ``samples``: the first ``samples`` requests (in journal order, so batch and streaming runs
+    pick the same) that raised it, each ``(request_id, journal, offset)``."""
+    ref = F.struct("request_id", "journal", "offset")
+    exploded = requests.select(
+        *_DIMENSIONS,
+        F.explode(F.array_distinct("exceptions")).alias("exception"),
+        ref.alias("ref"),
+        F.struct("journal", "offset").alias("ref_order"),
+    )
     return (
         _watermarked(exploded, "minute", watermark)
         .groupBy(*_DIMENSIONS, "exception")
-        .agg(F.count(F.lit(1)).alias("count"))
-        .select(*_DIMENSIONS, _date(), "exception", "count")
+        .agg(
+            F.count(F.lit(1)).alias("count"),
+            F.min_by("ref", "ref_order", samples).alias("samples"),
+        )
+        .select(*_DIMENSIONS, _date(), "exception", "count", "samples")
+    )
+
+
+def _is_failed(code: Column, severity: Column, exceptions: Column) -> Column:
+    # What logjam shows as an error: a server error, a logged error (or worse), an exception.
+    return (code >= 500) | (severity >= FAILED_SEVERITY) | (F.size(exceptions) > 0)
+
+
+def request_samples(
+    requests: DataFrame,
+    watermark: str | None = None,
+    slow: int = DEFAULT_SLOW_REQUESTS,
+    failed: int = DEFAULT_FAILED_REQUESTS,
+) -> DataFrame:
+    """The drill-down rows (:data:`~taproom.spark.schemas.REQUEST_SAMPLE_SCHEMA`): per
+    minute, app, env, action and module (and backend/frontend), the ``slow`` slowest requests
+    and the first ``failed`` failed ones (status >= 500, severity >= error or an exception, by
+    start time), one row per request with ``slow`` and ``failed`` flags (a request can be
+    both), its key fields and where it is stored (``journal``, ``offset``);
+    ``failed_count`` counts every failed request of the group, kept or not.
+
+    One aggregation: ``max_by``/``min_by`` with a count keep at most that many per group (a
+    heap, so a streaming query's state is bounded by the groups, not the requests). Ties are
+    broken by ``(journal, offset)``, so batch and streaming runs keep the same requests.
+    """
+    is_failed = _is_failed(F.col("code"), F.col("severity"), F.col("exceptions"))
+    sample = F.struct(
+        F.col("request_id"),
+        F.col("started"),
+        F.col("code"),
+        F.col("total_time"),
+        F.col("severity"),
+        F.col("exceptions"),
+        F.col("host"),
+        F.struct(*[F.col(f"resources.{n}").alias(n) for n in LOGJAM_TIME_RESOURCES]).alias("times"),
+        F.col("journal"),
+        F.col("offset"),
+        is_failed.alias("failed"),
+    )
+    rows = requests.select(
+        *_DIMENSIONS,
+        sample.alias("s"),
+        F.struct("total_time", "journal", "offset").alias("slow_order"),
+        # null for a request that did not fail: min_by skips rows without an ordering value
+        F.when(is_failed, F.struct("started", "journal", "offset")).alias("failed_order"),
+    )
+    grouped = (
+        _watermarked(rows, "minute", watermark)
+        .groupBy(*_DIMENSIONS)
+        .agg(
+            F.max_by("s", "slow_order", slow).alias("_slow"),
+            F.min_by("s", "failed_order", failed).alias("_failed"),
+            _count_if(F.col("failed_order").isNotNull()).alias("failed_count"),
+        )
+    )
+    kept = grouped.select(
+        *_DIMENSIONS,
+        _date(),
+        "failed_count",
+        "_slow",
+        # min_by gives null, not [], for a group without a failed request (and so would the
+        # union): then the slowest alone.
+        F.explode(F.coalesce(F.array_union("_slow", "_failed"), F.col("_slow"))).alias("s"),
+    )
+    return kept.select(
+        *_DIMENSIONS,
+        "date",
+        "failed_count",
+        F.array_contains("_slow", F.col("s")).alias("slow"),
+        F.col("s.failed").alias("failed"),
+        *[F.col(f"s.{name}").alias(name) for name in _SAMPLE_FIELDS],
+    )
+
+
+def request_index(requests: DataFrame) -> DataFrame:
+    """The request-id index (:data:`~taproom.spark.schemas.REQUEST_ID_SCHEMA`): request id ->
+    journal, offset (with app, env and minute), for every request that has an id of at most
+    :data:`MAX_REQUEST_ID` characters (longer ones cannot be asked for).
+
+    A projection: streaming and batch runs give the same rows. The batch job sorts each file
+    by ``request_id`` (:func:`~taproom.spark.jobs.rollup.run_rollup`), so a lookup reads one
+    row group per file; a streaming query cannot sort its files (docs/console.md)."""
+    rid = F.col("request_id")
+    return requests.filter(rid.isNotNull() & (F.length(rid).between(1, MAX_REQUEST_ID))).select(
+        "request_id", "journal", "offset", "app", "env", "minute", _date()
     )
 
 

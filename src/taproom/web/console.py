@@ -1,4 +1,4 @@
-"""The console: five static pages and the JSON API under ``/api/`` they (and scripts) use.
+"""The console: its static pages and the JSON API under ``/api/`` they (and scripts) use.
 
 Pages are plain HTML (``static/pages/<name>.html`` inside ``static/shell.html``, put together
 once at start) with their own scripts (no inline script: the CSP forbids it); every
@@ -25,8 +25,12 @@ from .stats import StatsRing
 from .tail import TailClient, TailFilter, TailHub, event_json
 
 if TYPE_CHECKING:
+    from .drilldown import Drilldown
+    from .requestindex import RequestIndex
+    from .requestview import RequestSource
     from .rollups import Rollups
     from .server import WebServer
+    from .tables import TableFiles
 
 __all__ = ["add_routes"]
 
@@ -35,6 +39,9 @@ PAGES = {
     "/": ("overview", "Overview"),
     "/tail": ("tail", "Live tail"),
     "/requests": ("requests", "Requests"),
+    "/errors": ("errors", "Errors"),
+    "/exceptions": ("exceptions", "Exceptions"),
+    "/request": ("request", "Request"),
     "/telemetry": ("telemetry", "Telemetry"),
     "/bus": ("bus", "Event BUS"),
 }
@@ -83,17 +90,56 @@ class Console:
         )
         self.tail = TailHub(server.hub, config.tail_events_per_s, config.max_tail_clients)
         self.kegs = kegs.KegIndex(config.kegs)
+        self._tables: TableFiles | None = None
         self._rollups: Rollups | None = None
+        self._drilldown: Drilldown | None = None
+        self._index: RequestIndex | None = None
+        self._source: RequestSource | None = None
+
+    # pyarrow (and the pandas it pulls in) costs ~95 MB of RSS: a hub loads it only when
+    # somebody opens a page of the rollup tables, not at start.
+
+    @property
+    def tables(self) -> TableFiles:
+        if self._tables is None:
+            from .tables import TableFiles
+
+            self._tables = TableFiles(self.server.console.rollups)
+        return self._tables
 
     @property
     def rollups(self) -> Rollups:
-        # pyarrow (and the pandas it pulls in) costs ~95 MB of RSS: a hub loads it only when
-        # somebody opens the Requests page, not at start.
         if self._rollups is None:
             from .rollups import Rollups
 
-            self._rollups = Rollups(self.server.console.rollups)
+            self._rollups = Rollups(self.tables)
         return self._rollups
+
+    @property
+    def drilldown(self) -> Drilldown:
+        if self._drilldown is None:
+            from .drilldown import Drilldown
+
+            self._drilldown = Drilldown(self.tables)
+        return self._drilldown
+
+    @property
+    def index(self) -> RequestIndex:
+        if self._index is None:
+            from .requestindex import RequestIndex
+
+            self._index = RequestIndex(self.tables, self.server.console.find_dates)
+        return self._index
+
+    @property
+    def source(self) -> RequestSource:
+        if self._source is None:
+            from .requestview import RequestSource
+
+            config = self.server.console
+            token = config.hubs_token or self.server.config.token
+            self._source = RequestSource(self.hub.journal, config.hubs, token, config.hub_timeout_s)
+        return self._source
 
     async def start(self, app: web.Application) -> None:
         self.stats.start()
@@ -296,6 +342,88 @@ class Console:
         limit = params.integer(request, "actions", 50, 1, 1000)
         return json_response(await asyncio.to_thread(self.rollups.day, app_env, date, limit))
 
+    # --- the drill-down: from a chart to the one request ---------------------------------
+
+    def _stream_date(self, request: web.Request) -> tuple[str, str]:
+        date = params.date(request)
+        app_env = params.text(request, "stream")
+        if not date or not app_env:
+            raise params.bad_request("date and stream (app-env) are required")
+        return app_env, date
+
+    async def request_samples(self, request: web.Request) -> web.Response:
+        """The slow and failed requests of a minute and/or an action of one app-env's day."""
+        app_env, date = self._stream_date(request)
+        minute = params.integer(request, "minute", -1, 0, 2**40)
+        action = params.text(request, "action")
+        limit = params.integer(request, "limit", 100, 1, self.max_rows)
+        minute_ms = (minute - minute % 60) * 1000 if minute >= 0 else None
+        return json_response(
+            await asyncio.to_thread(self.drilldown.samples, app_env, date, minute_ms, action, limit)
+        )
+
+    async def request_errors(self, request: web.Request) -> web.Response:
+        """The failed requests of one app-env's day, filtered by action, status, exception."""
+        app_env, date = self._stream_date(request)
+        action = params.text(request, "action")
+        status = params.integer(request, "status", -1, 100, 999)
+        exception = params.text(request, "exception")
+        limit = params.integer(request, "limit", 500, 1, self.max_rows)
+        return json_response(
+            await asyncio.to_thread(
+                lambda: self.drilldown.errors(
+                    app_env, date, action=action, status=None if status < 0 else status,
+                    exception=exception, limit=limit,
+                )
+            )
+        )  # fmt: skip
+
+    async def exceptions(self, request: web.Request) -> web.Response:
+        """Exception classes of one app-env's day by count, with samples and minutes."""
+        app_env, date = self._stream_date(request)
+        limit = params.integer(request, "limit", 100, 1, self.max_rows)
+        return json_response(
+            await asyncio.to_thread(self.drilldown.exceptions, app_env, date, limit)
+        )
+
+    async def find_request(self, request: web.Request) -> web.Response:
+        """One request whole, by its id (the request-id index says where it is stored), or
+        by ``journal`` and ``offset`` (a row of the drill-down tables; checked against the id
+        when both are given)."""
+        from .requestview import LookupFailed, request_view
+
+        request_id = params.text(request, "id")
+        date = params.date(request)
+        journal = params.text(request, "journal", 64)
+        offset = params.integer(request, "offset", -1, 0, 2**62)
+        if not request_id and not (journal and offset >= 0):
+            raise params.bad_request("id (a request id), or journal and offset, are required")
+        max_lines = self.max_rows
+
+        def find() -> dict[str, Any]:
+            if journal and offset >= 0:
+                try:
+                    record, where = self.source.read(journal, offset)
+                    view = request_view(record, journal, where, max_lines)
+                    if not request_id or view["request_id"] == request_id:
+                        return view
+                except LookupFailed:
+                    if not request_id:
+                        raise
+            hit = self.index.find(request_id, date)
+            if hit is None:
+                raise LookupFailed(404, "not_found", "no request with this id in the index")
+            record, where = self.source.read(hit.journal, hit.offset)
+            view = request_view(record, hit.journal, where, max_lines)
+            view["date"] = hit.date
+            return view
+
+        try:
+            view = await asyncio.to_thread(find)
+        except LookupFailed as exc:
+            return json_response({"error": exc.error, "reason": exc.reason}, exc.status)
+        return json_response(view)
+
 
 def add_routes(app: web.Application, server: WebServer) -> None:
     console = Console(server)
@@ -332,6 +460,10 @@ def add_routes(app: web.Application, server: WebServer) -> None:
         "/api/kegs/preview": console.keg_preview,
         "/api/requests/apps": console.request_apps,
         "/api/requests/day": console.request_day,
+        "/api/requests/samples": console.request_samples,
+        "/api/requests/errors": console.request_errors,
+        "/api/requests/find": console.find_request,
+        "/api/exceptions": console.exceptions,
     }
     for path, handler in routes.items():
         app.router.add_get(path, handler)

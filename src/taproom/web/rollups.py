@@ -13,8 +13,6 @@ threads.
 from __future__ import annotations
 
 import math
-import os
-import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -25,6 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from ..spark.buckets import GAMMA, LOG_GAMMA, bucket_value
+from .drilldown import split_stream as _split_stream
+from .tables import TableFiles
 
 __all__ = ["MAX_DATES", "Rollups"]
 
@@ -35,19 +35,6 @@ HEATMAP_RANGE_MS = (0.1, 100_000.0)
 # Time resources shown as the per-action breakdown: gc_time is part of the others' time, and
 # total_time is the whole (logjam's "other time resources" rule); what they leave is "other".
 _NOT_STACKED = {"total_time_sum", "gc_time_sum"}
-_DATE_DIR = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
-_PARTITIONING = ds.partitioning(pa.schema([("date", pa.string())]), flavor="hive")
-
-
-def _size_mtime(entry: os.DirEntry[str]) -> tuple[int, int]:
-    stat = entry.stat()
-    return stat.st_size, stat.st_mtime_ns
-
-
-def _split_stream(stream: str) -> tuple[str, str]:
-    """app-env as the rollup splits it: the env is what follows the last dash."""
-    app, dash, env = stream.rpartition("-")
-    return (app, env) if dash and app else (stream, "")
 
 
 class _Histograms:
@@ -100,47 +87,31 @@ class Rollups:
     """Reads the rollup tables. Answers are kept for the same files (names, sizes, mtimes) of
     a date, so a page reloaded over a finished day does not read it again."""
 
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
+    def __init__(self, tables: TableFiles | str) -> None:
+        self.tables = TableFiles(tables) if isinstance(tables, str) else tables
+        self.directory = self.tables.directory
         self._answers: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _files_of(self, date: str) -> tuple[tuple[str, int, int], ...]:
-        path = os.path.join(self._table_dir("requests"), f"date={date}")
-        try:
-            with os.scandir(path) as entries:
-                found = [(e.name, *_size_mtime(e)) for e in entries if e.is_file()]
-        except (FileNotFoundError, NotADirectoryError):
-            return ()
-        return tuple(sorted(found))
-
-    def _table_dir(self, table: str) -> str:
-        return os.path.join(self.directory, table)
-
     def dates(self) -> list[str]:
-        try:
-            names = os.listdir(self._table_dir("requests"))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        found = [m.group(1) for name in names if (m := _DATE_DIR.match(name))]
-        return sorted(found, reverse=True)[:MAX_DATES]
+        return self.tables.dates("requests")[:MAX_DATES]
 
-    def _dataset(self, table: str) -> ds.Dataset | None:
-        path = self._table_dir(table)
-        if not os.path.isdir(path):
+    def _dataset(self, table: str, date: str) -> ds.Dataset | None:
+        """The committed files of ``table`` for ``date`` (a streaming query's sink log is
+        honoured, :class:`~.tables.TableFiles`)."""
+        files = self.tables.files(table, date)
+        if not files:
             return None
-        return ds.dataset(path, format="parquet", partitioning=_PARTITIONING)
+        return ds.dataset(files, format="parquet")
 
     def apps(self, date: str) -> dict[str, Any]:
         """The dates with data, and the app-env streams of ``date`` (default: the latest)."""
         dates = self.dates()
         date = date or (dates[0] if dates else "")
-        dataset = self._dataset("requests")
+        dataset = self._dataset("requests", date) if date in dates else None
         streams: list[dict[str, Any]] = []
-        if dataset is not None and date in dates:
-            table = dataset.to_table(
-                columns=["app", "env", "count"], filter=pc.field("date") == date
-            )
+        if dataset is not None:
+            table = dataset.to_table(columns=["app", "env", "count"])
             grouped = table.group_by(["app", "env"]).aggregate([("count", "sum")])
             for row in grouped.to_pylist():
                 stream = f"{row['app']}-{row['env']}" if row["env"] else row["app"]
@@ -150,7 +121,7 @@ class Rollups:
 
     def day(self, stream: str, date: str, max_actions: int) -> dict[str, Any]:
         """One app-env's day: per-minute series, heatmap, actions and their time breakdown."""
-        key = (stream, date, max_actions, self._files_of(date))
+        key = (stream, date, max_actions, self.tables.fingerprint("requests", date))
         with self._lock:  # worker threads share the cache
             answer = self._answers.get(key)
             if answer is not None:
@@ -166,7 +137,7 @@ class Rollups:
     def _day(self, stream: str, date: str, max_actions: int) -> dict[str, Any]:
         app, env = _split_stream(stream)
         result: dict[str, Any] = {"stream": stream, "date": date, "minutes": [], "actions": []}
-        dataset = self._dataset("requests")
+        dataset = self._dataset("requests", date)
         if dataset is None:
             return result
         names = set(dataset.schema.names)
@@ -180,7 +151,7 @@ class Rollups:
         has_histogram = "total_time_histogram" in names
         if has_histogram:
             wanted.append("total_time_histogram")
-        where = (pc.field("date") == date) & (pc.field("app") == app) & (pc.field("env") == env)
+        where = (pc.field("app") == app) & (pc.field("env") == env)
         table = dataset.to_table(columns=[c for c in wanted if c in names], filter=where)
         if table.num_rows == 0:
             return result

@@ -1,7 +1,9 @@
 """``taproom spark rollup``: the batch job, journals → Parquet rollups partitioned by date.
 
 Tables written under ``out``: ``requests`` (:func:`~taproom.spark.transforms.request_rollup`),
-``exceptions`` and ``logs``. Re-running the same range is idempotent: ``--since``/``--until``
+``exceptions``, ``logs``, and the console's drill-down: ``request_samples`` (the slowest and
+the failed requests per minute and action) and ``request_ids`` (the request-id index, each
+file sorted by id). Re-running the same range is idempotent: ``--since``/``--until``
 are widened to whole UTC days and the job overwrites exactly the date partitions it writes
 (dynamic partition overwrite), so no day is half-replaced and nothing is counted twice.
 
@@ -24,6 +26,7 @@ from typing import Any
 
 from .. import transforms as T
 from ..segcache import PARSE_COLUMNS, CacheStats, parsed_events
+from ..settings import SparkSettings
 from ..sources import SourceSpec
 
 __all__ = [
@@ -36,7 +39,7 @@ __all__ = [
     "run_rollup",
 ]
 
-TABLES = ("requests", "exceptions", "logs")
+TABLES = ("requests", "exceptions", "logs", "request_samples", "request_ids")
 # What the rollups read (what parse_events needs): producer, seq and event_id are never decoded.
 ROLLUP_COLUMNS = PARSE_COLUMNS
 
@@ -71,11 +74,16 @@ def day_range(
 
 
 def rollup_tables(
-    events: Any, lo: dt.datetime | None = None, hi: dt.datetime | None = None
+    events: Any,
+    lo: dt.datetime | None = None,
+    hi: dt.datetime | None = None,
+    settings: SparkSettings | None = None,
 ) -> dict[str, Any]:
-    """The three rollup DataFrames for ``events`` (raw or already parsed), limited to minutes
-    in ``[lo, hi)``."""
+    """The rollup DataFrames of :data:`TABLES` for ``events`` (raw or already parsed), limited
+    to minutes in ``[lo, hi)``; ``settings`` bound the drill-down tables."""
     from pyspark.sql import functions as F
+
+    settings = settings or SparkSettings()
 
     def in_range(df: Any) -> Any:
         if lo is not None:
@@ -88,8 +96,14 @@ def rollup_tables(
     requests = parsed.transform(T.logjam_requests).transform(in_range)
     return {
         "requests": requests.transform(T.request_rollup),
-        "exceptions": requests.transform(T.exception_rollup),
+        "exceptions": requests.transform(T.exception_rollup, samples=settings.exception_samples),
         "logs": parsed.transform(T.log_rollup).transform(in_range),
+        "request_samples": requests.transform(
+            T.request_samples,
+            slow=settings.slow_requests_per_action,
+            failed=settings.failed_requests_per_action,
+        ),
+        "request_ids": requests.transform(T.request_index),
     }
 
 
@@ -146,12 +160,18 @@ def run_rollup(
     progress: bool = True,
     tables: tuple[str, ...] = TABLES,
     cache: str | bool | None = True,
+    settings: SparkSettings | None = None,
 ) -> CacheStats:
     """Write the rollup tables for ``journals`` (a :class:`~taproom.spark.sources.SourceSpec`:
     directories and hubs, or journal directories) to ``out/<table>/date=YYYY-MM-DD/``.
 
     ``cache``: True for :func:`default_cache`, a directory, or False/None for none.
+    ``settings``: the ``[spark]`` section (the drill-down tables' bounds).
     """
+    settings = settings or SparkSettings()
+    unknown = set(tables) - set(TABLES)
+    if unknown:
+        raise ValueError(f"unknown tables {sorted(unknown)}; known: {sorted(TABLES)}")
     lo, hi = day_range(since, until)
     cache_dir = default_cache(out) if cache is True else (cache or None)
     current = {"table": "parsing sealed segments"}
@@ -161,12 +181,21 @@ def run_rollup(
             current["table"] = "parsing the live segments"
             for frame in stats.persisted:
                 frame.count()  # once, before the tables' jobs all want it at the same time
-            frames = rollup_tables(parsed, lo, hi)
+            frames = rollup_tables(parsed, lo, hi, settings)
             current["table"] = ", ".join(tables)
 
             def write(name: str) -> None:
                 path = os.path.join(out, name)
-                frames[name].write.mode("overwrite").partitionBy("date").parquet(path)
+                frame = frames[name]
+                writer_options = {}
+                if name == "request_ids":
+                    # Sorted files with small row groups: a lookup by id reads the one row
+                    # group per file whose min/max holds it. The date leads the sort, as the
+                    # partitioned write wants, so Spark adds no sort of its own after ours.
+                    frame = frame.sortWithinPartitions("date", "request_id")
+                    writer_options["parquet.block.size"] = str(settings.index_row_group_bytes)
+                writer = frame.write.mode("overwrite").partitionBy("date").options(**writer_options)
+                writer.parquet(path)
 
             # The tables' jobs run side by side: while one is in a serial part (planning, its
             # last task, the commit), the other cores work on the next (about 20% less wall

@@ -1,6 +1,6 @@
 """``taproom spark stream``: the rollups as Structured Streaming queries, exactly once.
 
-One query per table (requests, exceptions, logs), each with its own checkpoint under
+One query per table (requests, exceptions, logs, request_samples, request_ids), each with its own checkpoint under
 ``checkpoint/<table>``. The journal source's offsets and the aggregation state live in the
 checkpoint; the Parquet file sink commits each micro-batch in ``out/<table>/_spark_metadata``,
 so readers of ``out/<table>`` see every micro-batch exactly once even when the driver is
@@ -29,11 +29,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import transforms as T
+from ..settings import SparkSettings
 from ..sources import SourceSpec
 
 __all__ = ["TABLES", "run_stream", "start_query", "start_stream"]
 
-TABLES = ("requests", "exceptions", "logs")
+TABLES = ("requests", "exceptions", "logs", "request_samples", "request_ids")
 # What marks a query that failed because a hub could not be reached (the error's class name
 # is in the Python traceback Spark carries over): such a query is restarted from its checkpoint.
 _HUB_DOWN = "HubUnavailable"
@@ -66,17 +67,28 @@ def start_query(
     available_now: bool = False,
     max_records: int | None = None,
     cursor: str | None = "taproom-stream",
+    settings: SparkSettings | None = None,
 ) -> Any:
     """Start the query of one table (its checkpoint is ``checkpoint/<table>``); it reports
-    its committed offsets to the cursor ``<cursor>-<table>`` of each journal."""
+    its committed offsets to the cursor ``<cursor>-<table>`` of each journal. ``settings``:
+    the ``[spark]`` section (the drill-down tables' bounds)."""
+    settings = settings or SparkSettings()
     builders = {
         "requests": lambda ev: ev.transform(T.logjam_requests).transform(
             T.request_rollup, watermark
         ),
         "exceptions": lambda ev: ev.transform(T.logjam_requests).transform(
-            T.exception_rollup, watermark
+            T.exception_rollup, watermark, settings.exception_samples
         ),
         "logs": lambda ev: ev.transform(T.log_rollup, watermark),
+        "request_samples": lambda ev: ev.transform(T.logjam_requests).transform(
+            T.request_samples,
+            watermark,
+            settings.slow_requests_per_action,
+            settings.failed_requests_per_action,
+        ),
+        # A projection: no state, no watermark; written as each micro-batch commits.
+        "request_ids": lambda ev: ev.transform(T.logjam_requests).transform(T.request_index),
     }
     if table not in builders:
         raise ValueError(f"unknown table {table!r}; known: {sorted(builders)}")

@@ -56,8 +56,9 @@ const Console = (() => {
   }
 
   // A live uPlot chart in `container`: update(times, {name: values}) redraws it; series
-  // appear as new names show up.
-  function chart(container, title, { unit = "", stacked = false, height = 200 } = {}) {
+  // appear as new names show up. With `onpick`, a click on the plot calls onpick(time) with
+  // the time of the point under the cursor (the drill-down from a chart minute).
+  function chart(container, title, { unit = "", stacked = false, height = 200, onpick = null } = {}) {
     const card = el("div", { className: "card" }, el("h3", {}, title));
     const holder = el("div", { className: "chart" });
     card.append(holder);
@@ -79,6 +80,13 @@ const Console = (() => {
                  values: (u, ticks) => ticks.map(compact) }],
         legend: { live: false },
       }, [[]].concat(keys.map(() => [])), holder);
+      if (onpick) {
+        plot.over.classList.add("pickable");
+        plot.over.addEventListener("click", () => {
+          const i = plot.cursor.idx;
+          if (i !== null && i !== undefined && plot.data[0][i] !== undefined) onpick(plot.data[0][i]);
+        });
+      }
     }
     return {
       card,
@@ -91,7 +99,75 @@ const Console = (() => {
     };
   }
 
-  return { el, getJSON, number, bytes, nav, chart, PALETTE };
+  // "YYYY-MM-DD HH:MM:SS" (UTC) of epoch milliseconds.
+  function when(ms, seconds = true) {
+    if (ms === null || ms === undefined) return "–";
+    return new Date(ms).toISOString().replace("T", " ").slice(0, seconds ? 19 : 16);
+  }
+
+  // The Request page's address for a drill-down row: by id, with where it is stored (the
+  // page checks the two agree). Built from a fixed path and URLSearchParams: always same-site.
+  function requestHref(row) {
+    const query = new URLSearchParams();
+    if (row.request_id) query.set("id", row.request_id);
+    if (row.journal) query.set("journal", row.journal);
+    if (row.offset !== null && row.offset !== undefined) query.set("offset", String(row.offset));
+    return "/request?" + query;
+  }
+
+  const LEVELS = ["debug", "info", "warn", "error", "fatal", "unknown"];
+  function level(severity) {
+    return LEVELS[severity] || "unknown";
+  }
+
+  // A table body of drill-down rows (request_samples): each row links to its Request page.
+  function requestRows(tbody, rows, { showAction = true } = {}) {
+    tbody.replaceChildren(...rows.map((r) => {
+      const link = el("a", { href: requestHref(r), className: "mono" }, r.request_id || `offset ${r.offset}`);
+      const flags = [r.slow ? "slow" : "", r.failed ? "failed" : ""].filter(Boolean).join(", ");
+      return el("tr", {},
+        el("td", { className: "mono" }, when(r.started)),
+        showAction ? el("td", { className: "mono" }, r.action) : null,
+        el("td", { className: "num" + (r.code >= 500 ? " bad" : "") }, r.code),
+        el("td", { className: "num" }, number(r.total_time, 1)),
+        el("td", { className: "level-" + level(r.severity) }, level(r.severity)),
+        el("td", { className: "mono" }, (r.exceptions || []).join(", ")),
+        el("td", {}, r.host || ""),
+        el("td", {}, flags),
+        el("td", {}, link));
+    }));
+  }
+
+  // The date and app-env selects of the rollup pages, kept in the page's address so a link
+  // (or a reload) opens the same day. onchange(date, stream) runs once both are known.
+  function dayPicker(dateSelect, streamSelect, onchange) {
+    const wanted = new URLSearchParams(location.search);
+    function options(select, values, chosen) {
+      select.replaceChildren(...values.map((v) => el("option", { value: v }, v)));
+      if (values.includes(chosen)) select.value = chosen;
+    }
+    function remember() {
+      const query = new URLSearchParams(location.search);
+      query.set("date", dateSelect.value);
+      query.set("stream", streamSelect.value);
+      history.replaceState(null, "", "?" + query);
+    }
+    async function load(date) {
+      const data = await getJSON(`/api/requests/apps?date=${encodeURIComponent(date || "")}`);
+      options(dateSelect, data.dates, data.date);
+      options(streamSelect, data.streams.map((s) => s.stream), wanted.get("stream") || streamSelect.value);
+      wanted.delete("stream");
+      if (!data.dates.length || !data.streams.length) return data;
+      remember();
+      await onchange(dateSelect.value, streamSelect.value);
+      return data;
+    }
+    dateSelect.addEventListener("change", () => load(dateSelect.value));
+    streamSelect.addEventListener("change", () => { remember(); onchange(dateSelect.value, streamSelect.value); });
+    return load(wanted.get("date") || "");
+  }
+
+  return { el, getJSON, number, bytes, nav, chart, when, requestHref, level, requestRows, dayPicker, PALETTE };
 })();
 
 document.addEventListener("DOMContentLoaded", Console.nav);

@@ -1,40 +1,26 @@
 "use strict";
-// Requests: one app-env's day from the Spark rollup tables (logjam's performance pages).
+// Requests: one app-env's day from the Spark rollup tables (logjam's performance pages),
+// and the drill-down from a chart minute or an action to the requests behind it.
 (() => {
-  const { el, getJSON, number, chart, PALETTE } = Console;
+  const { el, getJSON, number, chart, when, requestRows, dayPicker, PALETTE } = Console;
   const dateSelect = document.getElementById("date");
   const streamSelect = document.getElementById("stream");
   const grid = document.getElementById("charts");
   const empty = document.getElementById("empty");
+  const pick = { onpick: (t) => drill({ minute: t }) };
   const charts = {
-    requests: chart(grid, "Requests per minute"),
-    latency: chart(grid, "Response time (ms): p50, p95, p99", { unit: "ms" }),
-    apdex: chart(grid, "Apdex"),
-    errors: chart(grid, "4xx and 5xx responses per minute"),
-    logs: chart(grid, "Exceptions and log severities per minute"),
+    requests: chart(grid, "Requests per minute", pick),
+    latency: chart(grid, "Response time (ms): p50, p95, p99", { unit: "ms", ...pick }),
+    apdex: chart(grid, "Apdex", pick),
+    errors: chart(grid, "4xx and 5xx responses per minute", pick),
+    logs: chart(grid, "Exceptions and log severities per minute", pick),
   };
 
-  function options(select, values, chosen) {
-    select.replaceChildren(...values.map((v) => el("option", { value: v }, v)));
-    if (values.includes(chosen)) select.value = chosen;
-  }
-
-  async function loadApps(date) {
-    const data = await getJSON(`/api/requests/apps?date=${encodeURIComponent(date || "")}`);
-    options(dateSelect, data.dates, data.date);
-    const streams = data.streams.map((s) => s.stream);
-    options(streamSelect, streams, streamSelect.value);
-    if (!data.dates.length) {
-      empty.hidden = false;
-      empty.textContent = `No rollup tables in ${data.directory} yet: run "taproom spark rollup --out ${data.directory}".`;
-      return;
+  async function loadDay(date, stream) {
+    const query = new URLSearchParams({ date, stream, actions: "30" });
+    for (const [id, path] of [["errors-link", "/errors"], ["exceptions-link", "/exceptions"]]) {
+      document.getElementById(id).setAttribute("href", `${path}?${new URLSearchParams({ date, stream })}`);
     }
-    empty.hidden = true;
-    if (streams.length) await loadDay();
-  }
-
-  async function loadDay() {
-    const query = new URLSearchParams({ date: dateSelect.value, stream: streamSelect.value, actions: "30" });
     const day = await getJSON(`/api/requests/day?${query}`);
     const t = day.minutes;
     charts.requests.update(t, { requests: day.requests });
@@ -45,6 +31,30 @@
     drawHeatmap(day);
     actionsTable(day.actions);
     drawStack(day.actions);
+  }
+
+  // The slow and failed requests of a minute (a chart click) or of an action (a table row).
+  async function drill({ minute = null, action = "" }) {
+    const query = new URLSearchParams({ date: dateSelect.value, stream: streamSelect.value, limit: "50" });
+    if (minute !== null) query.set("minute", String(minute));
+    if (action) query.set("action", action);
+    const section = document.getElementById("drill");
+    section.hidden = false;
+    const title = document.getElementById("drill-title");
+    title.textContent = minute !== null ? `Minute ${when(minute * 1000, false)} UTC` : `Action ${action}, the whole day`;
+    const note = document.getElementById("drill-note");
+    note.textContent = "loading…";
+    try {
+      const data = await getJSON(`/api/requests/samples?${query}`);
+      requestRows(document.querySelector("#slow tbody"), data.slow);
+      requestRows(document.querySelector("#failed tbody"), data.failed);
+      const lost = data.failed_count - data.failed_kept;
+      note.textContent = `${number(data.slow.length)} slowest requests kept, ${number(data.failed_count)} failed` +
+        (lost > 0 ? ` (${number(lost)} not kept: the rollup keeps a bounded number per minute and action)` : "");
+    } catch (err) {
+      note.textContent = "error: " + err.message;
+    }
+    section.scrollIntoView({ block: "nearest" });
   }
 
   function drawHeatmap(day) {
@@ -71,7 +81,8 @@
 
   function actionsTable(actions) {
     document.querySelector("#actions tbody").replaceChildren(...actions.map((a) =>
-      el("tr", {}, el("td", { className: "mono" }, a.action), el("td", { className: "num" }, number(a.count)),
+      el("tr", { className: "clickable", onclick: () => drill({ action: a.action }) },
+        el("td", { className: "mono" }, a.action), el("td", { className: "num" }, number(a.count)),
         el("td", { className: "num" }, number(a.mean, 1)), el("td", { className: "num" }, number(a.p95, 1)),
         el("td", { className: "num" }, number(a.share * 100, 1) + " %"))));
   }
@@ -104,7 +115,10 @@
     });
   }
 
-  dateSelect.addEventListener("change", () => loadApps(dateSelect.value));
-  streamSelect.addEventListener("change", () => loadDay());
-  loadApps("").catch((err) => { empty.hidden = false; empty.textContent = "error: " + err.message; });
+  dayPicker(dateSelect, streamSelect, loadDay).then((data) => {
+    if (!data.dates.length) {
+      empty.hidden = false;
+      empty.textContent = `No rollup tables in ${data.directory} yet: run "taproom spark rollup --out ${data.directory}".`;
+    }
+  }).catch((err) => { empty.hidden = false; empty.textContent = "error: " + err.message; });
 })();
