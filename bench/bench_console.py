@@ -11,6 +11,8 @@
    actions, 1,440 minutes): written directly with pyarrow in the rollup's shape (running Spark
    over 10M events is the Spark bench's job), then ``/api/requests/apps`` + ``/api/requests/day``
    over HTTP, cold (first read) and warm (the answer cache).
+4. The drill-down (bench/console_drilldown.py): rollup throughput with its tables vs without,
+   and the Request page by request id over a 10M-request day, cold and warm.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.hubprocess import HubProcess
 from taproom.config import known_sections
 from taproom.servers import SERVICE_MODULES
 
+from . import console_drilldown
 from .bench_lumberjack import _drive, _hub_preexec, _window_bytes
 from .common import Figure, cpu_seconds_of_pid, percentile
 
@@ -195,4 +198,4 @@ def run(quick: bool) -> list[Figure]:
     finally:
         hub.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-    return figures
+    return figures + console_drilldown.run(quick)

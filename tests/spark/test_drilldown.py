@@ -336,3 +336,15 @@ def test_find_a_request_by_id_here_and_on_the_fleet_hub(fleet: dict[str, Any]) -
     b.stop()
     status, gone = get(a, "/api/requests/find", id=rid("r10"))
     assert status == 502 and gone["error"] == "hub_unavailable", gone
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{a.addresses['web']}/metrics", timeout=30) as r:
+        metrics = r.read().decode()
+    counted = {
+        kind: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("taproom_web_request_lookups_calls_total{")
+        for kind in [line.split('"')[1]]
+    }
+    assert counted["fleet"] >= 1 and counted["local"] >= 4
+    assert counted["not_found"] >= 2 and counted["hub_unavailable"] == 1

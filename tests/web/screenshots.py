@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from playwright.sync_api import sync_playwright
@@ -56,6 +59,63 @@ def _traffic(addresses: dict[str, str], stop: threading.Event) -> None:
         time.sleep(0.5)
 
 
+EXCEPTIONS = ("ActiveRecord::RecordNotFound", "Timeout::Error", "Redis::CannotConnectError")
+
+
+def _requests_to_drill_into(addresses: dict[str, str], minutes: int = 20) -> None:
+    """Logjam requests of the last ``minutes`` minutes with the whole of a request: ids, hosts,
+    time by resource, log lines, some failing with exceptions and backtraces."""
+    rng = random.Random(30)
+    now = dt.datetime.now(dt.UTC)
+    docs = []
+    for i in range(600):
+        started = now - dt.timedelta(seconds=rng.uniform(30, minutes * 60))
+        total = rng.lognormvariate(4, 0.9)
+        action = rng.choice(ACTIONS)
+        doc = {
+            "request_id": uuid.uuid1().hex,
+            "action": action,
+            "started_at": started.isoformat(timespec="milliseconds"),
+            "total_time": round(total, 2),
+            "code": 200,
+            "host": f"web-{rng.randint(1, 4)}.example",
+            "db_time": round(total * 0.45, 2),
+            "view_time": round(total * 0.3, 2),
+            "api_time": round(total * 0.1, 2),
+            "db_calls": rng.randint(1, 30),
+            "lines": [
+                [1, started.isoformat(), f"Started GET /orders/{i} for 10.0.0.{i % 250}"],
+                [1, started.isoformat(), f"Processing by {action} as HTML"],
+                [0, started.isoformat(), "  Order Load (1.2ms)  SELECT * FROM orders WHERE id = ?"],
+                [1, started.isoformat(), f"Completed 200 OK in {total:.0f}ms"],
+            ],
+        }
+        if rng.random() < 0.08:
+            name = rng.choice(EXCEPTIONS)
+            doc.update(code=500, exceptions=[name])
+            doc["lines"][-1] = [
+                3, started.isoformat(),
+                f"{name} (lookup failed):\n  app/models/order.rb:41:in `find'\n"
+                "  app/controllers/orders_controller.rb:12:in `show'",
+            ]  # fmt: skip
+        elif rng.random() < 0.04:
+            doc["lines"].append([2, started.isoformat(), "Slow query: 812ms"])
+            doc["lines"].append([3, started.isoformat(), "cache unavailable, fell back to db"])
+        docs.append(doc)
+    send_logjam(addresses["logjam_router"], "shop-prod", docs)
+
+
+def _rollup(journal: Path, rollups: Path) -> None:
+    """The drill-down tables of the real journal (the Requests page's charts stay those of the
+    bigger table written beside them)."""
+    taproom = str(Path(sys.executable).with_name("taproom"))
+    subprocess.run(
+        [taproom, "spark", "rollup", "--journal", str(journal), "--out", str(rollups),
+         "--tables", "exceptions,request_samples,request_ids", "--quiet"],
+        check=True, env=dict(os.environ, PYSPARK_PYTHON=sys.executable), timeout=900,
+    )  # fmt: skip
+
+
 def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="taproom-screens-"))
@@ -72,6 +132,8 @@ def main(out: Path) -> int:
             )
         )  # fmt: skip
         send_lager(addresses, "/RobotA/Motion/", 600, root / "kegs" / "robot-a.lgr")
+        _requests_to_drill_into(addresses)
+        _rollup(root / "journal", root / "rollups")
         stop = threading.Event()
         traffic = threading.Thread(target=_traffic, args=(addresses, stop), daemon=True)
         traffic.start()
@@ -84,20 +146,31 @@ def main(out: Path) -> int:
             page = context.new_page()
             base = f"http://{addresses['web']}"
             time.sleep(20)  # twenty seconds of history on the Overview
+            day = f"date={today}&stream=shop-prod"
             shots = [
                 ("overview", "/", ".uplot"),
                 ("tail", "/tail", "#events tbody tr"),
                 ("requests", "/requests", "#actions tbody tr"),
+                ("request", "", ""),
+                ("errors", f"/errors?{day}", "#errors tbody tr"),
+                ("exceptions", f"/exceptions?{day}", "#classes tbody tr"),
                 ("telemetry", "/telemetry", "#kegs tbody tr"),
                 ("bus", "/bus", "#keys tbody tr"),
             ]
             for name, path, ready in shots:
-                page.goto(base + path)
-                page.wait_for_selector(ready, timeout=30_000)
+                if path:
+                    page.goto(base + path)
+                    page.wait_for_selector(ready, timeout=30_000)
                 if name == "telemetry":
                     page.select_option("#tap", "/RobotB/Arm/")
                     page.click("#kegs tbody tr")
                     page.wait_for_selector("#preview tbody tr")
+                if name == "requests":  # an action's slowest and failed requests
+                    page.click("#actions tbody tr >> nth=1")
+                    page.wait_for_selector("#failed tbody tr", timeout=30_000)
+                if name == "request":  # a failed request of that action, from the drill-down
+                    page.click("#failed tbody tr >> nth=0 >> a")
+                    page.wait_for_selector("#request:not([hidden])", timeout=30_000)
                 page.wait_for_timeout(3000)
                 if name == "tail":  # a record opened; the table grows without end: one screen
                     page.click("#events tbody tr >> nth=3")

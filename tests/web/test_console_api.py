@@ -113,6 +113,17 @@ async def test_events_record_and_filters(tmp_path):
         "/api/requests/day?date=2026-01-02",
         "/api/requests/day?date=2026-1-2&stream=a-b",
         "/api/requests/day?date=2026-01-02&stream=a-b&actions=5000",
+        "/api/requests/samples?date=2026-01-02",
+        "/api/requests/samples?date=2026-01-02&stream=a-b&minute=x",
+        "/api/requests/samples?date=2026-01-02&stream=a-b&limit=0",
+        "/api/requests/errors?stream=a-b",
+        "/api/requests/errors?date=2026-01-02&stream=a-b&status=99",
+        "/api/exceptions?date=2026-01-02",
+        "/api/exceptions?date=2026-01-02&stream=a-b&limit=99999999",
+        "/api/requests/find",
+        "/api/requests/find?id=" + "x" * 300,
+        "/api/requests/find?journal=j&offset=abc",
+        "/api/requests/find?id=a&date=today",
         "/api/tail?protocol=nope",
         "/api/tail?from=x",
     ],
@@ -291,6 +302,29 @@ async def test_requests_day_from_rollup_tables(tmp_path):
                 http, f"{base}/api/requests/day?date=2026-01-02&stream=shop-prod&actions=3"
             )
             assert sum(again["requests"]) == 60_000
+
+
+async def test_drilldown_without_tables_answers_empty_or_not_found(tmp_path):
+    """No rollup run yet: the drill-down endpoints answer empty, a lookup 404 with a reason."""
+    async with running_app(tmp_path, console={"rollups": str(tmp_path / "none")}) as app:
+        base = f"http://{app.addresses['web']}"
+        day = "date=2026-01-02&stream=shop-prod"
+        async with ClientSession() as http:
+            status, samples = await get_json(http, f"{base}/api/requests/samples?{day}&minute=60")
+            assert status == 200 and samples["slow"] == samples["failed"] == []
+            status, errors = await get_json(http, f"{base}/api/requests/errors?{day}")
+            assert status == 200 and errors["requests"] == [] and errors["failed_count"] == 0
+            status, exceptions = await get_json(http, f"{base}/api/exceptions?{day}")
+            assert status == 200 and exceptions["classes"] == []
+            status, missing = await get_json(http, f"{base}/api/requests/find?id=abc")
+            assert status == 404 and missing["error"] == "not_found"
+            # A place in this hub's journal that holds no logjam request.
+            await app.hub.ingest(batch(b'{"m":1}'))
+            journal = app.hub.journal.id
+            status, other = await get_json(
+                http, f"{base}/api/requests/find?journal={journal}&offset=0"
+            )
+            assert status == 404 and "not a logjam request" in other["reason"]
 
 
 def test_a_hub_loads_pyarrow_only_when_the_requests_page_is_read(tmp_path):

@@ -34,8 +34,9 @@ class SparkSettings:
     )
     exception_samples: int = setting(
         5,
-        "requests kept per exception class, minute and action as examples to open",
-        min=1,
+        "requests kept per exception class, minute and action as examples to open (0: none, "
+        "the exceptions table without its samples column)",
+        min=0,
         max=1000,
     )
     index_row_group_bytes: int = setting(

@@ -18,6 +18,11 @@ with ``.transform()``. What logjam's importer computes per minute is the model (
   (``db_time_sum``, ``db_calls_sum``, ``allocated_memory_sum``, ...), as logjam's importer sums
   its configured resources.
 
+Beside the aggregates, the console's drill-down: :func:`request_samples` (per minute and action
+the slowest and the failed requests, each with where it is stored: ``journal``, ``offset``),
+samples of the requests behind each exception class (:func:`exception_rollup`) and the
+request-id index (:func:`request_index`).
+
 Streaming jobs pass ``watermark`` (e.g. ``"10 minutes"``): rows of a minute are emitted once
 the watermark passes it, and later events for that minute are dropped, as Spark documents.
 """
@@ -415,7 +420,16 @@ def exception_rollup(
 ) -> DataFrame:
     """Per minute, app, env, action, module and exception class: how many were raised, and
     ``samples``: the first ``samples`` requests (in journal order, so batch and streaming runs
-    pick the same) that raised it, each ``(request_id, journal, offset)``."""
+    pick the same) that raised it, each ``(request_id, journal, offset)`` (``samples=0``: no
+    such column)."""
+    if samples <= 0:
+        counted = requests.select(*_DIMENSIONS, F.explode("exceptions").alias("exception"))
+        return (
+            _watermarked(counted, "minute", watermark)
+            .groupBy(*_DIMENSIONS, "exception")
+            .agg(F.count(F.lit(1)).alias("count"))
+            .select(*_DIMENSIONS, _date(), "exception", "count")
+        )
     ref = F.struct("request_id", "journal", "offset")
     exploded = requests.select(
         *_DIMENSIONS,

@@ -95,6 +95,14 @@ class Console:
         self._drilldown: Drilldown | None = None
         self._index: RequestIndex | None = None
         self._source: RequestSource | None = None
+        self._m_lookups = server.hub.metrics.counter(
+            "web",
+            "request_lookups",
+            "calls",
+            "Request pages asked for (/api/requests/find), by how they ended: local, fleet "
+            "(read from another hub), not_found, hub_unavailable, gone (retention deleted it)",
+            ("kind",),
+        )
 
     # pyarrow (and the pandas it pulls in) costs ~95 MB of RSS: a hub loads it only when
     # somebody opens a page of the rollup tables, not at start.
@@ -421,7 +429,9 @@ class Console:
         try:
             view = await asyncio.to_thread(find)
         except LookupFailed as exc:
+            self._m_lookups.labels(exc.error).inc()
             return json_response({"error": exc.error, "reason": exc.reason}, exc.status)
+        self._m_lookups.labels("local" if view["hub"] == "local" else "fleet").inc()
         return json_response(view)
 
 
