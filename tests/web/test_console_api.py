@@ -116,6 +116,7 @@ async def test_events_record_and_filters(tmp_path):
         "/api/requests/samples?date=2026-01-02",
         "/api/requests/samples?date=2026-01-02&stream=a-b&minute=x",
         "/api/requests/samples?date=2026-01-02&stream=a-b&limit=0",
+        "/api/requests/samples?date=2026-01-02&stream=a-b",
         "/api/requests/errors?stream=a-b",
         "/api/requests/errors?date=2026-01-02&stream=a-b&status=99",
         "/api/exceptions?date=2026-01-02",

@@ -365,6 +365,9 @@ class Console:
         minute = params.integer(request, "minute", -1, 0, 2**40)
         action = params.text(request, "action")
         limit = params.integer(request, "limit", 100, 1, self.max_rows)
+        if minute < 0 and not action:
+            # A minute (every action's) or an action (every minute's) bounds what is read.
+            raise params.bad_request("minute or action is required")
         minute_ms = (minute - minute % 60) * 1000 if minute >= 0 else None
         return json_response(
             await asyncio.to_thread(self.drilldown.samples, app_env, date, minute_ms, action, limit)

@@ -101,8 +101,8 @@ class Drilldown:
     def samples(
         self, stream: str, date: str, minute_ms: int | None, action: str, limit: int
     ) -> dict[str, Any]:
-        """The slow and failed requests of one minute and/or action of ``stream``'s ``date``
-        (both absent: the whole day): ``slow`` slowest first, ``failed`` by start time; each
+        """The slow and failed requests of one minute and/or action of ``stream``'s ``date``:
+        ``slow`` slowest first, ``failed`` by start time; each
         list at most ``limit`` long. ``failed_count``: every failed request of the selection,
         ``failed_kept``: how many of those the table kept."""
         app, env = split_stream(stream)
@@ -147,46 +147,56 @@ class Drilldown:
         status code and exception class; with the day's facets (actions, statuses, exception
         classes and how many failed requests each has among those kept) and the overflow."""
         app, env = split_stream(stream)
-        where = (pc.field("app") == app) & (pc.field("env") == env) & pc.field("failed")
-
-        def build() -> dict[str, Any]:
-            columns = [*ROW_COLUMNS, "failed_count", "module", "frontend"]
-            return {"table": self._read(SAMPLES, date, where, columns)}
-
-        day = self._cached(("errors", stream, date), SAMPLES, date, build)["table"]
+        day = (pc.field("app") == app) & (pc.field("env") == env) & pc.field("failed")
         result: dict[str, Any] = {
             "stream": stream,
             "date": date,
-            "requests": [],
-            "matched": 0,
-            "failed_count": 0,
-            "failed_kept": day.num_rows,
-            "facets": {"actions": [], "statuses": [], "exceptions": []},
+            **self._cached(
+                ("facets", stream, date), SAMPLES, date, lambda: self._facets(date, day)
+            ),
         }
-        if day.num_rows == 0:
-            return result
-        result["failed_count"] = _failed_total(day)
-        exceptions = pc.list_flatten(day.column("exceptions")).to_pylist()
-        result["facets"] = {
-            "actions": Counter(day.column("action").to_pylist()).most_common(FACETS),
-            "statuses": sorted(Counter(day.column("code").to_pylist()).items())[:FACETS],
-            "exceptions": Counter(exceptions).most_common(FACETS),
-        }
-        chosen = day
+        where = day
         if action:
-            chosen = chosen.filter(pc.field("action") == action)
+            where &= pc.field("action") == action
         if status is not None:
-            chosen = chosen.filter(pc.field("code") == status)
-        if exception:
+            where &= pc.field("code") == status
+        chosen = self._read(SAMPLES, date, where, list(ROW_COLUMNS))
+        if exception and chosen.num_rows:
             has = pc.is_in(pc.list_flatten(chosen.column("exceptions")), pa.array([exception]))
             parents = pc.list_parent_indices(chosen.column("exceptions"))
             hit = np.zeros(chosen.num_rows, dtype=bool)
             hit[parents.to_numpy()[has.to_numpy(zero_copy_only=False)]] = True
             chosen = chosen.filter(pa.array(hit))
-        chosen = chosen.sort_by([("started", "descending")])
         result["matched"] = chosen.num_rows
-        result["requests"] = _rows(chosen.slice(0, limit))
+        result["requests"] = []
+        if chosen.num_rows:
+            chosen = chosen.sort_by([("started", "descending")])
+            result["requests"] = _rows(chosen.slice(0, limit))
         return result
+
+    def _facets(self, date: str, day: Any) -> dict[str, Any]:
+        """How many failed requests the day had and kept, and the Errors page's filters: the
+        actions, statuses and exception classes of those kept, each with its count."""
+        columns = ["minute", "action", "module", "frontend", "code", "exceptions", "failed_count"]
+        table = self._read(SAMPLES, date, day, columns)
+        if table.num_rows == 0:
+            return {
+                "failed_count": 0,
+                "failed_kept": 0,
+                "facets": {"actions": [], "statuses": [], "exceptions": []},
+            }
+        exceptions = pc.value_counts(pc.list_flatten(table.column("exceptions"))).to_pylist()
+        actions = pc.value_counts(table.column("action")).to_pylist()
+        statuses = pc.value_counts(table.column("code")).to_pylist()
+        return {
+            "failed_count": _failed_total(table),
+            "failed_kept": table.num_rows,
+            "facets": {
+                "actions": _top([(c["values"], c["counts"]) for c in actions]),
+                "statuses": sorted((c["values"], c["counts"]) for c in statuses)[:FACETS],
+                "exceptions": _top([(c["values"], c["counts"]) for c in exceptions]),
+            },
+        }
 
     def exceptions(self, stream: str, date: str, limit: int) -> dict[str, Any]:
         """Exception classes of ``stream``'s ``date`` by count: per class the count, its
@@ -248,6 +258,11 @@ class Drilldown:
         result["classes"] = classes
         result["class_count"] = len(names)
         return result
+
+
+def _top(pairs: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
+    """The FACETS most frequent values, most frequent first (ties by value)."""
+    return sorted(pairs, key=lambda p: (-p[1], str(p[0])))[:FACETS]
 
 
 def _failed_total(table: pa.Table) -> int:
