@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ ROW_COLUMNS = (
     "minute", "action", "request_id", "started", "code", "total_time", "severity",
     "exceptions", "host", "times", "journal", "offset", "slow", "failed",
 )  # fmt: skip
+SCAN_BATCH_ROWS = 65_536  # rows a streaming read holds at once (a few MB)
 FACETS = 200  # actions, statuses and exception classes listed as filters of the Errors page
 SERIES = 10  # exception classes drawn per minute on the Exceptions page
 CACHED_ANSWERS = 32
@@ -82,6 +84,20 @@ class Drilldown:
         names = set(dataset.schema.names)
         wanted = [c for c in columns if c in names] if columns is not None else None
         return dataset.to_table(columns=wanted, filter=where)
+
+    def _batches(self, table: str, date: str, where: Any, columns: list[str]) -> Iterator[Any]:
+        """The rows of ``_read`` a record batch at a time: a day's failed requests can be
+        many (up to failed_requests_per_action a minute and action), so the Errors page
+        counts and picks from them without holding them all."""
+        files = self.tables.files(table, date)
+        if not files:
+            return
+        dataset = ds.dataset(files, format="parquet")
+        names = set(dataset.schema.names)
+        scanner = dataset.scanner(
+            columns=[c for c in columns if c in names], filter=where, batch_size=SCAN_BATCH_ROWS
+        )
+        yield from scanner.to_batches()
 
     def _cached(self, key: tuple[Any, ...], table: str, date: str, build: Any) -> dict[str, Any]:
         """``build()``, kept while the table's files for ``date`` stay the same."""
@@ -160,41 +176,49 @@ class Drilldown:
             where &= pc.field("action") == action
         if status is not None:
             where &= pc.field("code") == status
-        chosen = self._read(SAMPLES, date, where, list(ROW_COLUMNS))
-        if exception and chosen.num_rows:
-            has = pc.is_in(pc.list_flatten(chosen.column("exceptions")), pa.array([exception]))
-            parents = pc.list_parent_indices(chosen.column("exceptions"))
-            hit = np.zeros(chosen.num_rows, dtype=bool)
-            hit[parents.to_numpy()[has.to_numpy(zero_copy_only=False)]] = True
-            chosen = chosen.filter(pa.array(hit))
-        result["matched"] = chosen.num_rows
-        result["requests"] = []
-        if chosen.num_rows:
-            chosen = chosen.sort_by([("started", "descending")])
-            result["requests"] = _rows(chosen.slice(0, limit))
+        # The newest `limit` of the matching rows, kept while the batches go by.
+        newest: pa.Table | None = None
+        matched = 0
+        for batch in self._batches(SAMPLES, date, where, list(ROW_COLUMNS)):
+            chosen = pa.Table.from_batches([batch])
+            if exception and chosen.num_rows:
+                chosen = chosen.filter(_raised(chosen.column("exceptions"), exception))
+            matched += chosen.num_rows
+            if chosen.num_rows:
+                merged = chosen if newest is None else pa.concat_tables([newest, chosen])
+                newest = merged.sort_by([("started", "descending")]).slice(0, limit)
+        result["matched"] = matched
+        result["requests"] = _rows(newest) if newest is not None else []
         return result
 
     def _facets(self, date: str, day: Any) -> dict[str, Any]:
         """How many failed requests the day had and kept, and the Errors page's filters: the
         actions, statuses and exception classes of those kept, each with its count."""
         columns = ["minute", "action", "module", "frontend", "code", "exceptions", "failed_count"]
-        table = self._read(SAMPLES, date, day, columns)
-        if table.num_rows == 0:
-            return {
-                "failed_count": 0,
-                "failed_kept": 0,
-                "facets": {"actions": [], "statuses": [], "exceptions": []},
-            }
-        exceptions = pc.value_counts(pc.list_flatten(table.column("exceptions"))).to_pylist()
-        actions = pc.value_counts(table.column("action")).to_pylist()
-        statuses = pc.value_counts(table.column("code")).to_pylist()
+        actions: Counter[str] = Counter()
+        statuses: Counter[int] = Counter()
+        exceptions: Counter[str] = Counter()
+        groups: dict[tuple[Any, ...], int] = {}  # (minute, action, ...) -> its failed_count
+        kept = 0
+        for batch in self._batches(SAMPLES, date, day, columns):
+            kept += batch.num_rows
+            for counter, values in (
+                (actions, batch.column("action")),
+                (statuses, batch.column("code")),
+                (exceptions, pc.list_flatten(batch.column("exceptions"))),
+            ):
+                for pair in pc.value_counts(values).to_pylist():
+                    counter[pair["values"]] += pair["counts"]
+            keys = zip(*(batch.column(k).to_pylist() for k in columns[:4]), strict=True)
+            for key, count in zip(keys, batch.column("failed_count").to_pylist(), strict=True):
+                groups[key] = count  # every row of a group carries the same count
         return {
-            "failed_count": _failed_total(table),
-            "failed_kept": table.num_rows,
+            "failed_count": sum(groups.values()),
+            "failed_kept": kept,
             "facets": {
-                "actions": _top([(c["values"], c["counts"]) for c in actions]),
-                "statuses": sorted((c["values"], c["counts"]) for c in statuses)[:FACETS],
-                "exceptions": _top([(c["values"], c["counts"]) for c in exceptions]),
+                "actions": _top(list(actions.items())),
+                "statuses": sorted(statuses.items())[:FACETS],
+                "exceptions": _top(list(exceptions.items())),
             },
         }
 
@@ -258,6 +282,15 @@ class Drilldown:
         result["classes"] = classes
         result["class_count"] = len(names)
         return result
+
+
+def _raised(exceptions: pa.ChunkedArray | pa.Array, name: str) -> pa.Array:
+    """True for the rows whose exception classes include ``name``."""
+    lists = exceptions.combine_chunks() if isinstance(exceptions, pa.ChunkedArray) else exceptions
+    has = pc.equal(pc.list_flatten(lists), name).fill_null(False).to_numpy(zero_copy_only=False)
+    hit = np.zeros(len(lists), dtype=bool)
+    hit[pc.list_parent_indices(lists).to_numpy()[has]] = True
+    return pa.array(hit)
 
 
 def _top(pairs: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
