@@ -287,13 +287,18 @@ def request_rows(events: list[GeneratedEvent]) -> Iterator[dict[str, Any]]:
         }
 
 
-def reference_requests(events: list[GeneratedEvent]) -> dict[tuple[Any, ...], dict[str, Any]]:
+def request_groups(events: list[GeneratedEvent]) -> dict[tuple[Any, ...], list[dict[str, Any]]]:
+    """Request rows by (minute, app, env, action, module, frontend): the rollups' groups."""
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
     for row in request_rows(events):
         key = tuple(row[k] for k in ("minute", "app", "env", "action", "module", "frontend"))
         groups[key].append(row)
+    return groups
+
+
+def reference_requests(events: list[GeneratedEvent]) -> dict[tuple[Any, ...], dict[str, Any]]:
     out = {}
-    for key, rows in groups.items():
+    for key, rows in request_groups(events).items():
         frontend = key[-1]
         happy, satisfied, tolerating = (500, 2000, 8000) if frontend else (100, 500, 2000)
         times = sorted(r["total_time"] for r in rows)
@@ -356,12 +361,8 @@ def reference_samples(
     """Per (minute, app, env, action, module, frontend): the offsets of the ``slow`` slowest
     requests (ties: the later offset), of the first ``failed`` failed ones by start time (ties:
     the earlier offset), and how many failed."""
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for row in request_rows(events):
-        key = tuple(row[k] for k in ("minute", "app", "env", "action", "module", "frontend"))
-        groups[key].append(row)
     out = {}
-    for key, rows in groups.items():
+    for key, rows in request_groups(events).items():
         by_time = sorted(rows, key=lambda r: (r["total_time"], r["offset"]), reverse=True)
         bad = [r for r in rows if r["code"] >= 500 or r["severity"] >= 3 or bool(r["exceptions"])]
         first = sorted(bad, key=lambda r: (r["started"], r["offset"]))

@@ -38,6 +38,8 @@ TABLES = ("requests", "exceptions", "logs", "request_samples", "request_ids")
 # What marks a query that failed because a hub could not be reached (the error's class name
 # is in the Python traceback Spark carries over): such a query is restarted from its checkpoint.
 _HUB_DOWN = "HubUnavailable"
+# How long a query's start may wait for the one before to initialize its source.
+INIT_WAIT_S = 120.0
 
 
 def _events(spark: Any, spec: SourceSpec, max_records: int | None, cursor: str | None) -> Any:
@@ -120,11 +122,30 @@ def start_stream(
     tables: tuple[str, ...] = TABLES,
     **options: Any,
 ) -> list[Any]:
-    """Start one query per table in ``tables`` and return them (running)."""
+    """Start one query per table in ``tables`` and return them (running).
+
+    Each query is started once the one before has initialized its source: initializing
+    starts a Python process (the data source's planner) that must connect back to the JVM
+    within Spark's fixed timeout, and five of them starting at once on a loaded two-core
+    machine missed it (``Python worker failed to connect back``)."""
     unknown = set(tables) - set(TABLES)
     if unknown:
         raise ValueError(f"unknown tables {sorted(unknown)}; known: {sorted(TABLES)}")
-    return [start_query(spark, journals, t, out, checkpoint, **options) for t in tables]
+    queries = []
+    for table in tables:
+        query = start_query(spark, journals, table, out, checkpoint, **options)
+        _wait_initialized(query)
+        queries.append(query)
+    return queries
+
+
+def _wait_initialized(query: Any, timeout_s: float = INIT_WAIT_S) -> None:
+    """Until ``query`` has initialized its sources (or ended, or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while query.isActive and time.monotonic() < deadline:
+        if not str(query.status.get("message", "")).startswith("Initializing"):
+            return
+        time.sleep(0.1)
 
 
 def run_stream(
