@@ -38,8 +38,9 @@ ACTIONS = (
 )  # fmt: skip
 
 
-def _traffic(addresses: dict[str, str], stop: threading.Event) -> None:
-    """A few hundred events a second over Lumberjack and logjam, varying, until ``stop``."""
+def _traffic(addresses: dict[str, str], stop: threading.Event, logjam: threading.Event) -> None:
+    """A few hundred events a second over Lumberjack and (once ``logjam`` is set) logjam,
+    varying, until ``stop``."""
     n = 0
     while not stop.is_set():
         burst = 50 + int(150 * (1 + math.sin(n / 5)))
@@ -49,12 +50,13 @@ def _traffic(addresses: dict[str, str], stop: threading.Event) -> None:
                 [{"message": f"GET /orders/{i} 200", "level": "info"} for i in range(burst)],
             )
         )
-        send_logjam(
-            addresses["logjam_router"],
-            "shop-prod",
-            [{"action": random.choice(ACTIONS), "total_time": random.lognormvariate(4, 0.7),
-              "code": 200} for _ in range(20)],
-        )  # fmt: skip
+        if logjam.is_set():
+            send_logjam(
+                addresses["logjam_router"],
+                "shop-prod",
+                [{"action": random.choice(ACTIONS), "total_time": random.lognormvariate(4, 0.7),
+                  "code": 200} for _ in range(20)],
+            )  # fmt: skip
         n += 1
         time.sleep(0.5)
 
@@ -132,15 +134,18 @@ def main(out: Path) -> int:
             )
         )  # fmt: skip
         send_lager(addresses, "/RobotA/Motion/", 600, root / "kegs" / "robot-a.lgr")
-        _requests_to_drill_into(addresses)
-        _rollup(root / "journal", root / "rollups")
-        stop = threading.Event()
-        traffic = threading.Thread(target=_traffic, args=(addresses, stop), daemon=True)
+        # Lumberjack and Lager traffic from the start (the Overview's history), logjam's only
+        # after the rollup: its id-less requests would crowd the drill-down's slowest.
+        stop, logjam = threading.Event(), threading.Event()
+        traffic = threading.Thread(target=_traffic, args=(addresses, stop, logjam), daemon=True)
         traffic.start()
         lager = threading.Thread(
             target=send_lager, args=(addresses, "/RobotB/Arm/", 3000, None, 0.4), daemon=True
         )
         lager.start()
+        _requests_to_drill_into(addresses)
+        _rollup(root / "journal", root / "rollups")
+        logjam.set()
         context, _, profile = launch_chromium(playwright)
         try:
             page = context.new_page()
@@ -168,8 +173,11 @@ def main(out: Path) -> int:
                 if name == "requests":  # an action's slowest and failed requests
                     page.click("#actions tbody tr >> nth=1")
                     page.wait_for_selector("#failed tbody tr", timeout=30_000)
-                if name == "request":  # a failed request of that action, from the drill-down
-                    page.click("#failed tbody tr >> nth=0 >> a")
+                if name == "request":  # a request that raised, opened from the Errors page
+                    query = f"{day}&exception={EXCEPTIONS[0]}"
+                    page.goto(f"{base}/errors?{query}")
+                    page.wait_for_selector("#errors tbody tr", timeout=30_000)
+                    page.click("#errors tbody tr >> nth=0 >> a")
                     page.wait_for_selector("#request:not([hidden])", timeout=30_000)
                 page.wait_for_timeout(3000)
                 if name == "tail":  # a record opened; the table grows without end: one screen
