@@ -10,9 +10,20 @@
 
   async function load(date, stream) {
     const data = await getJSON(`/api/exceptions?${new URLSearchParams({ date, stream })}`);
+    // The API lists only minutes with an exception: the minutes between them are drawn as 0,
+    // not bridged by a line (at most 1,440 a day).
+    const first = data.minutes[0], last = data.minutes[data.minutes.length - 1];
+    const minutes = [];
+    for (let t = first; data.minutes.length && t <= last; t += 60) minutes.push(t);
+    const at = new Map(minutes.map((t, i) => [t, i]));
     const series = {};
-    for (const c of data.classes) if (c.series) series[c.exception] = c.series;
-    perMinute.update(data.minutes, series);
+    for (const c of data.classes) {
+      if (!c.series) continue;
+      const counts = new Array(minutes.length).fill(0);
+      c.series.forEach((n, i) => { counts[at.get(data.minutes[i])] = n; });
+      series[c.exception] = counts;
+    }
+    perMinute.update(minutes, series);
     document.getElementById("summary").textContent =
       `${number(data.class_count || 0)} exception classes; click one for its failed requests.`;
     document.querySelector("#classes tbody").replaceChildren(...data.classes.map((c) => {
