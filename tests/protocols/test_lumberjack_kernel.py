@@ -63,9 +63,6 @@ class Counting:
             def records(self) -> bytes:
                 return kernel.records()
 
-            def fit(self, max_event: int, tail_len: int) -> None:
-                kernel.fit(max_event, tail_len)
-
         return Spy()
 
 
@@ -279,6 +276,15 @@ class TestKernel:
         data = W(500) + frames + W(500) + C(frames)
         assert _same(data, kernels) == 1000
         assert _same(data, kernels, chunks=[7, 1000, 1001, 50_000]) == 1000
+
+    def test_events_larger_than_its_buffer_go_to_python(self, kernels: WindowKernels) -> None:
+        # The kernel's output buffer is 1 MiB whatever max_event_bytes is: a larger record is
+        # Python's, and the kernel takes the events around it.
+        big = orjson.dumps({"message": "x" * (3 << 19), "fields": {"app": "big"}})
+        frames = [J(i + 1, big if i % 3 == 1 else _filebeat(i)) for i in range(9)]
+        data = W(9) + b"".join(frames)
+        assert _same(data, kernels) == 6
+        assert _same(C(b"".join(frames)), kernels, room=1 << 22) == 6
 
     def test_windows_and_batches_end_where_python_ends_them(self, kernels: WindowKernels) -> None:
         frames = b"".join(J(i + 1, _filebeat(i)) for i in range(300))

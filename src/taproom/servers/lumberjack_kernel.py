@@ -20,12 +20,11 @@ from .. import zmqburst
 
 __all__ = ["PathKernel", "WindowKernels"]
 
-# Records written per call at most (bytes): a window of Filebeat's ordinary events fits; a
-# larger run takes more calls. One record larger than this grows the buffer for it.
+# The one output buffer of a listener's kernels (bytes): the records of one call, copied out at
+# once. A window of Filebeat's ordinary events fits in a call or a few; a record larger than
+# this (an event of about 1 MiB) does not fit at all and is left to the Python path, so the
+# buffer stays this size whatever max_event_bytes is.
 _OUT_BYTES = 1 << 20
-# A record's bytes besides its payload and names (head, "lumberjack", "json", attrs).
-_RECORD_EXTRA = 46 + 14 + 9
-_MAX_NAME_BYTES = 255 * 4
 
 
 class PathKernel:
@@ -86,10 +85,6 @@ class PathKernel:
         """The records the last call wrote (a copy: the buffer is the next call's)."""
         return self._ffi.buffer(self._shared.out, self._res.out_bytes)[:]
 
-    def fit(self, max_event: int, tail_len: int) -> None:
-        """Make room for one record of the largest event (once per connection)."""
-        self._shared.grow(max_event + _RECORD_EXTRA + 2 * _MAX_NAME_BYTES + tail_len)
-
 
 class WindowKernels:
     """The compiled module's calls and one output buffer, shared by a listener's connections
@@ -97,10 +92,9 @@ class WindowKernels:
 
     def __init__(self, ffi: Any, lib: Any) -> None:
         self.ffi, self.lib = ffi, lib
-        self.out: Any = None
-        self.out_cap = 0
+        self.out = zmqburst.buffer("char[]", _OUT_BYTES)  # not zeroed: touched as written
+        self.out_cap = _OUT_BYTES
         self._paths: dict[tuple[tuple[str, ...], tuple[str, ...]], Any] = {}
-        self.grow(_OUT_BYTES)
 
     @classmethod
     def create(cls) -> WindowKernels | None:
@@ -109,11 +103,6 @@ class WindowKernels:
         if lib is None:
             return None
         return cls(ffi, lib)
-
-    def grow(self, size: int) -> None:
-        if size > self.out_cap:
-            self.out = zmqburst.buffer("char[]", size)
-            self.out_cap = size
 
     def for_paths(
         self, stream_fields: Sequence[str], topic_fields: Sequence[str]

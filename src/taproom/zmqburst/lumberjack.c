@@ -7,11 +7,11 @@
  * dotted paths and the @timestamp, with JSON's rules (the last of duplicate keys wins, lengths
  * in characters). It takes only what it is certain of and stops before anything else: another
  * frame type or version, an incomplete frame, a payload it is not certain of (escaped keys or
- * names, long numbers, a time outside its fast forms, not JSON at all), no room, or the end of
- * the sender's window or of the batch; the Python decoder then handles that frame itself (its
- * refusals, stalls, resend recognition and window bookkeeping stay one implementation) and
- * calls again after it. tests/protocols/test_lumberjack_kernel.py holds it to the Python path
- * with fuzzed windows.
+ * names, long numbers, a time outside its fast forms, not JSON at all), no room, a record
+ * larger than its output buffer (1 MiB), or the end of the sender's window or of the batch;
+ * the Python decoder then handles that frame itself (its refusals, stalls, resend recognition
+ * and window bookkeeping stay one implementation) and calls again after it.
+ * tests/protocols/test_lumberjack_kernel.py holds it to the Python path with fuzzed windows.
  */
 
 #define LW_PATHS 16 /* configured stream and topic paths, and @timestamp */
@@ -269,7 +269,7 @@ enum {
     LW_OTHER = 1, /* the next frame is not a J frame of this version */
     LW_SLOW = 2,  /* the next J frame is for Python (not certain, or refused) */
     LW_ROOM = 3,  /* its record does not fit the journal room */
-    LW_OUT = 4,   /* its record does not fit out */
+    LW_OUT = 4,   /* its record does not fit out (none taken: the frame is Python's) */
     LW_LIMIT = 5, /* max_events taken, or batch_room reached */
 };
 
@@ -312,6 +312,10 @@ void lw_run(const lw_paths *paths, const char *buf, size_t end, int version, siz
         }
         if (end - pos - 10 < length) {
             stop = LW_END;
+            break;
+        }
+        if (LW_HEAD + 14 + tail_len + length > out_cap - o) {
+            stop = LW_OUT; /* cannot fit even without names: not walked (Python's if first) */
             break;
         }
         const unsigned char *payload = b + pos + 10;

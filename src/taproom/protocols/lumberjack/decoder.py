@@ -162,8 +162,6 @@ class WindowKernel(Protocol):
 
     def records(self) -> bytes: ...
 
-    def fit(self, max_event: int, tail_len: int) -> None: ...
-
 
 class WindowKernels(Protocol):
     """What the glue gives a connection: kernels by paths (``lumberjack_kernel``)."""
@@ -300,8 +298,6 @@ class ServerConnection:
         # The compiled window kernel, when the glue gives one (taproom.servers.lumberjack_kernel)
         # and it fits the paths: it takes runs of J frames it is certain of, Python the rest.
         self._kernel = kernels.for_paths(stream_fields, topic_fields) if kernels else None
-        if self._kernel is not None:
-            self._kernel.fit(self._limits.max_event_bytes, len(self._producer) + 9)
         self._kernel_tail = {v: self._producer + attrs for v, attrs in _ATTRS.items()}
         self._received_ns = 0
         self._events: list[Window] = []
