@@ -69,5 +69,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return scheduling.make_scheduler(config, log)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    with scheduling.cpu_bound_yields(item):
+        return (yield)
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     scheduling.remove_groups_dir(config)
