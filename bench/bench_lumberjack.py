@@ -116,6 +116,11 @@ class Hub:
             "enabled = true",
             "port = 0",
             f"max_connections = {max_connections}",
+            # Every connection of the bench comes from 127.0.0.1: the per-address gate is set
+            # to the whole fleet's size, else the idle figure measures refused connections.
+            f"max_connections_per_peer = {max_connections}",
+            f"peer_connection_burst = {max_connections}",
+            "peer_connections_per_s = 100000.0",
             "idle_timeout_s = 600.0",
         ]
         for name in SERVICE_MODULES:
@@ -294,6 +299,15 @@ def _large_events(seconds: float, connections: int = CONNECTIONS) -> list[Figure
     return figures
 
 
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False  # open, nothing to read
+    except ConnectionError:
+        return True
+
+
 def _idle_connections(hub: Hub, count: int) -> float:
     """KiB of hub RSS per idle connection (each sent one W frame and went quiet)."""
     before = rss_of_pid_kib(hub.proc.pid)
@@ -305,6 +319,9 @@ def _idle_connections(hub: Hub, count: int) -> float:
             socks.append(s)
         time.sleep(2.0)
         after = rss_of_pid_kib(hub.proc.pid)
+        closed = sum(1 for s in socks if _closed_by_peer(s))
+        if closed:  # a refused connection costs nothing: the figure would be too good
+            raise RuntimeError(f"the hub closed {closed} of {count} idle connections")
     finally:
         for s in socks:
             s.close()
