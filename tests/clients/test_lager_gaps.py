@@ -32,15 +32,22 @@ def log_rows(tap: Tap, first: int, n: int) -> None:
 
 
 async def test_slow_mug_counts_what_it_lost(tmp_path: Path) -> None:
-    # Tiny queues between the bartender and the mugs so that a mug that does not read loses.
+    # Tiny queues between the bartender and the mugs so that a mug that does not read loses:
+    # 50 rows queued for it in the bartender, 50 in its libzmq, small kernel buffers.
     lager = {"hugz_interval_s": 0.05, "forward_hwm": 50}
-    async with running_app(tmp_path, enable=["lager"], lager=lager) as app:
+    zmtp = {"subscriber_send_buffer_bytes": 4096}
+    async with running_app(tmp_path, enable=["lager"], lager=lager, zmtp=zmtp) as app:
         where = addresses(app)
         gaps: list[tuple[str, int]] = []
 
         def run() -> None:
             tap = Tap(KEY, FORMATS[KEY], **where, watch=False).register()
-            early = Mug(**where, recv_hwm=50, on_gap=lambda k, n: gaps.append((k, n)))
+            early = Mug(
+                **where,
+                recv_hwm=50,
+                recv_buffer_bytes=4096,
+                on_gap=lambda k, n: gaps.append((k, n)),
+            )
             early.sync()
             early.subscribe(KEY)
             assert early.lost == 0
@@ -53,7 +60,7 @@ async def test_slow_mug_counts_what_it_lost(tmp_path: Path) -> None:
 
             # A mug subscribing to a tap that already has rows: the marks sent before the
             # hello reply are its baseline, so the 1000 earlier rows are not counted lost.
-            late = Mug(**where, recv_hwm=50)
+            late = Mug(**where, recv_hwm=50, recv_buffer_bytes=4096)
             late.sync()
             late.subscribe(KEY)
             log_rows(tap, 1000, 3000)

@@ -31,6 +31,23 @@ def sample(app, name, **labels):
     return app.hub.metrics.registry.get_sample_value(name, labels) or 0
 
 
+def pub_dropped(app, *reasons):
+    """Messages subscribers of the PUB output missed (taproom_output_dropped), by reason."""
+    reasons = reasons or ("hwm", "subscriber_bytes", "output_budget", "disconnected")
+    return sum(
+        sample(app, "taproom_output_dropped_messages_total", output="logjam_pub", reason=r)
+        for r in reasons
+    )
+
+
+def pub_accounted(app):
+    """Every message offered to a subscriber is delivered, dropped (counted) or queued."""
+    sent = sample(app, "taproom_output_sent_messages_total", output="logjam_pub")
+    delivered = sample(app, "taproom_output_delivered_messages_total", output="logjam_pub")
+    queued = sample(app, "taproom_output_queued_messages", output="logjam_pub")
+    return sent == delivered + pub_dropped(app) + queued
+
+
 def rejected(app, reason):
     return sample(app, "taproom_ingest_rejected_items_total", protocol="logjam", reason=reason)
 
@@ -41,7 +58,6 @@ def wait_subscriptions(app, n, timeout=5.0):
     while service.subscriber_count() < n:
         assert time.monotonic() < deadline, "subscriptions never reached the XPUB"
         time.sleep(0.01)
-    time.sleep(0.05)  # the subscription reached libzmq's XPUB; let it settle in the pipe
 
 
 def subscribe_all(app):
@@ -224,7 +240,8 @@ class TestPubOutput:
             assert [m.meta.sequence for m in everything[1]] == list(range(1, 801))
             assert everything[2] == 0  # no gaps for the subscriber that sees everything
             assert len(got["alpha-"][1]) == 400  # alpha-prod and alpha-staging
-            assert sample(app, "taproom_logjam_pub_dropped_messages_total", reason="hwm") == 0
+            assert pub_dropped(app, "hwm", "subscriber_bytes", "output_budget") == 0
+            assert pub_accounted(app)
 
     async def test_slow_subscriber_drops_are_counted_fast_one_loses_nothing(self, tmp_path):
         # the fast subscriber gets 300 messages: below its HWM of 1000 it cannot lose any, while
@@ -262,8 +279,9 @@ class TestPubOutput:
                 return fast_msgs, slow_msgs
 
             fast_msgs, slow_msgs = await asyncio.to_thread(work)
-            dropped = sample(app, "taproom_logjam_pub_dropped_messages_total", reason="hwm")
-            assert dropped > 0  # the slow subscriber was found full at least once
+            # the slow subscriber was found full: what it missed is counted, to the message
+            assert pub_dropped(app, "hwm", "subscriber_bytes") > 0
+            assert pub_accounted(app)
             assert [orjson.loads(m.body)["i"] for m in fast_msgs] == list(range(0, 3000, 10))
             assert len(slow_msgs) < 3000
             # a message a full subscriber missed still went out to everyone else
@@ -284,7 +302,12 @@ class TestPubOutput:
                 slow.setsockopt(zmq.RCVBUF, 4096)
                 slow.setsockopt(zmq.SUBSCRIBE, b"shared-")  # the same prefix as the fast one
                 slow.connect(url(app, "logjam_pub"))
-                time.sleep(0.3)  # XPUB passes a repeated prefix up only once: give it time
+                # a repeated prefix is no new prefix: wait for the second subscriber itself
+                publisher = app.services["logjam"].pub._pub
+                deadline = time.monotonic() + 10
+                while publisher.subscribed() < 2:
+                    assert time.monotonic() < deadline, "the slow subscriber never subscribed"
+                    time.sleep(0.01)
                 fast_msgs = []
                 with LogjamAgent(url(app, "logjam_pull"), mode="push") as push:
                     # Paced: the fast consumer reads each chunk before the next is sent, so it is
@@ -311,7 +334,8 @@ class TestPubOutput:
                 return fast_msgs, slow_msgs
 
             fast_msgs, slow_msgs = await asyncio.to_thread(work)
-            assert sample(app, "taproom_logjam_pub_dropped_messages_total", reason="hwm") > 0
+            assert pub_dropped(app, "hwm", "subscriber_bytes") > 0
+            assert pub_accounted(app)
             assert [orjson.loads(m.body)["i"] for m in fast_msgs] == list(range(3001))
             assert 0 < len(slow_msgs) < 3001
             seqs = [lj.parse_meta(f[3]).sequence for f in slow_msgs]

@@ -5,6 +5,7 @@ subscribes."""
 from __future__ import annotations
 
 import asyncio
+import struct
 import time
 
 import pytest
@@ -237,3 +238,76 @@ async def test_other_protocols_are_numbered_unmapped_while_nobody_subscribes(tmp
         ]  # fmt: skip
         assert service.pub.seq_offsets(1, 5) == {0: 1, 1: 2, 3: 3, 4: 4, 6: 5}  # offset: number
         assert sample(app, "taproom_logjam_published_messages_total", kind="data") == 6
+
+
+class _Captured:
+    """What PubOutput needs of its publisher: bursts kept for comparison."""
+
+    has_subscribers = True
+
+    def __init__(self) -> None:
+        self.bursts = []
+
+    def publish(self, burst):
+        self.bursts.append(burst)
+
+    def send(self, messages):
+        from taproom.protocols.zmtp.pubsub import Burst
+
+        self.publish(Burst.encode(messages))
+
+    def prefixes(self):
+        return 1
+
+
+def test_both_paths_build_the_wire_of_the_frames_the_records_map_to(zmq_path):
+    """lj_pubwire (compiled) and the Python loops build the same ZMTP bytes: each record's
+    app-env, topic, body and a meta numbered in journal order, other protocols' records
+    mapped in their place; on plain batches (protocols checked) and ingested ones."""
+    from taproom.config import load_config
+    from taproom.hub import CommittedBatch
+    from taproom.metrics import Metrics
+    from taproom.payloads import decode_payload
+    from taproom.protocols.zmtp.pubsub import Burst
+    from taproom.servers.logjam.pub import PubOutput, _CompiledWire
+
+    class FakeHub:
+        metrics = Metrics()
+
+    config = load_config(text="[logjam]\ndevice_number = 7\n").section("logjam")
+    mapper = lj.OutputMapper(
+        routes=config.routes,
+        default_app_env=config.default_app_env,
+        event_protocols=config.event_protocols,
+        payload_decoder=decode_payload,
+    )
+    output = PubOutput(FakeHub(), config, b"hub", mapper)
+    output._pub = _Captured()
+    output._compiled = _CompiledWire.create(config)
+    assert (output._compiled is not None) == (zmq_path == "ext")
+    builder = BatchBuilder()
+    for i, protocol in enumerate(["logjam"] * 3 + ["logtk", "logjam", "lumberjack", "logjam"]):
+        body = b'{"i":%d,"pad":"%s"}' % (i, b"x" * (i * 90))
+        builder.add(protocol, body, stream="mix-prod", topic="logs.x", ts_ns=(i + 1) * 10**15)
+    plain = builder.build()
+    parser = lj.IngestParser(max_body=1 << 16, max_decompressed=1 << 16)
+    parser.start_batch(time.time_ns())
+    for i in range(5):
+        parser.push(b"in-prod", b"logs", b"[%d]" % i * (i * 70), lj.encode_meta(0, 0, 5, i))
+    ingested = parser.take_batch()
+    output._publish_batch(CommittedBatch(0, plain.count, plain.body))
+    output._publish_batch(CommittedBatch(plain.count, ingested.count, ingested.body))
+    wire = b"".join(bytes(burst.wire) for burst in output._pub.bursts)
+    expected = []
+    for k, record in enumerate(
+        [
+            *CommittedBatch(0, plain.count, plain.body).records(),
+            *CommittedBatch(plain.count, ingested.count, ingested.body).records(),
+        ],
+        start=1,
+    ):
+        app_env, topic, body, created = mapper.map(record, 0)
+        meta = struct.pack("!HBBIQQ", lj.META_TAG, 0, lj.META_VERSION, 7, created, k)
+        expected.append([app_env, topic, body, meta])
+    assert wire == Burst.encode(expected).wire
+    assert output.published == len(expected) == 12

@@ -473,3 +473,21 @@ def lj_records(batch):
     from taproom.records import decode_batch
 
     return decode_batch(batch.body, 0)
+
+
+@given(st.lists(st.lists(st.binary(max_size=300), min_size=1, max_size=9), max_size=40))
+@settings(max_examples=fuzz_examples(200, 20_000), deadline=None, database=None)
+def test_compiled_zmtp_wire_is_the_python_encoding(messages):
+    """zt_wire (taproom's publishers, compiled) writes exactly what Burst.encode writes: every
+    frame's header (short below 256 bytes, long from 256), MORE on all but the last."""
+    from taproom.protocols.zmtp.pubsub import Burst
+
+    before = zmqburst.active()
+    zmqburst.select("ext")
+    try:
+        wire, ends = zmqburst.zmtp_wire(messages)
+    finally:
+        zmqburst.select(before)
+    reference = Burst.encode(messages)
+    assert bytes(wire) == reference.wire
+    assert list(ends) == list(reference.ends)

@@ -15,6 +15,7 @@ import zmq
 from taproom.protocols.lager import chp as lager_chp
 from taproom.servers.lager import forwarder as lager_forwarder
 from taproom.servers.lager import registrar as lager_registrar
+from taproom.servers.zmtp import ZmtpPublisher
 from tests.servers.test_lager import ROW, XML, Peer, register
 from tests.supervision.support import (
     assert_supervised,
@@ -114,7 +115,13 @@ class TestLagerLoops:
     async def test_forwarder_forward(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
     ) -> None:
-        raised = inject(monkeypatch, lager_forwarder, "_send_messages", first_call())
+        first = first_call()
+
+        def rows_to_mugs(publisher, messages) -> bool:  # the first batch of rows, not a mark
+            data = publisher.name == "lager_forwarder_counted" and messages[0][0][:1] != b"\x00"
+            return data and first()
+
+        raised = inject(monkeypatch, ZmtpPublisher, "send", rows_to_mugs)
         async with running_app(tmp_path, enable=["lager"], lager=SETTINGS) as app:
             peer = Peer(app.addresses)
             try:

@@ -45,10 +45,10 @@ typedef struct {
     int64_t now_ms;
 } lj_pub;
 typedef struct {
-    size_t pos; int sent; int dropped; uint64_t seq; int stop; int error;
+    size_t pos; int sent; uint64_t seq; int stop; int error; size_t out_bytes;
 } lj_published;
-void lj_publish(void *sock, const char *body, size_t len, int count, int check_protocol,
-                const lj_pub *cfg, lj_published *res);
+void lj_pubwire(const char *body, size_t len, int count, int check_protocol, const lj_pub *cfg,
+                char *out, size_t out_cap, size_t *ends, int ends_cap, lj_published *res);
 
 typedef struct {
     int status; size_t pos; size_t complete; int messages; size_t partial; size_t want;
@@ -63,6 +63,8 @@ typedef struct {
 void zt_take(const unsigned char *buf, size_t pos, size_t complete, const char *prefix,
              size_t prefix_len, int max_frames, int max_messages, size_t max_bytes, char *out,
              size_t out_cap, size_t *frame_end, size_t frames_cap, int *counts, zt_taken *res);
+size_t zt_wire(const char *buf, const size_t *frame_end, const int *counts, int n, char *out,
+               size_t out_cap, size_t *ends);
 
 typedef struct { int next; size_t next_frame; int slow; int scanned; } eb_scanned;
 void eb_scan(const char *buf, const size_t *frame_end, const int *counts, int max_frames,

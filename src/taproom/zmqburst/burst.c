@@ -31,7 +31,6 @@ typedef struct {
 #define TB_DONTWAIT 1 /* ZMQ_DONTWAIT */
 #define TB_SNDMORE 2  /* ZMQ_SNDMORE */
 #define TB_TYPE 16    /* ZMQ_TYPE */
-#define TB_XPUB_NODROP 69
 
 static int (*z_msg_init)(tb_zmq_msg *);
 static int (*z_msg_recv)(tb_zmq_msg *, void *, int);
@@ -821,7 +820,7 @@ void lj_build(lj_ingest *st, const char *buf, const size_t *frame_end, const int
     res->time_out_of_range = out_of_range;
 }
 
-/* ---- logjam PUB: committed records out as logjam messages -------------------------------- */
+/* ---- logjam PUB: committed records out as logjam messages, ZMTP wire bytes ---------------- */
 
 typedef struct {
     int meta_size; /* 24 (u32 device) or 22 (u16) */
@@ -833,32 +832,43 @@ typedef struct {
 } lj_pub;
 
 typedef struct {
-    size_t pos;     /* the next record's position in the body */
-    int sent;       /* records published */
-    int dropped;    /* of them, sent past a full subscriber (lossy) */
-    uint64_t seq;   /* the last sequence number handed out */
-    int stop;       /* 0: `count` done; 1: a record that is not logjam's, at pos; -1: error */
+    size_t pos;       /* the next record's position in the body */
+    int sent;         /* records written */
+    uint64_t seq;     /* the last sequence number handed out */
+    int stop;         /* 0: `count` or the body done; 1: a record that is not logjam's, at pos;
+                         2: out or ends full; -1: error */
     int error;
+    size_t out_bytes; /* wire bytes written to out */
 } lj_published;
 
-static int lj_send4(void *sock, const char *const *f, const size_t *n, int first_flags) {
-    if (z_send(sock, f[0], n[0], first_flags | TB_SNDMORE) < 0)
-        return -1;
-    /* with XPUB_NODROP only the first frame can meet the HWM: pipes count whole messages */
-    if (z_send(sock, f[1], n[1], TB_SNDMORE) < 0 || z_send(sock, f[2], n[2], TB_SNDMORE) < 0 ||
-        z_send(sock, f[3], n[3], 0) < 0)
-        return -2;
-    return 0;
+/* One ZMTP frame (23/ZMTP): flags (MORE, LONG for 256 bytes and more), size, body; the
+ * transport's publishers write these bytes to every subscriber (servers/zmtp/publisher.py). */
+static size_t zt_put_frame(unsigned char *o, const void *body, size_t n, int more) {
+    size_t head;
+    if (n < 256) {
+        o[0] = (unsigned char)(more ? 1 : 0);
+        o[1] = (unsigned char)n;
+        head = 2;
+    } else {
+        o[0] = (unsigned char)(2 | (more ? 1 : 0));
+        for (int k = 0; k < 8; k++)
+            o[1 + k] = (unsigned char)((uint64_t)n >> (8 * (7 - k)));
+        head = 9;
+    }
+    memcpy(o + head, body, n);
+    return head + n;
 }
 
-/* Publish up to `count` records of a batch body from res->pos: app-env, topic, payload and a
- * meta frame numbered on from res->seq. With check_protocol, stops at the first record that
- * is not logjam's (the caller maps it). A message a full subscriber refuses (XPUB_NODROP) is
- * sent once more in lossy mode, so only the full subscribers miss it (counted in dropped). */
-void lj_publish(void *sock, const char *body, size_t len, int count, int check_protocol,
-                const lj_pub *cfg, lj_published *res) {
+/* Up to `count` records of a batch body from res->pos as logjam messages in ZMTP wire form,
+ * appended to out (from res->out_bytes): app-env, topic, payload and a meta frame numbered on
+ * from res->seq; ends[i] is where message i ends. With check_protocol, stops at the first
+ * record that is not logjam's (the caller maps it). The transport writes out to every
+ * subscriber (servers/zmtp/publisher.py); protocols/logjam's Python twin builds the same. */
+void lj_pubwire(const char *body, size_t len, int count, int check_protocol, const lj_pub *cfg,
+                char *out, size_t out_cap, size_t *ends, int ends_cap, lj_published *res) {
     const unsigned char *b = (const unsigned char *)body;
-    size_t pos = res->pos;
+    unsigned char *o = (unsigned char *)out;
+    size_t pos = res->pos, w = res->out_bytes;
     uint64_t seq = res->seq;
     unsigned char meta[24];
     int ms = cfg->meta_size, dw = ms == 24 ? 4 : 2;
@@ -872,7 +882,7 @@ void lj_publish(void *sock, const char *body, size_t len, int count, int check_p
         size_t lp = h[28], lc = h[29];
         size_t ls = h[30] | (size_t)h[31] << 8, lt = h[32] | (size_t)h[33] << 8;
         size_t ll = h[42] | (size_t)h[43] << 8 | (size_t)h[44] << 16 | (size_t)h[45] << 24;
-        if (pos + rec > len) {
+        if (pos + rec > len || LJ_HEAD + lp + lc + ls + lt + ll > rec) {
             res->stop = -1;
             res->error = EINVAL;
             break;
@@ -880,6 +890,10 @@ void lj_publish(void *sock, const char *body, size_t len, int count, int check_p
         const char *q = body + pos + LJ_HEAD;
         if (check_protocol && !(lp == 6 && memcmp(q, "logjam", 6) == 0)) {
             res->stop = 1;
+            break;
+        }
+        if (res->sent >= ends_cap || w + 4 * 9 + ls + lt + ll + (size_t)ms > out_cap) {
+            res->stop = 2;
             break;
         }
         q += lp + lc;
@@ -895,29 +909,17 @@ void lj_publish(void *sock, const char *body, size_t len, int count, int check_p
             meta[4 + dw + k] = (unsigned char)(created >> (8 * (7 - k)));
             meta[12 + dw + k] = (unsigned char)(seq >> (8 * (7 - k)));
         }
-        const char *f[4] = {q, q + ls, body + pos + rec - ll, (const char *)meta};
-        size_t n[4] = {ls, lt, ll, (size_t)ms};
-        int r = lj_send4(sock, f, n, TB_DONTWAIT);
-        if (r == -1 && z_errno() == EAGAIN) {
-            int off = 0, on = 1;
-            z_setsockopt(sock, TB_XPUB_NODROP, &off, sizeof off);
-            r = lj_send4(sock, f, n, TB_DONTWAIT);
-            z_setsockopt(sock, TB_XPUB_NODROP, &on, sizeof on);
-            res->dropped++;
-        }
-        if (r < 0) {
-            /* the message is numbered (as the Python path, whose send raised after it) */
-            res->stop = -1;
-            res->error = z_errno();
-            pos += rec;
-            res->sent++;
-            break;
-        }
+        w += zt_put_frame(o + w, q, ls, 1);
+        w += zt_put_frame(o + w, q + ls, lt, 1);
+        w += zt_put_frame(o + w, body + pos + rec - ll, ll, 1);
+        w += zt_put_frame(o + w, meta, (size_t)ms, 0);
+        ends[res->sent] = w;
         pos += rec;
         res->sent++;
     }
     res->pos = pos;
     res->seq = seq;
+    res->out_bytes = w;
 }
 
 /* ---- ZMTP: taproom's own transport (servers/zmtp.py; protocols/zmtp/wire.py is the twin) -- */
@@ -1117,4 +1119,25 @@ void zt_take(const unsigned char *buf, size_t pos, size_t complete, const char *
         mark = pos;
     }
     res->pos = mark;
+}
+
+/* A prepared burst (frame j is buf[frame_end[j-1]..frame_end[j]), message i has counts[i]
+ * frames: what tb_send takes, as protocol kernels lay BROADCASTs out) as ZMTP wire bytes for
+ * taproom's publishers: each frame with its header, MORE on all but a message's last;
+ * ends[i] is where message i ends in out. Returns the bytes written, 0 if out_cap is short
+ * (the caller sizes it: the frames' bytes plus 9 a frame). */
+size_t zt_wire(const char *buf, const size_t *frame_end, const int *counts, int n, char *out,
+               size_t out_cap, size_t *ends) {
+    size_t w = 0, f = 0, start = 0;
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < counts[i]; j++, f++) {
+            size_t end = frame_end[f], size = end - start;
+            if (w + (size < 256 ? 2 : 9) + size > out_cap)
+                return 0;
+            w += zt_put_frame((unsigned char *)out + w, buf + start, size, j + 1 < counts[i]);
+            start = end;
+        }
+        ends[i] = w;
+    }
+    return w;
 }

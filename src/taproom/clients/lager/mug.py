@@ -86,6 +86,7 @@ class Mug:
         join_wait_s: float = 0.5,
         silence_s: float = 3.0,
         recv_hwm: int = 1_000_000,
+        recv_buffer_bytes: int = 0,
         on_silence: Callable[[], None] | None = None,
         on_update: Callable[[Registration], None] | None = None,
         on_gap: Callable[[str, int], None] | None = None,
@@ -126,6 +127,8 @@ class Mug:
         self._data = self._socket(zmq.SUB)
         self._data.setsockopt(zmq.LINGER, 0)
         self._data.setsockopt(zmq.RCVHWM, recv_hwm)
+        if recv_buffer_bytes:  # the kernel's receive buffer (ZMQ_RCVBUF; 0: the OS default)
+            self._data.setsockopt(zmq.RCVBUF, recv_buffer_bytes)
         self._handshakes: zmq.Socket[bytes] | None = self._data.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED
         )

@@ -46,7 +46,7 @@ class Acceptor(BusBase):
     def _install(self, hashmap: dict[bytes, Entry]) -> None:
         """Take ``hashmap`` as the state (start, or a copy from the peer): the admission table,
         the ttl heap and, with the CHP dialect on, every entry's kvmsg frames."""
-        chp = self._chp_publisher_raw is not None
+        chp = self._chp_publisher is not None
         for topic, entry in hashmap.items():
             if chp and entry.kv is None:
                 hashmap[topic] = entry._replace(kv=kv_frames(entry.frames, entry.chp))

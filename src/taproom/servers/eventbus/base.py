@@ -16,7 +16,7 @@ from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.eventbus import BinaryStar, Event
 from ...zmqaccess import ZmqAccess
-from ..zmtp import ZmtpSocket
+from ..zmtp import ZmtpPublisher, ZmtpSocket
 from .config import EventBusConfig
 from .state import PROTOCOL, Dedup, Entry
 
@@ -32,7 +32,7 @@ class Burst:
     needs_peer_ack: bool = False
     reply_to: bytes | None = None  # mirror bursts: the active peer's identity, to REPLICATED
     # The entries' BROADCASTs laid out by the collector's kernel (buffer, frame ends, frame
-    # counts, messages: zmqburst.send_prepared), or None: built from the entries when sent.
+    # counts, messages: ZmtpPublisher.publish_prepared), or None: built from the entries.
     wire: tuple[Any, Any, Any, int] | None = None
 
 
@@ -40,17 +40,17 @@ class BusBase:
     """The state every part of the bus shares: hashmap, sequences, queues, sockets, metrics."""
 
     # Bound by the service's start(); each libzmq one has a synchronous shadow for NOBLOCK hot
-    # loops. The collectors are taproom's own ZeroMQ transport (servers.zmtp, issue 26).
+    # loops. The collectors and publishers are taproom's own ZeroMQ transport (servers.zmtp,
+    # issue 26: bounded in bytes, every message a subscriber misses counted).
     _snapshot: zmq.asyncio.Socket
-    _publisher: zmq.asyncio.Socket
+    _publisher: ZmtpPublisher
     _collector: ZmtpSocket
     _snapshot_raw: zmq.Socket[bytes]
-    _publisher_raw: zmq.Socket[bytes]
     # The CHP dialect's group (config ``chp``): ROUTER, PUB, and a PULL or SUB collector.
     _chp_snapshot: zmq.asyncio.Socket
     _chp_collector: ZmtpSocket
     _chp_snapshot_raw: zmq.Socket[bytes]
-    _chp_publisher_raw: zmq.Socket[bytes] | None = None
+    _chp_publisher: ZmtpPublisher | None = None
     # The Binary Star peer link (roles primary / backup).
     _peer_host: str
     _peer_base: int
@@ -111,7 +111,7 @@ class BusBase:
         self._ctx: zmq.asyncio.Context | None = None
         self._zmq_access: ZmqAccess | None = None
         self._sockets: list[zmq.Socket[Any]] = []
-        self._own: list[ZmtpSocket] = []  # the collectors, on taproom's transport
+        self._own: list[ZmtpSocket | ZmtpPublisher] = []  # on taproom's transport
         self._reject_log_budget = 0.0
         self._stopping = False
         # Producer times to ts_ns by the one rule (taproom.eventtime); counted per burst.

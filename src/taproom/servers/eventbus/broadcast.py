@@ -8,15 +8,11 @@ import heapq
 import logging
 import time
 
-import zmq
-import zmq.asyncio
-
-from ... import zmqburst
 from ...protocols.eventbus import BStarState, replicated_frames
+from ..zmtp import ZmtpPublisher
 from .base import Burst
 from .bstar import BinaryStarPeer
 from .state import Entry, kv_frames
-from .wire import LEND_BYTES, send_event, send_kvmsg
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -28,7 +24,7 @@ class Broadcaster(BinaryStarPeer):
         """Supervised as ``eventbus.broadcast``: a burst whose apply fails unexpectedly is
         counted (``output="eventbus_broadcast"``) and logged; the admission table is counted
         again from the hashmap, and the next burst goes on."""
-        pub = self._publisher_raw
+        pub = self._publisher
         guard = self.hub.supervisor.guard("eventbus.broadcast", output="eventbus_broadcast")
         while True:
             burst = await self._inflight.get()
@@ -44,7 +40,7 @@ class Broadcaster(BinaryStarPeer):
                 self._bursts_open -= 1
                 self._inflight.task_done()
 
-    async def _apply(self, burst: Burst, pub: zmq.Socket[bytes]) -> None:
+    async def _apply(self, burst: Burst, pub: ZmtpPublisher) -> None:
         """Once ``burst`` is durable (and confirmed by the peer): hashmap, BROADCAST, ack."""
         try:
             commit = await burst.future
@@ -58,7 +54,7 @@ class Broadcaster(BinaryStarPeer):
         confirmed = burst.needs_peer_ack and await self._wait_peer_ack(burst.entries[-1].seq)
         hashmap = self.hashmap
         broadcast = self.fsm.active
-        chp_pub = self._chp_publisher_raw
+        chp_pub = self._chp_publisher
         if broadcast and not confirmed and self.config.role != "standalone":
             self._m_unreplicated.inc(len(burst.entries))
         sent = 0
@@ -70,13 +66,14 @@ class Broadcaster(BinaryStarPeer):
             and burst.entries[0].seq > broadcast_seq
         ):
             # the collector's kernel laid the BROADCASTs out as one burst: the hashmap here,
-            # the sends in one C call (its events all have data: none is a deletion)
+            # their wire bytes in one C call, written to every subscriber (its events all have
+            # data: none is a deletion)
             for entry in burst.entries:
                 topic = entry[1][0]
                 current = hashmap.get(topic)
                 if current is None or current[0] < entry[0]:
                     hashmap[topic] = entry
-            zmqburst.send_prepared(pub, *burst.wire)
+            pub.publish_prepared(*burst.wire)
             sent = len(burst.entries)
             broadcast_seq = burst.entries[-1].seq
         else:
@@ -90,16 +87,16 @@ class Broadcaster(BinaryStarPeer):
             self._collector.send([burst.reply_to, *replicated_frames(self.last_seq)])
 
     def _apply_entries(
-        self, burst: Burst, pub: zmq.Socket[bytes], broadcast: bool, broadcast_seq: int
+        self, burst: Burst, pub: ZmtpPublisher, broadcast: bool, broadcast_seq: int
     ) -> tuple[int, int]:
         """The hashmap and the BROADCASTs (and kvmsgs) of a burst, entry by entry: how many
         were sent, and the last sequence broadcast."""
         hashmap = self.hashmap
-        chp_pub = self._chp_publisher_raw
+        chp_pub = self._chp_publisher
         sent = 0
         new_entry = Entry._make
-        # BROADCASTs (and kvmsgs) go out a burst per call (taproom.zmqburst); a large value
-        # is sent on its own, lent to ZeroMQ rather than copied into the burst (send_event).
+        # BROADCASTs (and kvmsgs) go out as one burst per batch, built once for every
+        # subscriber (servers.zmtp.ZmtpPublisher)
         out: list[tuple[bytes, ...]] = []
         kv_out: list[tuple[bytes, ...]] = []
         for entry in burst.entries:
@@ -119,15 +116,9 @@ class Broadcaster(BinaryStarPeer):
             # A server never broadcasts a sequence at or below one it has broadcast (the seed:
             # "strictly incremental"); copied events it had already passed are only stored.
             if broadcast and seq > broadcast_seq:
-                if len(frames[5]) < LEND_BYTES:
-                    out.append(frames)
-                    if chp_pub is not None and kv is not None:
-                        kv_out.append(kv)
-                else:
-                    self._flush(pub, out, chp_pub, kv_out)
-                    send_event(pub, frames)
-                    if chp_pub is not None and kv is not None:
-                        send_kvmsg(chp_pub, kv)
+                out.append(frames)
+                if chp_pub is not None and kv is not None:
+                    kv_out.append(kv)
                 broadcast_seq = seq
                 sent += 1
         self._flush(pub, out, chp_pub, kv_out)
@@ -135,17 +126,17 @@ class Broadcaster(BinaryStarPeer):
 
     @staticmethod
     def _flush(
-        pub: zmq.Socket[bytes],
+        pub: ZmtpPublisher,
         out: list[tuple[bytes, ...]],
-        chp_pub: zmq.Socket[bytes] | None,
+        chp_pub: ZmtpPublisher | None,
         kv_out: list[tuple[bytes, ...]],
     ) -> None:
         """Send the BROADCASTs and kvmsgs gathered so far, in order, and clear the lists."""
         if out:
-            zmqburst.send_messages(pub, out)
+            pub.send(out)
             out.clear()
         if kv_out and chp_pub is not None:
-            zmqburst.send_messages(chp_pub, kv_out)
+            chp_pub.send(kv_out)
             kv_out.clear()
 
     # --- heartbeat -------------------------------------------------------------------------

@@ -304,13 +304,9 @@ class BinaryStarPeer(Acceptor):
             self.synced or active,
             self._take_acks() if active else (),
         )
-        with contextlib.suppress(zmq.ZMQError):
-            self._publisher_raw.send_multipart(frames, zmq.NOBLOCK)
-        if active and self._chp_publisher_raw is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._chp_publisher_raw.send_multipart(
-                    kvmsg.hugz_frames(self.last_seq), zmq.NOBLOCK
-                )
+        self._publisher.send([frames])
+        if active and self._chp_publisher is not None:
+            self._chp_publisher.send([kvmsg.hugz_frames(self.last_seq)])
 
     def _transition(self, before: BStarState) -> None:
         after = self.fsm.state

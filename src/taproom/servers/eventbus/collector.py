@@ -61,7 +61,7 @@ class Collector(Broadcaster):
         what it leaves, and everything on the Python path, is handled a message at a time."""
         cfg = self.config
         kernel = self._kernel if self.fsm.active else None
-        batch = _Batch(self.assigned_seq, kernel is not None and self._chp_publisher_raw is None)
+        batch = _Batch(self.assigned_seq, kernel is not None and self._chp_publisher is None)
         if kernel is not None:
             kernel.start_batch()
         max_messages, max_bytes = cfg.max_burst, cfg.max_burst_bytes

@@ -133,7 +133,8 @@ class EventBusConfig:
     )
     publisher_hwm: int = setting(
         100_000,
-        "BROADCASTs queued per subscriber before ZeroMQ drops (a client then sees a gap)",
+        "BROADCASTs queued per subscriber beyond what the kernel took ([zmtp] "
+        "max_subscriber_bytes bounds the bytes) before drops, each counted (a client sees a gap)",
         min=1,
     )
     snapshot_hwm: int = setting(

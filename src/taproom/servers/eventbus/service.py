@@ -15,7 +15,7 @@ import zmq.asyncio
 from ...checkpoint import CheckpointSchedule
 from ...hub import Hub
 from ...zmqaccess import ZmqAccess
-from ..zmtp import ZmtpSocket
+from ..zmtp import ZmtpPublisher, ZmtpSocket
 from .checkpoint import BusState, checkpoint_path, rebuild_state, write_checkpoint
 from .config import EventBusConfig
 from .snapshot import SnapshotServer
@@ -108,9 +108,6 @@ class EventBusService(SnapshotServer):
     async def _bind(self) -> dict[str, str]:
         """The seed's group (and the CHP dialect's, when on); see :meth:`_bind_group`."""
         cfg = self.config
-        # A subscription longer than any topic matches nothing; bounding it keeps a SUB from
-        # growing the PUB's subscription trie by a node per byte (issue 19: 4 x 1 MiB = 264 MB).
-        max_subscription = self.limits.max_topic_bytes + 64
         snapshot, publisher, collector, base = await self._bind_group(
             cfg.port,
             ("eventbus_snapshot", "eventbus_publisher", "eventbus_collector"),
@@ -122,14 +119,12 @@ class EventBusService(SnapshotServer):
                     "MAXMSGSIZE": self.limits.max_topic_bytes * self.limits.max_subtrees + 4096,
                 },
             ),
-            (zmq.PUB, {"SNDHWM": cfg.publisher_hwm, "MAXMSGSIZE": max_subscription}),
-            ("ROUTER", {}),
+            "ROUTER",
         )
         self._snapshot, self._publisher, self._collector = snapshot, publisher, collector
-        # Synchronous shadows of the same sockets: NOBLOCK sends and receives in hot loops
+        # A synchronous shadow of the same socket: NOBLOCK sends and receives in hot loops
         # without a future per call.
         self._snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
-        self._publisher_raw = zmq.Socket.shadow(publisher.underlying)
         addresses = {
             "eventbus_snapshot": f"{cfg.host}:{base}",
             "eventbus_publisher": f"{cfg.host}:{base + 1}",
@@ -149,12 +144,11 @@ class EventBusService(SnapshotServer):
                     "MAXMSGSIZE": self.limits.max_topic_bytes + 4096,
                 },
             ),
-            (zmq.PUB, {"SNDHWM": cfg.publisher_hwm, "MAXMSGSIZE": max_subscription}),
-            (collector_kind, {}),
+            collector_kind,
         )
         self._chp_snapshot, self._chp_collector = snapshot, collector
         self._chp_snapshot_raw = zmq.Socket.shadow(snapshot.underlying)
-        self._chp_publisher_raw = zmq.Socket.shadow(publisher.underlying)
+        self._chp_publisher = publisher
         addresses["eventbus_chp_snapshot"] = f"{cfg.host}:{base}"
         addresses["eventbus_chp_publisher"] = f"{cfg.host}:{base + 1}"
         addresses["eventbus_chp_collector"] = f"{cfg.host}:{base + 2}"
@@ -165,56 +159,66 @@ class EventBusService(SnapshotServer):
         port: int,
         names: tuple[str, str, str],
         snapshot_kind: tuple[int, dict[str, int]],
-        publisher_kind: tuple[int, dict[str, int]],
-        collector_kind: tuple[str, dict[str, int]],
-    ) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, ZmtpSocket, int]:
-        """Three sockets at P, P+1, P+2 (libzmq snapshot and publisher, the collector on
-        taproom's transport); port 0 finds three consecutive free ones (the OS picks P, and all
-        three are closed and tried again if P+1 or P+2 is taken).
+        collector_kind: str,
+    ) -> tuple[zmq.asyncio.Socket, ZmtpPublisher, ZmtpSocket, int]:
+        """Three sockets at P, P+1, P+2 (the libzmq snapshot ROUTER; the publisher and the
+        collector on taproom's transport); port 0 finds three consecutive free ones (the OS
+        picks P, and all three are closed and tried again if P+1 or P+2 is taken).
 
         Each gets its listener's access policy before it binds; peers of the wrong kind (a
         PUSH or PUB on the ROUTER SNAPSHOT...) are refused by ZeroMQ without a word to the
-        application: their monitors count them (``handshake_refused``); the collector counts
-        its own refusals (``socket_type``...)."""
+        application: their monitors count them (``handshake_refused``); the publisher and the
+        collector count their own refusals (``socket_type``...).
+
+        The publisher queues at most ``publisher_hwm`` messages per subscriber and the [zmtp]
+        byte bounds; a subscription longer than any topic matches nothing, so a longer one
+        disconnects its peer (issue 19: libzmq grew its subscription trie by a node per byte,
+        4 x 1 MiB = 264 MB)."""
         host = self.config.host
         assert self._zmq_access is not None
-        kind = collector_kind[0]
         for _attempt in range(100):
-            sockets = [self._socket(k, **options) for k, options in (snapshot_kind, publisher_kind)]
-            for sock, name in zip(sockets, names[:2], strict=True):
-                self._zmq_access.secure(sock, name, self._refused_handshake(name))
+            snapshot = self._socket(snapshot_kind[0], **snapshot_kind[1])
+            self._zmq_access.secure(snapshot, names[0], self._refused_handshake(names[0]))
+            publisher = ZmtpPublisher(
+                "PUB",
+                hub=self.hub,
+                protocol=PROTOCOL,
+                name=names[1],
+                hwm=self.config.publisher_hwm,
+                max_subscription_bytes=self.limits.max_topic_bytes + 64,
+            )
             collector = ZmtpSocket(
-                kind,
+                collector_kind,
                 hub=self.hub,
                 protocol=PROTOCOL,
                 name=names[2],
                 max_message_bytes=self._max_frame,
-                subscribe=(b"",) if kind == "SUB" else (),
+                subscribe=(b"",) if collector_kind == "SUB" else (),
             )
             try:
                 if port:
                     base = port
-                    sockets[0].bind(endpoint(host, base))
+                    snapshot.bind(endpoint(host, base))
                 else:
-                    sockets[0].bind(endpoint(host, 0).rsplit(":", 1)[0] + ":*")
-                    bound = sockets[0].getsockopt(zmq.LAST_ENDPOINT)
+                    snapshot.bind(endpoint(host, 0).rsplit(":", 1)[0] + ":*")
+                    bound = snapshot.getsockopt(zmq.LAST_ENDPOINT)
                     assert isinstance(bound, bytes)
                     base = int(bound.rsplit(b":", 1)[1])
                     if base > 65533:
                         raise zmq.ZMQError(errno.EADDRINUSE)
-                sockets[1].bind(endpoint(host, base + 1))
+                await publisher.bind(host, base + 1)
                 await collector.bind(host, base + 2)
             except (zmq.ZMQError, OSError) as exc:
+                publisher.close()
                 collector.close()
-                for sock in sockets:
-                    self._zmq_access.forget(sock)
-                    sock.close(0)
-                    self._sockets.remove(sock)
+                self._zmq_access.forget(snapshot)
+                snapshot.close(0)
+                self._sockets.remove(snapshot)
                 if port or exc.errno != errno.EADDRINUSE:
                     raise
                 continue
-            self._own.append(collector)
-            return sockets[0], sockets[1], collector, base
+            self._own += [publisher, collector]
+            return snapshot, publisher, collector, base
         raise OSError(errno.EADDRINUSE, "no three consecutive free ports for the event bus")
 
     async def stop(self) -> None:

@@ -24,16 +24,6 @@ MAX_FRAMES = 16
 LEND_BYTES = 65536
 
 
-def send_event(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes]) -> None:
-    """The six frames of a BROADCAST (PUB sockets never block)."""
-    base_send(sock, frames[0], MORE)
-    base_send(sock, frames[1], MORE)
-    base_send(sock, frames[2], MORE)
-    base_send(sock, frames[3], MORE)
-    base_send(sock, frames[4], MORE)
-    send_last(sock, frames[5])
-
-
 def send_last(sock: zmq.Socket[bytes], data: bytes) -> None:
     """The last frame of a message. A large value is lent to ZeroMQ (copy=False) rather than
     duplicated for every send; a small one is copied, which is cheaper than lending."""
@@ -41,15 +31,6 @@ def send_last(sock: zmq.Socket[bytes], data: bytes) -> None:
         base_send(sock, data, 0)
     else:
         base_send(sock, data, 0, False)
-
-
-def send_kvmsg(sock: zmq.Socket[bytes], frames: tuple[bytes, ...] | list[bytes]) -> None:
-    """The five frames of a kvmsg on the CHP publisher."""
-    base_send(sock, frames[0], MORE)
-    base_send(sock, frames[1], MORE)
-    base_send(sock, frames[2], MORE)
-    base_send(sock, frames[3], MORE)
-    send_last(sock, frames[4])
 
 
 def rearm(sock: zmq.asyncio.Socket) -> None:

@@ -8,8 +8,13 @@ Three sockets, at nasa/lager's forwarder ports and one more:
   what nasa/lager's SUB->PUB forwarder carries. A real Mug subscribes to everything here and
   aborts on any message that is not a data message with one frame per item.
 * ``lager_forwarder_counted`` (F+2, taproom only): XPUB carrying the same data messages plus
-  taproom's control messages, in order in one pipe per mug: the hello replies (no lost first
+  taproom's control messages, in order in one queue per mug: the hello replies (no lost first
   samples) and the loss marks (counted loss). taproom's Mug reads here; no real Mug ever does.
+
+Both outputs are taproom's own publishers (:class:`~taproom.servers.zmtp.ZmtpPublisher`):
+each batch's rows are encoded once for every mug, a mug's queue is bounded in messages
+(``forward_hwm``) and bytes, and every row a mug misses is counted
+(``taproom_output_dropped_messages_total{output="lager_forwarder_out"|...}``).
 
 Rows from a uuid the registrar does not know are *held* (bounded by ``max_held_bytes``) for
 up to ``unknown_tap_hold_s``: a real Tap's registration and its first rows travel on
@@ -29,29 +34,29 @@ timestamp, payload = the row) and only then forwarded (DESIGN.md decision 4). Re
 are counted by reason and never published. An output nobody subscribes to is not sent to.
 
 Hello: a mug subscribes (on F+2) to ``HELLO_PREFIX`` + a random token after its data
-subscriptions; the forwarder publishes that topic back once. ZeroMQ applies one pipe's
-subscriptions in order, so when the hello arrives every earlier subscription is in place.
+subscriptions; the forwarder sends that topic back to that mug. One connection's subscriptions
+are applied in order, so when the hello arrives every earlier subscription is in place.
 
-Counted loss (``MARK_PREFIX``, F+2 only): ZeroMQ drops silently for a mug that falls behind its
-HWM. After each forwarded batch (of at most 256 distinct taps; else at the next HUGZ round) the
+Counted loss (``MARK_PREFIX``, F+2 only): a mug that falls behind its bounds misses rows (the
+hub counts them too; the mug learns its own count from the marks). After each forwarded batch (of at most 256 distinct taps; else at the next HUGZ round) the
 forwarder publishes, per tap in it, a mark ``[MARK_PREFIX + uuid, u64 rows of that tap
-forwarded so far, u64 epoch of this process]``, so marks travel the mug's pipe in order with the
-rows. A mug subscribed to a tap's marks counts the rows it got between two marks and knows
+forwarded so far, u64 epoch of this process]``, so marks travel the mug's queue in order with
+the rows. A mug subscribed to a tap's marks counts the rows it got between two marks and knows
 exactly how many it lost (marks themselves may be dropped: the counts are cumulative). Before
-each hello reply the forwarder sends the marks of every tap with rows so far (the mug's
+each hello reply the forwarder sends that mug the marks of every tap with rows so far (its
 baseline; a tap without a mark then had none) and the reply carries the epoch. Marks are
 repeated once a ``hugz_interval_s`` for taps active in the last ``mark_repeat`` rounds.
 
 Hot path (issues 7, 15): data messages are read a burst per call and forwarded a batch per call
-(:mod:`taproom.zmqburst`: compiled, or pyzmq per frame), journal records are written directly with
-:data:`~taproom.records.RECORD_HEAD` from per-tap constant parts (:class:`DataRecords`, proven
-byte-identical to ``BatchBuilder`` by a test), and rows are forwarded as the received frames.
+(taproom's transport; bursts in :mod:`taproom.zmqburst`'s shapes), journal records are written
+directly with :data:`~taproom.records.RECORD_HEAD` from per-tap constant parts
+(:class:`DataRecords`, proven byte-identical to ``BatchBuilder`` by a test), and rows are
+forwarded as the received frames, encoded once per batch (in C where it is built).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import logging
@@ -65,10 +70,7 @@ from operator import itemgetter
 from typing import Any
 
 import orjson
-import zmq
-import zmq.asyncio
 
-from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
 from ...eventtime import TIME_OUT_OF_RANGE, EventTimes
 from ...hub import Hub
@@ -82,9 +84,8 @@ from ...records import (
     BatchBuilder,
     EncodedBatch,
 )
-from ..zmtp import ZmtpSocket
+from ..zmtp import Subscriber, ZmtpPublisher, ZmtpSocket
 from .config import LagerConfig
-from .sockets import MORE_NOBLOCK, NOBLOCK, raw_send, readable, recv_bounded
 
 __all__ = [
     "ATTRIBUTION_CONTENT_TYPE",
@@ -98,7 +99,7 @@ __all__ = [
 log = logging.getLogger("taproom.lager")
 
 # A mug subscribes to HELLO_PREFIX + a random token after its data subscriptions; the forwarder
-# publishes that topic back once. ZeroMQ applies one pipe's subscriptions in order, so when the
+# sends that topic back to it. One connection's subscriptions are applied in order, so when the
 # hello arrives every earlier subscription is in place. The NUL first byte keeps it out of any
 # uuid prefix a real mug subscribes to.
 HELLO_PREFIX = b"\x00taproom-lager-hello/"
@@ -226,9 +227,6 @@ class Forwarder:
         self._forward_guard = hub.supervisor.guard(
             "lager.forwarder.forward", output="lager_forwarder", logger=log
         )
-        # Topics some mug subscribes to on each output; an output with none is not sent to.
-        self._plain_topics: set[bytes] = set()
-        self._counted_topics: set[bytes] = set()
         self._m_forwarded = hub.metrics.counter(
             "lager", "forwarded", "rows", "Data rows sent to mugs"
         )
@@ -263,7 +261,7 @@ class Forwarder:
     def registrar(self) -> Registrar:
         return self._registrar()
 
-    def open(self, ctx: zmq.asyncio.Context) -> None:
+    def open(self) -> None:
         cfg = self.config
         # taproom's own transport (servers.zmtp): a SUB that subscribes every tap to
         # everything; a message holds at most a row's payload, its framing and the header
@@ -276,25 +274,33 @@ class Forwarder:
             max_message_bytes=cfg.max_payload_bytes + 9 * cfg.max_message_frames + 4096,
             subscribe=(b"",),
         )
-        self.fwd_out = ctx.socket(zmq.XPUB)
-        self.fwd_counted = ctx.socket(zmq.XPUB)
-        for out in (self.fwd_out, self.fwd_counted):
-            out.setsockopt(zmq.LINGER, 0)
-        for out in (self.fwd_out, self.fwd_counted):
-            out.setsockopt(zmq.SNDHWM, cfg.forward_hwm)
-            # What a mug sends upstream is subscriptions: a topic is a uuid, a mark or a hello.
-            out.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
+        # taproom's own publishers: forward_hwm rows and [zmtp]'s bytes per mug, every row a
+        # mug misses counted. What a mug sends upstream is subscriptions: a topic is a uuid, a
+        # mark or a hello (a longer one disconnects it, counted message_too_large).
+        self.fwd_out, self.fwd_counted = (
+            ZmtpPublisher(
+                "XPUB",
+                hub=self.hub,
+                protocol="lager",
+                name=name,
+                hwm=cfg.forward_hwm,
+                max_subscription_bytes=cfg.max_key_bytes + 64,
+                on_subscription=on_subscription,
+            )
+            for name, on_subscription in (
+                ("lager_forwarder_out", None),
+                ("lager_forwarder_counted", self._counted_subscription),
+            )
+        )
 
     @property
-    def sockets(self) -> tuple[ZmtpSocket | zmq.asyncio.Socket, ...]:
+    def sockets(self) -> tuple[ZmtpSocket | ZmtpPublisher, ...]:
         """At offsets 0, 1, 2 from the forwarder's base port."""
         return (self.fwd_in, self.fwd_out, self.fwd_counted)
 
     def bound(self, base: int) -> dict[str, str]:
-        """The sockets are bound at ``base`` + 0, 1, 2: take shadows, name the listeners."""
+        """The sockets are bound at ``base`` + 0, 1, 2: name the listeners."""
         host = self.config.host
-        self._fwd_out_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_out.underlying)
-        self._counted_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.fwd_counted.underlying)
         return {
             "lager_forwarder_in": f"{host}:{base}",
             "lager_forwarder_out": f"{host}:{base + 1}",
@@ -303,21 +309,15 @@ class Forwarder:
 
     @property
     def loops(self) -> tuple[Callable[[], Awaitable[None]], ...]:
-        return (
-            self._data_loop,
-            self._plain_subscriptions,
-            self._counted_subscriptions,
-            self._held_loop,
-        )
+        return (self._data_loop, self._held_loop)
 
     def formats_changed(self) -> None:
         """A registration changed the hashmap: a tap's format may be different now."""
         self._records.clear()
 
     def close(self) -> None:
-        self.fwd_in.close()
-        for sock in (self.fwd_out, self.fwd_counted):
-            sock.close(linger=0)
+        for sock in self.sockets:
+            sock.close()
 
     def _uuid_str(self, raw: bytes) -> str:
         text = self._uuid_text.get(raw)
@@ -327,11 +327,11 @@ class Forwarder:
 
     def repeat_marks(self) -> None:
         """At a HUGZ round: marks again for the taps active in the last ``mark_repeat``."""
-        if not self._counted_topics:
+        if not self.fwd_counted.has_subscribers:
             return
         rounds = self._mark_rounds
+        self.fwd_counted.send(self._marks(rounds))
         for raw_uuid, left in list(rounds.items()):
-            self._send_mark(raw_uuid)
             if left <= 1:
                 del rounds[raw_uuid]
             else:
@@ -544,22 +544,10 @@ class Forwarder:
         if future.cancelled() or future.exception() is not None or self.closing:
             return
         try:
-            if self._plain_topics:
-                plain = forwards
-                if reframe:
-                    plain = list(forwards)
-                    for index, cuts in reframe:
-                        head, row = forwards[index][:4], forwards[index][4]
-                        plain[index] = head + [row[start:end] for start, end in cuts]
-                if not_plain:
-                    skip = set(not_plain)
-                    plain = [m for i, m in enumerate(plain) if i not in skip]
-                _send_messages(self._fwd_out_raw, plain)
-            if self._counted_topics:
-                _send_messages(self._counted_raw, forwards)
-        except zmq.ZMQError as exc:
-            log.warning("lager: forwarding stopped: %s", exc)
-            return
+            if self.fwd_out.has_subscribers:
+                self.fwd_out.send(_plain_rows(forwards, reframe, not_plain))
+            if self.fwd_counted.has_subscribers:
+                self.fwd_counted.send(forwards)
         except Exception as exc:  # a bug: these rows are not forwarded (they are journaled)
             self._forward_guard.failed(exc, "committed batch", len(forwards))
             return
@@ -569,27 +557,26 @@ class Forwarder:
         repeat = self.config.mark_repeat
         # A batch from a few busy taps gets its marks at once; one spread over many taps
         # (a fleet at low rates: a mark per row or so) leaves them to the next HUGZ round.
-        now = len(per_tap) <= _BATCH_MARKS and bool(self._counted_topics)
+        now = len(per_tap) <= _BATCH_MARKS and self.fwd_counted.has_subscribers
         for raw_uuid, n in per_tap.items():
             counts[raw_uuid] = counts.get(raw_uuid, 0) + n
             rounds[raw_uuid] = repeat
-            if now:
-                self._send_mark(raw_uuid)
+        if now:
+            self.fwd_counted.send(self._marks(per_tap))
         if len(counts) > 2 * self.config.max_taps:  # re-registered uuids: forget the gone ones
             known = self.registrar.by_uuid
             for raw_uuid in [u for u in counts if u not in known]:
                 del counts[raw_uuid]
                 rounds.pop(raw_uuid, None)
 
-    def _send_mark(self, raw_uuid: bytes) -> None:
-        """Publish a tap's forwarded-row count (dropped like data for a mug that is behind)."""
-        count = self._forwarded_by_tap.get(raw_uuid, 0)
-        try:
-            raw_send(self._counted_raw, MARK_PREFIX + raw_uuid, MORE_NOBLOCK)
-            raw_send(self._counted_raw, count.to_bytes(8, "big"), MORE_NOBLOCK)
-            raw_send(self._counted_raw, self._epoch, NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("lager: mark not sent: %s", exc)
+    def _marks(self, uuids: Iterable[bytes]) -> list[list[bytes]]:
+        """Marks of taps' forwarded-row counts (dropped like data for a mug that is behind,
+        counted; the counts are cumulative, so the next mark tells the mug its loss)."""
+        counts, epoch = self._forwarded_by_tap, self._epoch
+        return [
+            [MARK_PREFIX + raw_uuid, counts.get(raw_uuid, 0).to_bytes(8, "big"), epoch]
+            for raw_uuid in uuids
+        ]
 
     # --- rows of unregistered uuids -----------------------------------------------------------
 
@@ -671,58 +658,30 @@ class Forwarder:
                 if now - held.since >= hold_s:
                     self._release(raw_uuid, f"none came in {hold_s:g} s")
 
-    async def _plain_subscriptions(self) -> None:
-        """Track what real mugs subscribe to on F+1 (only data is ever sent there)."""
-        await self._watch_subscriptions(self.fwd_out, self._fwd_out_raw, self._plain_topics)
-
-    async def _counted_subscriptions(self) -> None:
-        """Track taproom mugs' subscriptions on F+2 and answer their hellos."""
-        await self._watch_subscriptions(
-            self.fwd_counted, self._counted_raw, self._counted_topics, self._hello
-        )
-
-    async def _watch_subscriptions(
-        self,
-        sock: zmq.asyncio.Socket,
-        raw: zmq.Socket[bytes],
-        topics: set[bytes],
-        on_hello: Callable[[bytes], None] | None = None,
-    ) -> None:
-        """An XPUB passes up the first subscription to a topic and the last unsubscription
-        (also when a mug goes away), so ``topics`` is exactly what some mug subscribes to."""
-        while True:
-            # A send on the same socket can swallow the read signal; poll with a short timeout.
-            if not readable(raw):
-                await sock.poll(timeout=100)
-            for _ in range(1024):
-                try:
-                    frames = recv_bounded(raw, 1)
-                except zmq.Again:
-                    break
-                if not frames or not frames[0]:
-                    continue  # not a subscription message
-                frame = frames[0]
-                topic = frame[1:]
-                if frame[0] == 1:
-                    if on_hello is not None and topic.startswith(HELLO_PREFIX):
-                        on_hello(topic)
-                    topics.add(topic)
-                elif frame[0] == 0:
-                    topics.discard(topic)
-            await asyncio.sleep(0)
-
-    def _hello(self, topic: bytes) -> None:
-        """Marks first: the mug's baseline for every tap, in its pipe before the hello (its
-        subscriptions, marks included, are already in place). Then [hello topic, epoch]."""
-        for raw_uuid in self._forwarded_by_tap:
-            self._send_mark(raw_uuid)
-        with contextlib.suppress(zmq.Again):
-            raw_send(self._counted_raw, topic, MORE_NOBLOCK)
-            raw_send(self._counted_raw, self._epoch, NOBLOCK)
+    def _counted_subscription(self, mug: Subscriber, topic: bytes, subscribed: bool) -> None:
+        """A hello: marks first, that mug's baseline for every tap (its subscriptions, marks
+        included, are in place: they came before on the same connection), then [hello topic,
+        epoch]: to that mug alone, in its queue after everything sent to it so far."""
+        if subscribed and topic.startswith(HELLO_PREFIX):
+            self.fwd_counted.send_to(
+                mug, [*self._marks(self._forwarded_by_tap), [topic, self._epoch]]
+            )
 
 
-def _send_messages(raw: zmq.Socket[bytes], messages: list[list[bytes]]) -> None:
-    """NOBLOCK sends of whole messages in one burst (taproom.zmqburst); an XPUB drops for a
-    mug at its HWM and never refuses, so a message not sent means the socket is going away."""
-    if zmqburst.send_messages(raw, messages) != len(messages):
-        raise zmq.ZMQError(zmq.ENOTSOCK, "the forwarder output refused a send")
+def _plain_rows(
+    forwards: list[list[bytes]],
+    reframe: list[tuple[int, list[tuple[int, int]]]],
+    not_plain: list[int],
+) -> list[list[bytes]]:
+    """The rows as a real Mug reads them on the plain output: a seed-framed row of several
+    items split into one frame per item, rows it could not read (``not_plain``) left out."""
+    plain = forwards
+    if reframe:
+        plain = list(forwards)
+        for index, cuts in reframe:
+            head, row = forwards[index][:4], forwards[index][4]
+            plain[index] = head + [row[start:end] for start, end in cuts]
+    if not_plain:
+        skip = set(not_plain)
+        plain = [m for i, m in enumerate(plain) if i not in skip]
+    return plain

@@ -52,7 +52,7 @@ from ...protocols.lager.chp import (
 )
 from ...protocols.lager.formats import parse_format_xml
 from ...records import BatchBuilder, iter_batch
-from ..zmtp import ZmtpSocket
+from ..zmtp import ZmtpPublisher, ZmtpSocket
 from .config import LagerConfig
 from .sockets import readable, recv_bounded, send
 
@@ -147,9 +147,19 @@ class RegistrarServer:
     def open(self, ctx: zmq.asyncio.Context) -> None:
         cfg = self.config
         self.snapshot = ctx.socket(zmq.ROUTER)
-        self.publisher = ctx.socket(zmq.PUB)
-        for sock in (self.snapshot, self.publisher):
-            sock.setsockopt(zmq.LINGER, 0)
+        self.snapshot.setsockopt(zmq.LINGER, 0)
+        # taproom's own publisher (servers.zmtp): max_taps + 16 messages per subscriber (a
+        # whole snapshot's worth of changes) and [zmtp]'s bytes, every message one misses
+        # counted. A subscriber's subscriptions are input too: a key prefix, never more than
+        # a key (a longer one disconnects it, counted message_too_large).
+        self.publisher = ZmtpPublisher(
+            "PUB",
+            hub=self.hub,
+            protocol="lager",
+            name="lager_registrar_publisher",
+            hwm=cfg.max_taps + 16,
+            max_subscription_bytes=cfg.max_key_bytes + 64,
+        )
         # Bigger than any valid registration: an oversized one must reach the parser to be
         # refused and counted; past the bound the tap's whole connection is dropped, and with
         # it the registrations queued behind the big one. taproom's own transport
@@ -167,12 +177,9 @@ class RegistrarServer:
         self.snapshot.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A snapshot is up to max_taps messages in one burst: the HWM must hold all of them.
         self.snapshot.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
-        self.publisher.setsockopt(zmq.SNDHWM, cfg.max_taps + 16)
-        # A subscriber's subscriptions are input too: a key prefix, never more than a key.
-        self.publisher.setsockopt(zmq.MAXMSGSIZE, cfg.max_key_bytes + 64)
 
     @property
-    def sockets(self) -> tuple[zmq.asyncio.Socket | ZmtpSocket, ...]:
+    def sockets(self) -> tuple[zmq.asyncio.Socket | ZmtpSocket | ZmtpPublisher, ...]:
         return (self.snapshot, self.publisher, self.collector)
 
     def bound(self, base: int) -> dict[str, str]:
@@ -180,7 +187,6 @@ class RegistrarServer:
         cfg = self.config
         # Synchronous shadows of the same sockets for NOBLOCK bursts (DESIGN.md decision 3).
         self._snapshot_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.snapshot.underlying)
-        self._publisher_raw: zmq.Socket[bytes] = zmq.Socket.shadow(self.publisher.underlying)
         self._last_publish = time.monotonic()
         return {
             "lager_registrar_snapshot": f"{cfg.host}:{base}",
@@ -206,8 +212,8 @@ class RegistrarServer:
             except OSError as exc:
                 log.error("lager: checkpoint at stop failed (%s); the journal has it all", exc)
         self.collector.close()
-        for sock in (self.snapshot, self.publisher):
-            sock.close(linger=0)
+        self.publisher.close()
+        self.snapshot.close(linger=0)
 
     # --- persistence ----------------------------------------------------------------------
 
@@ -344,10 +350,8 @@ class RegistrarServer:
     # --- sockets --------------------------------------------------------------------------
 
     def _publish(self, frames: list[bytes]) -> None:
-        try:
-            send(self._publisher_raw, frames)
-        except zmq.Again:
-            self.hub.metrics.rejected("lager", "publisher_hwm")
+        """Never blocks; a subscriber past its bounds misses it (counted by the publisher)."""
+        self.publisher.send([frames])
         self._last_publish = time.monotonic()
 
     async def _collector_loop(self) -> None:

@@ -15,11 +15,11 @@ import zmq.asyncio
 from ...access import LISTENERS
 from ...hub import Hub
 from ...zmqaccess import ZmqAccess
-from ..zmtp import ZmtpSocket
+from ..zmtp import ZmtpPublisher, ZmtpSocket
 from .config import FORWARDER_FOLLOWS_REGISTRAR, FORWARDER_OFFSET, LagerConfig
 from .forwarder import Forwarder
 from .registrar import RegistrarServer
-from .sockets import bind_offsets
+from .sockets import Bindable, bind_offsets
 
 __all__ = ["LagerService", "create_service"]
 
@@ -56,7 +56,7 @@ class LagerService:
         await asyncio.to_thread(self.registrar.restore)
         self._ctx = ctx = zmq.asyncio.Context()
         self.registrar.open(ctx)
-        self.forwarder.open(ctx)
+        self.forwarder.open()
         self._access = access = ZmqAccess(ctx, self.hub.config, self.hub.metrics, "lager")
         try:
             for sock, name in zip(
@@ -65,12 +65,13 @@ class LagerService:
                 LISTENERS["lager"],
                 strict=True,
             ):
-                if not isinstance(sock, ZmtpSocket):  # taproom's own apply theirs at accept
+                if not isinstance(sock, ZmtpSocket | ZmtpPublisher):  # theirs at accept
                     access.secure(sock, name)  # allowlist and CURVE, before bind
             addresses = await self._bind()
         except (zmq.ZMQError, OSError):
             self.registrar.collector.close()
-            self.forwarder.fwd_in.close()
+            self.registrar.publisher.close()
+            self.forwarder.close()
             access.close()
             ctx.destroy(linger=0)  # the app never calls stop() for a service that failed
             self._ctx = None
@@ -90,8 +91,12 @@ class LagerService:
         """nasa/lager's layout by default: registrar at P..P+2, forwarder at P+10..P+12 (with
         port 0, one free base for all six); or the forwarder at its own configured base."""
         cfg = self.config
-        registrar = [(sock, i) for i, sock in enumerate(self.registrar.sockets)]
-        forwarder = [(sock, i) for i, sock in enumerate(self.forwarder.sockets)]
+        registrar: list[tuple[Bindable, int]] = list(
+            zip(self.registrar.sockets, range(3), strict=True)
+        )
+        forwarder: list[tuple[Bindable, int]] = list(
+            zip(self.forwarder.sockets, range(3), strict=True)
+        )
         if cfg.forwarder_port == FORWARDER_FOLLOWS_REGISTRAR:
             shifted = [(sock, FORWARDER_OFFSET + i) for sock, i in forwarder]
             base = await bind_offsets(

@@ -12,11 +12,12 @@ import zmq
 import zmq.asyncio
 import zmq.backend
 
-from ..zmtp import ZmtpSocket
+from ..zmtp import ZmtpPublisher, ZmtpSocket
 
 __all__ = [
     "MORE_NOBLOCK",
     "NOBLOCK",
+    "Bindable",
     "bind_offsets",
     "endpoint",
     "raw_send",
@@ -32,12 +33,12 @@ def endpoint(host: str, port: int | str) -> str:
     return f"tcp://{host}:{port}"
 
 
-Bindable = zmq.asyncio.Socket | ZmtpSocket
+Bindable = zmq.asyncio.Socket | ZmtpSocket | ZmtpPublisher
 
 
 async def _bind(sock: Bindable, host: str, port: int) -> tuple[int, str]:
     """(the port bound, what unbinds it); ``port`` 0: any free one."""
-    if isinstance(sock, ZmtpSocket):
+    if isinstance(sock, ZmtpSocket | ZmtpPublisher):
         await sock.bind(host, port)
         return sock.port, ""
     sock.bind(endpoint(host, port or "*"))
@@ -47,7 +48,7 @@ async def _bind(sock: Bindable, host: str, port: int) -> tuple[int, str]:
 
 
 def _unbind(sock: Bindable, address: str) -> None:
-    if isinstance(sock, ZmtpSocket):
+    if isinstance(sock, ZmtpSocket | ZmtpPublisher):
         sock.close()  # bound again on the next try
     else:
         with contextlib.suppress(zmq.ZMQError):

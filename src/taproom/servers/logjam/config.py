@@ -32,7 +32,8 @@ class LogjamConfig:
     )
     snd_hwm: int = setting(
         100_000,
-        "messages queued per subscriber (about 50 MB of logjam requests) before drops",
+        "messages queued per subscriber beyond what the kernel took (about 50 MB of logjam "
+        "requests; [zmtp] max_subscriber_bytes bounds the bytes) before drops, counted",
         min=1,
     )
     max_message_bytes: int = setting(

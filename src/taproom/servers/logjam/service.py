@@ -14,7 +14,7 @@ from ...hub import Hub
 from ...payloads import decode_payload
 from ...protocols import logjam as lj
 from ...zmqaccess import ZmqAccess
-from ..zmtp import ZmtpSocket
+from ..zmtp import ZmtpPublisher, ZmtpSocket
 from .config import LogjamConfig
 from .ingest import Ingest, RejectLog
 from .pub import PubOutput
@@ -22,12 +22,10 @@ from .replay import ReplayChannel
 
 __all__ = ["LogjamService", "canonical_host_name", "create_service"]
 
-# ZMQ_MAXMSGSIZE of the sockets that take no logjam messages, from what their protocol sends:
-# a subscription is an app-env prefix in a ZMTP 3.1 SUBSCRIBE command ("\x09SUBSCRIBE" before
-# it; ZMTP 3.0 peers send one byte); replay request frames are at most 255 bytes, and a little
-# more is still read so it can be answered 400. libzmq drops the connection of a peer sending a
-# bigger frame before allocating it.
-_SUBSCRIPTION_MAX_BYTES = len(b"\x09SUBSCRIBE") + lj.MAX_PREFIX_BYTES
+# ZMQ_MAXMSGSIZE of the replay socket: request frames are at most 255 bytes, and a little more
+# is still read so it can be answered 400. libzmq drops the connection of a peer sending a
+# bigger frame before allocating it. (The PUB is taproom's transport: a subscription longer
+# than an app-env prefix can be disconnects its peer, counted message_too_large.)
 _REPLAY_FRAME_MAX_BYTES = 4096
 
 
@@ -47,7 +45,8 @@ def canonical_host_name() -> str:
 
 
 class LogjamService:
-    """The logjam ROUTER/PULL ingest, XPUB output and replay channel."""
+    """The logjam ROUTER/PULL ingest, XPUB output and replay channel (the ROUTER, PULL and
+    XPUB on taproom's own transport, the replay ROUTER on libzmq)."""
 
     def __init__(self, hub: Hub, config: LogjamConfig) -> None:
         self.hub = hub
@@ -66,7 +65,7 @@ class LogjamService:
         self._ctx: zmq.asyncio.Context | None = None
         self._access: ZmqAccess | None = None
         self._sockets: list[zmq.asyncio.Socket] = []
-        self._own: list[ZmtpSocket] = []  # taproom's transport: the ingest sockets
+        self._own: list[ZmtpSocket | ZmtpPublisher] = []  # taproom's transport
         self._tasks: list[asyncio.Task[None]] = []
         self.addresses: dict[str, str] = {}
 
@@ -80,8 +79,6 @@ class LogjamService:
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame)
         sock.setsockopt(zmq.RCVHWM, cfg.rcv_hwm)
         sock.setsockopt(zmq.SNDHWM, cfg.snd_hwm)
-        if kind == zmq.XPUB:
-            sock.setsockopt(zmq.XPUB_NODROP, 1)
         self._sockets.append(sock)
         assert self._access is not None
         self._access.secure(sock, name)  # allowlist and CURVE, before bind
@@ -104,6 +101,21 @@ class LogjamService:
         self.addresses[name] = await sock.bind(self.config.host, port)
         return sock
 
+    async def _bind_pub(self) -> ZmtpPublisher:
+        """The XPUB on taproom's transport: ``snd_hwm`` messages and the [zmtp] byte bounds
+        per subscriber, every message a subscriber misses counted."""
+        pub = ZmtpPublisher(
+            "XPUB",
+            hub=self.hub,
+            protocol="logjam",
+            name="logjam_pub",
+            hwm=self.config.snd_hwm,
+            max_subscription_bytes=lj.MAX_PREFIX_BYTES,
+        )
+        self._own.append(pub)
+        self.addresses["logjam_pub"] = await pub.bind(self.config.host, self.config.pub_port)
+        return pub
+
     async def start(self) -> dict[str, str]:
         cfg = self.config
         self._ctx = zmq.asyncio.Context()
@@ -111,14 +123,14 @@ class LogjamService:
         try:
             router = await self._bind_own("ROUTER", cfg.router_port, "logjam_router")
             pull = await self._bind_own("PULL", cfg.pull_port, "logjam_pull")
-            _, pub_sync = self._bind(zmq.XPUB, cfg.pub_port, "logjam_pub", _SUBSCRIPTION_MAX_BYTES)
+            pub = await self._bind_pub()
             replay, replay_sync = self._bind(
                 zmq.ROUTER, cfg.replay_port, "logjam_replay", _REPLAY_FRAME_MAX_BYTES
             )
         except (zmq.ZMQError, OSError):
             self._close_sockets()
             raise
-        self.pub.attach(pub_sync, self.addresses["logjam_pub"].rsplit(":", 1)[1])
+        self.pub.attach(pub, self.addresses["logjam_pub"].rsplit(":", 1)[1])
         # Every loop supervised (taproom.supervise): restarted if it dies, shown on /ready.
         spawn = self.hub.supervisor.spawn
         self._access.start(spawn)  # logjam.zap, logjam.handshakes.<listener> (CURVE)
@@ -161,7 +173,7 @@ class LogjamService:
             self._ctx = None
 
     def subscriber_count(self) -> int:
-        """Live SUB subscriptions (prefixes) the XPUB has seen, after reading pending ones."""
+        """Distinct live SUB prefixes on the XPUB."""
         return self.pub.subscriber_count()
 
 

@@ -1,5 +1,6 @@
 """The ``[zmtp]`` section: bounds of taproom's own ZeroMQ transport, shared by every socket it
-binds (the message bound itself is each service's: logjam ``max_frame_bytes``, ...)."""
+binds (the message bound itself is each service's: logjam ``max_frame_bytes``, ...; so is a
+publisher's HWM in messages: logjam ``snd_hwm``, ...)."""
 
 from __future__ import annotations
 
@@ -67,5 +68,30 @@ class ZmtpConfig:
         "bytes queued to one peer that does not read (ROUTER replies); further replies to it "
         "are dropped and counted, as libzmq's ROUTER drops at its send HWM",
         min=4096,
+        max=1 << 30,
+    )
+    max_subscriber_bytes: int = setting(
+        4 * 1024 * 1024,
+        "what one subscriber of a publisher may have queued beyond what the kernel took (also "
+        "at most its share of hub.output_queue_bytes): a logjam burst (burst_bytes) fits whole, "
+        "so one that keeps up on average loses nothing to bursts; past it, messages it misses "
+        "are dropped and counted (subscriber_bytes)",
+        min=4096,
+        max=1 << 30,
+    )
+    max_subscriptions: int = setting(
+        4096,
+        "prefixes one subscriber may hold (a logjam importer subscribes per app-env: hundreds "
+        "at most); each is compared with every message's topic; more: disconnected and "
+        "counted (too_many_subscriptions)",
+        min=1,
+        max=1_000_000,
+    )
+    subscriber_send_buffer_bytes: int = setting(
+        0,
+        "the kernel send buffer of each subscriber connection (SO_SNDBUF); 0 leaves it to the "
+        "OS (Linux grows it to net.ipv4.tcp_wmem's maximum, 4 MiB, per slow subscriber: kernel "
+        "memory, outside the process budget); set it to bound that with many subscribers",
+        min=0,
         max=1 << 30,
     )
