@@ -155,8 +155,11 @@ class _Connection(asyncio.BufferedProtocol):
                 self.sock.access.refused(self.address, "handshake_failed", "hung up")
             else:
                 self.sock._refused("handshake_failed", f"{self.address}: hung up")
-        elif not self.closed and self.peer is not None and self.end > self.complete:
+        elif (
+            not self.closed and self.peer is not None and (self.end > self.complete or self.in_stub)
+        ):
             # the peer went away in the middle of a message: what it sent of it is dropped
+            # (also when it is still in the stub, waiting for buffer room)
             self.sock._refused("unfinished_message", f"{self.address}: closed mid-message")
         self._close()
 
