@@ -17,8 +17,8 @@ second table, :data:`SCALED`: each :class:`ScaledAttack` takes the number of att
 connections, and :func:`run_scaled` runs it at 1, 8 and 64 against a hub with every protocol
 on, while honest Lumberjack, logjam and LogTK senders keep going and ``/health`` is polled
 (:class:`HonestLoad`, :class:`HealthWatch`); :func:`run_all_at_once` runs every row together
-against one hub (``tests/test_memory_attacks.py``). Rows for other attacks (unfinished ZeroMQ
-messages, slow PUB subscribers) are added by appending to :data:`SCALED`.
+against one hub (``tests/test_memory_attacks.py``): zlib bombs, the Event BUS hashmap flood,
+slow PUB subscribers, unfinished ZeroMQ multi-part messages.
 """
 
 from __future__ import annotations
@@ -320,6 +320,65 @@ def zmq_unfinished_multipart(
     return attack
 
 
+# --- PUB outputs: subscribers that never read (issue 26 part 3) ------------------------------
+
+
+def pub_subscriber(address: tuple[str, int], prefix: bytes = b"") -> socket.socket:
+    """A raw ZMTP 3.1 SUB that subscribes to ``prefix`` and never reads again: a consumer that
+    hangs (a 4 KiB receive buffer, so what it does not read piles up on the hub's side)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(10)
+    sock.connect(address)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32)
+    ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 3) + b"SUB"
+    subscribe = b"\x09SUBSCRIBE" + prefix
+    _send_quietly(
+        sock,
+        greeting + bytes([0x04, len(ready)]) + ready + bytes([0x04, len(subscribe)]) + subscribe,
+    )
+    return sock
+
+
+def published(addresses: Addresses) -> float:
+    """Data messages the hub's logjam PUB output has numbered (sent or not)."""
+    return _metric_sum(addresses, "taproom_logjam_published_messages_total", 'kind="data"')
+
+
+def logjam_flood(addresses: Addresses, events: int, size: int, app_env: str = "flood-pub") -> None:
+    """``events`` logjam events of ``size`` bytes through the PULL port (PUSH: as fast as the
+    hub takes them), then until the PUB output has handled them all (120 s at most)."""
+    from taproom.clients.logjam import LogjamAgent
+
+    host, port = addresses["logjam_pull"]
+    before = published(addresses)
+    body = b'{"pad":"' + b"f" * max(0, size - 10) + b'"}'
+    with LogjamAgent(f"tcp://{host}:{port}", mode="push", app_env=app_env, timeout=120) as agent:
+        for _ in range(events):
+            agent.send(body, topic="logs")
+    deadline = time.monotonic() + 120
+    while published(addresses) - before < events and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def slow_pub_subscribers(
+    events: int, size: int, subscribers: int = 1
+) -> Callable[[Addresses, threading.Event], None]:
+    """Issue 26 attack 3: ``subscribers`` consumers of the logjam PUB that never read, while
+    ``events`` x ``size``-byte events go through (20,000 x 16 KB held 420 MiB of libzmq
+    queues, 200,000 x 1 KB 229 MiB; nothing counted)."""
+
+    def attack(addresses: Addresses, stop: threading.Event) -> None:
+        subs = [pub_subscriber(addresses["logjam_pub"]) for _ in range(subscribers)]
+        try:
+            logjam_flood(addresses, events, size)
+        finally:
+            for sub in subs:
+                sub.close()
+
+    return attack
+
+
 def logjam_honest(addresses: Addresses, stop: threading.Event) -> int:
     """A DEALER agent waiting for each 202 (logjam_agent's sync mode)."""
     from taproom.clients.logjam import LogjamAgent
@@ -376,6 +435,18 @@ ATTACKS: list[Attack] = [
         "eventbus",
         zmq_unfinished_multipart((("eventbus_collector", b"DEALER"),), 5),
         eventbus_honest,
+    ),
+    Attack(
+        "logjam PUB, a subscriber that never reads, 20,000 x 16 KB events",
+        "logjam",
+        slow_pub_subscribers(20_000, 16_000),
+        logjam_honest,
+    ),
+    Attack(
+        "logjam PUB, a subscriber that never reads, 200,000 x 1 KB events",
+        "logjam",
+        slow_pub_subscribers(200_000, 1_000),
+        logjam_honest,
     ),
     Attack(
         "lager forwarder input + registrar collector, 10 peers x unfinished 40 MiB",
@@ -439,8 +510,11 @@ class ScaledAttack:
 
     name: str
     attack: Callable[[Addresses, int, bool], None]
-    # What the hub must have counted once the attack is over: (metric, labels) whose sum grew.
-    refusals: tuple[tuple[str, str], ...] = ()
+    # What the hub must have counted once the attack is over: (metric, labels) whose sum grew;
+    # labels may be alternatives (a tuple: their sum, whichever the attacker ends with).
+    refusals: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
+    # every attacking connection is counted: the sum grew by at least their number
+    per_connection: bool = False
 
 
 LOGTK_TOKEN = bytes(range(1, 65))
@@ -511,6 +585,30 @@ def eventbus_hashmap_dealers(addresses: Addresses, connections: int, full: bool)
         ctx.term()
 
 
+def slow_subscribers_scaled(addresses: Addresses, connections: int, full: bool) -> None:
+    """Attack 3: ``connections`` subscribers of the logjam PUB that never read while 20,000 x
+    16 KB events go through (``full``; 2,000 otherwise)."""
+    slow_pub_subscribers(20_000 if full else 2_000, 16_000, connections)(addresses, None)  # type: ignore[arg-type]
+
+
+# the ingest listeners on taproom's transport a hub with every protocol's defaults has, and
+# the socket type of their peers
+UNFINISHED_TARGETS = (
+    ("logjam_router", b"DEALER"),
+    ("logjam_pull", b"PUSH"),
+    ("eventbus_collector", b"DEALER"),
+    ("lager_forwarder_in", b"PUB"),
+    ("lager_registrar_collector", b"PUB"),
+)
+
+
+def unfinished_multipart_scaled(addresses: Addresses, connections: int, full: bool) -> None:
+    """Attack 2: ``connections`` raw ZMTP peers spread over every ingest listener, each sending
+    frames of 1 MiB flagged MORE and never the last (40: past logjam's 8 MiB bound; 10 in the
+    short version: past every bound but logjam's, whose peers then leave mid-message)."""
+    zmq_unfinished_multipart(UNFINISHED_TARGETS, connections, 40 if full else 10)(addresses, None)  # type: ignore[arg-type]
+
+
 SCALED: list[ScaledAttack] = [
     ScaledAttack(
         "zlib bombs",
@@ -521,6 +619,31 @@ SCALED: list[ScaledAttack] = [
         "eventbus 300 topics of 1 MiB",
         eventbus_hashmap_dealers,
         (("taproom_ingest_rejected_items_total", 'reason="hashmap_full"'),),
+    ),
+    ScaledAttack(
+        "slow PUB subscribers",
+        slow_subscribers_scaled,
+        (
+            (
+                "taproom_output_dropped_messages_total",
+                'output="logjam_pub",reason="subscriber_bytes"',
+            ),
+        ),
+    ),
+    ScaledAttack(
+        "unfinished multipart messages",
+        unfinished_multipart_scaled,
+        (
+            (
+                "taproom_ingest_rejected_items_total",
+                (
+                    'reason="message_too_large"',
+                    'reason="unfinished_message"',
+                    'reason="partial_timeout"',
+                ),
+            ),
+        ),
+        per_connection=True,
     ),
 ]
 
@@ -689,14 +812,16 @@ def _by_holder(addresses: Addresses, name: str) -> dict[str, float]:
     return found
 
 
-def _metric_sum(addresses: Addresses, name: str, label: str) -> float:
+def _metric_sum(addresses: Addresses, name: str, label: str | tuple[str, ...]) -> float:
+    """The sum of ``name``'s samples whose labels contain ``label`` (or any of ``label``s)."""
     url = "http://{}:{}/metrics".format(*addresses["web"])
     with urllib.request.urlopen(url, timeout=30) as reply:
         text = reply.read().decode()
+    labels = (label,) if isinstance(label, str) else label
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith(name + "{") and label in line
+        if line.startswith(name + "{") and any(one in line for one in labels)
     )
 
 
@@ -728,11 +853,8 @@ def run_scaled(
     hub = scaled_hub(workdir)
     try:
         addresses = hub.addresses
-        before = {
-            f"{name}{{{label}}}": _metric_sum(addresses, name, label)
-            for row in rows
-            for name, label in row.refusals
-        }
+        counted = [(row, name, label) for row in rows for name, label in row.refusals]
+        before = [_metric_sum(addresses, name, label) for _row, name, label in counted]
         with HonestLoad(addresses) as honest, HealthWatch(addresses["web"]) as health:
             mark = dict(honest.acked)
             attackers = [
@@ -745,14 +867,20 @@ def run_scaled(
                 thread.join()
             during = honest.wait_acked_beyond(mark)
         alive = hub.proc.poll() is None
-        refused = (
-            {
-                key: _metric_sum(addresses, *key.rstrip("}").split("{", 1)) - value
-                for key, value in before.items()
-            }
-            if alive
-            else {}
-        )
+        refused: dict[str, float] = {}
+        for (row, name, label), value in zip(counted, before, strict=True) if alive else ():
+            key = f"{name}{{{label if isinstance(label, str) else ' | '.join(label)}}}"
+            # a peer is counted when the hub sees it go: each attacking connection of a row
+            # that counts them must be, within a minute
+            want = connections if row.per_connection else 1
+            deadline = time.monotonic() + 60
+            while True:
+                refused[key] = _metric_sum(addresses, name, label) - value
+                if refused[key] >= want or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            if refused[key] < want:
+                refused[key] = 0  # not every connection counted: the check fails on it
         peak = hub.status_kib("VmHWM") / 1024 if alive else float("nan")
         peaks = _by_holder(addresses, "taproom_budget_peak_bytes") if alive else {}
         bounds = _by_holder(addresses, "taproom_budget_bound_bytes") if alive else {}

@@ -7,9 +7,10 @@ peak RSS (VmHWM) within ``2 x max_pending_bytes + 100 MB``, every ``/health`` an
 1 s, every honest sender acked while the attack ran, and the attack's refusals counted.
 
 ``make test`` runs the short versions (8 attacking connections, smaller bombs and values);
-``make soak`` the issue's sizes (1 GiB bombs, 1 MiB values) and 64 connections. New attacks
-(unfinished ZeroMQ messages, slow PUB subscribers: issue 26 parts 2 and 3) are rows appended
-to ``SCALED``; the all-at-once test then runs them too.
+``make soak`` the issue's sizes (1 GiB bombs, 1 MiB values) and 64 connections. Unfinished
+ZeroMQ multi-part messages and slow PUB subscribers (issue 26 parts 2 and 3) are rows of
+``SCALED`` too, so the all-at-once test runs them with the others; new attacks are rows
+appended there.
 """
 
 from __future__ import annotations
