@@ -59,7 +59,7 @@ from .subscriber import (
     Subscriber,
     _Shared,
 )
-from .transport import _RateLimitedLog, zmtp_config
+from .transport import _RateLimitedLog, listening, zmtp_config
 
 __all__ = ["OUTPUT_QUEUES", "Subscriber", "ZmtpPublisher"]
 
@@ -204,12 +204,7 @@ class ZmtpPublisher:
         self._listener = listener
         loop.add_reader(listener.fileno(), self._accept)
         bound = listener.getsockname()[1]
-        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
-        supervisor = getattr(self.hub, "supervisor", None)
-        if supervisor is not None:  # restarted if it ever dies (taproom.supervise)
-            self._sweeper = supervisor.spawn(f"zmtp.{self.name}", self._sweep)
-        else:
-            self._sweeper = loop.create_task(self._sweep(), name=f"zmtp.{self.name}")
+        self.address, self._sweeper = listening(self.hub, self.name, host, bound, self._sweep, loop)
         return self.address
 
     @property

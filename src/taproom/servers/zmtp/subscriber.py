@@ -25,7 +25,7 @@ from ...protocols.zmtp.pubsub import (
     message_subscription,
     seal_messages,
 )
-from .transport import _CURVE_REASONS
+from .transport import handshake_refusal
 
 if TYPE_CHECKING:
     from .publisher import ZmtpPublisher
@@ -123,10 +123,8 @@ class Subscriber:
         try:
             out = hs.receive_data(data)
         except zp.ZmtpError as exc:
-            if self.curve is not None and exc.reason in _CURVE_REASONS:
-                self.refuse(_CURVE_REASONS[exc.reason], str(exc), tell=hs.greeted, access=True)
-            else:
-                self.refuse(exc.reason, str(exc), tell=hs.greeted)
+            reason, access = handshake_refusal(exc, self.curve is not None)
+            self.refuse(reason, str(exc), tell=hs.greeted, access=access)
             return
         if self.denied and hs.greeted:
             # as libzmq answers a ZAP refusal: ERROR "400" where READY (or WELCOME) was due

@@ -31,6 +31,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ... import zmqburst
@@ -85,6 +86,31 @@ class _RateLimitedLog:
             log.info(msg, *args)
         else:
             self._suppressed += 1
+
+
+def handshake_refusal(exc: zp.ZmtpError, curve: bool) -> tuple[str, bool]:
+    """The reason a failed handshake is counted under, and whether it is an access refusal
+    (a CURVE listener's: counted by the access policy, as the ZAP handler counts them)."""
+    if curve and exc.reason in _CURVE_REASONS:
+        return _CURVE_REASONS[exc.reason], True
+    return exc.reason, False
+
+
+def listening(
+    hub: Hub,
+    name: str,
+    host: str,
+    bound: int,
+    sweep: Callable[[], Coroutine[Any, Any, None]],
+    loop: asyncio.AbstractEventLoop,
+) -> tuple[str, asyncio.Task[None]]:
+    """A bound listener's ``host:port`` and its sweep loop, supervised when the hub has a
+    supervisor (restarted if it ever dies: taproom.supervise)."""
+    address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+    supervisor = getattr(hub, "supervisor", None)
+    if supervisor is not None:
+        return address, supervisor.spawn(f"zmtp.{name}", sweep)
+    return address, loop.create_task(sweep(), name=f"zmtp.{name}")
 
 
 def _next_pow2(n: int) -> int:
@@ -198,10 +224,8 @@ class _Connection(asyncio.BufferedProtocol):
         try:
             out = hs.receive_data(data)
         except zp.ZmtpError as exc:
-            if self.curve is not None and exc.reason in _CURVE_REASONS:
-                self.refuse(_CURVE_REASONS[exc.reason], str(exc), tell=hs.greeted, access=True)
-            else:
-                self.refuse(exc.reason, str(exc), tell=hs.greeted)
+            reason, access = handshake_refusal(exc, self.curve is not None)
+            self.refuse(reason, str(exc), tell=hs.greeted, access=access)
             return
         assert self.transport is not None
         if self.denied and hs.greeted:
@@ -629,12 +653,7 @@ class ZmtpSocket:
         deepen_accept_queue(server.sockets, 4096)
         self._server = server
         bound = server.sockets[0].getsockname()[1]
-        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
-        supervisor = getattr(self.hub, "supervisor", None)
-        if supervisor is not None:  # restarted if it ever dies (taproom.supervise)
-            self._sweeper = supervisor.spawn(f"zmtp.{self.name}", self._sweep)
-        else:
-            self._sweeper = loop.create_task(self._sweep(), name=f"zmtp.{self.name}")
+        self.address, self._sweeper = listening(self.hub, self.name, host, bound, self._sweep, loop)
         return self.address
 
     @property
