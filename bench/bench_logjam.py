@@ -365,10 +365,17 @@ def _pub_hub(
     from taproom.records import BatchBuilder
 
     async def main() -> None:
+        # The hub publishes as fast as it commits, faster than subscribers on the same two
+        # cores read: queues that hold the whole run (as snd_hwm = 1,000,000 let libzmq's
+        # PUB queue it, unbounded in bytes) measure throughput rather than the bound. With the
+        # defaults (4 MiB a subscriber) what does not fit is dropped and counted, and
+        # "delivered" shows it (docs/protocols/logjam.md).
         config = load_config(
             text=_config_text(journal, snd_hwm=1_000_000)
             .replace("[web]\nport = 0", "[web]\nenabled = false")
-            .replace('fsync = "always"', 'fsync = "off"'),
+            .replace('fsync = "always"', 'fsync = "off"')
+            + "[hub]\nmemory_budget_bytes = 1207959552\noutput_queue_bytes = 1073741824\n"
+            + "[zmtp]\nmax_subscriber_bytes = 1073741824\n",
             env={},
         )
         app = App(config, only=["logjam"])
@@ -409,7 +416,7 @@ def _pub_hub(
         await asyncio.gather(*futures)
         while service.pub.published < n:
             await asyncio.sleep(0.01)
-        # Closing the XPUB drops what libzmq has not sent yet: wait for the subscribers.
+        # Closing the publisher drops what is still queued: wait for the subscribers.
         await asyncio.to_thread(finished.wait, 300)
         await app.stop()
 
