@@ -324,19 +324,28 @@ def zmq_unfinished_multipart(
 
 
 def pub_subscriber(address: tuple[str, int], prefix: bytes = b"") -> socket.socket:
-    """A raw ZMTP 3.1 SUB that subscribes to ``prefix`` and never reads again: a consumer that
-    hangs (a 4 KiB receive buffer, so what it does not read piles up on the hub's side)."""
+    """A raw ZMTP 3.0 SUB that subscribes to ``prefix`` and never reads again: a consumer that
+    hangs (a 4 KiB receive buffer, so what it does not read piles up on the publisher's side).
+    It subscribes once the publisher's READY is in, with a 3.0 subscription message: libzmq's
+    XPUB (4.3.5) refuses a subscription that comes before its own READY went out, and takes
+    no 3.1 SUBSCRIBE command, so this is the same attack on libzmq's publisher and taproom's."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.settimeout(10)
     sock.connect(address)
-    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 1]) + b"NULL".ljust(20, b"\0") + bytes(32)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
     ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 3) + b"SUB"
-    subscribe = b"\x09SUBSCRIBE" + prefix
-    _send_quietly(
-        sock,
-        greeting + bytes([0x04, len(ready)]) + ready + bytes([0x04, len(subscribe)]) + subscribe,
-    )
+    _send_quietly(sock, greeting + bytes([0x04, len(ready)]) + ready)
+    got = b""
+    with contextlib.suppress(OSError):
+        # the publisher's greeting (64 bytes) and its READY command (a short frame)
+        while len(got) < 66 or len(got) < 66 + got[65]:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+    subscribe = b"\x01" + prefix
+    _send_quietly(sock, bytes([0x00, len(subscribe)]) + subscribe)
     return sock
 
 
