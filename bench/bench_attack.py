@@ -378,8 +378,18 @@ def slow_pub_subscribers(
     queues, 200,000 x 1 KB 229 MiB; nothing counted)."""
 
     def attack(addresses: Addresses, stop: threading.Event) -> None:
+        before = _metric_sum(addresses, "taproom_output_subscribers_count", 'output="logjam_pub"')
         subs = [pub_subscriber(addresses["logjam_pub"]) for _ in range(subscribers)]
         try:
+            # the flood once the hub has them all (30 s at most: a hub without this metric,
+            # libzmq's PUB before, is flooded then anyway)
+            deadline = time.monotonic() + 30
+            while (
+                _metric_sum(addresses, "taproom_output_subscribers_count", 'output="logjam_pub"')
+                < before + subscribers
+                and time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
             logjam_flood(addresses, events, size)
         finally:
             for sub in subs:
