@@ -146,8 +146,9 @@ def _caught_up(ckpt: Path, ends: dict[str, int], batches: int = 1) -> Callable[[
 
 
 # What identifies a row in each table (the rest are its figures).
+# The drill-down tables (request_samples, request_ids) have a row per request: where it lives.
 KEY = ("minute", "date", "app", "env", "action", "module", "frontend", "exception",
-       "protocol", "stream", "level")  # fmt: skip
+       "protocol", "stream", "level", "request_id", "journal", "offset")  # fmt: skip
 
 
 def _rows(spark: Any, path: Path) -> dict[tuple[Any, ...], dict[str, Any]]:

@@ -11,7 +11,8 @@ server against the protocol rather than against taproom's own reading of it.
 * a server silent for ``server_ttl`` (no update, no HUGZ, no snapshot reply) is dead: the client
   asks the next server for a snapshot (the Binary Star vote);
 * publishing: a kvmsg with sequence 0 and a fresh uuid4, sent once, from a PUSH to the current
-  server's P+2 (model 5) or from a PUB connected to every server's P+2 (model 6).
+  server's P+2 (model 5) or from a PUB connected to every server's P+2 (model 6; an XPUB here,
+  which waits for a server's subscription before the first update).
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class CloneClient:
         self.ctx = zmq.asyncio.Context()
         self.synced = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self.publisher = self.ctx.socket(zmq.PUB if self.model == 6 else zmq.PUSH)
+        # Model 6 publishes from a PUB; here an XPUB (the same wire to the server's SUB) so that
+        # start() can wait for a server's subscription: a PUB drops what it sends before one
+        # arrives (ZeroMQ's slow joiner), which under load lost the test's first updates.
+        self.publisher = self.ctx.socket(zmq.XPUB if self.model == 6 else zmq.PUSH)
         self.publisher.setsockopt(zmq.LINGER, 0)
         if self.model == 6:
             for host, port in self.servers:
@@ -75,6 +79,8 @@ class CloneClient:
     async def start(self, timeout: float = 20.0) -> CloneClient:
         self._task = asyncio.create_task(self._agent())
         await asyncio.wait_for(self.synced.wait(), timeout)
+        if self.model == 6:  # a subscription from a server, before the first update
+            await asyncio.wait_for(self.publisher.recv(), timeout)
         return self
 
     async def stop(self) -> None:
