@@ -69,6 +69,9 @@ class CloneClient:
         # arrives (ZeroMQ's slow joiner), which under load lost the test's first updates.
         self.publisher = self.ctx.socket(zmq.XPUB if self.model == 6 else zmq.PUSH)
         self.publisher.setsockopt(zmq.LINGER, 0)
+        self.subscriptions = 0  # model 6: servers' subscriptions seen (each server's, verbose)
+        if self.model == 6:
+            self.publisher.setsockopt(zmq.XPUB_VERBOSE, 1)
         if self.model == 6:
             for host, port in self.servers:
                 self.publisher.connect(f"tcp://{host}:{port + 2}")
@@ -80,8 +83,14 @@ class CloneClient:
         self._task = asyncio.create_task(self._agent())
         await asyncio.wait_for(self.synced.wait(), timeout)
         if self.model == 6:  # a subscription from a server, before the first update
-            await asyncio.wait_for(self.publisher.recv(), timeout)
+            await self.subscribed(1, timeout)
         return self
+
+    async def subscribed(self, servers: int, timeout: float = 20.0) -> None:
+        """Model 6: wait until ``servers`` servers' collectors have subscribed to the PUB."""
+        while self.subscriptions < servers:
+            await asyncio.wait_for(self.publisher.recv(), timeout)
+            self.subscriptions += 1
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -237,7 +237,7 @@ class TestCloneFailover:
         try:
             servers = [_group(primary.addresses), _group(backup.addresses)]
             client = await CloneClient(servers, model=6, server_ttl=1.5).start()
-            await asyncio.sleep(0.3)  # both SUB collectors have joined the client's PUB
+            await client.subscribed(2)  # both SUB collectors have joined the client's PUB
             sent: dict[bytes, bytes] = {}
             uuids = []
             for i in range(30):
