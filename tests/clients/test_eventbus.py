@@ -7,6 +7,7 @@ commands over real ZeroMQ sockets; everything else runs against the real taproom
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import uuid
@@ -85,6 +86,16 @@ async def _wait(predicate, timeout: float = 5.0) -> None:  # type: ignore[no-unt
             await asyncio.sleep(0.01)
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 class TestServerToClientUpdates:
     async def test_stale_broadcasts_are_discarded_and_a_gap_resyncs(self) -> None:
         bus = ScriptedBus()
@@ -156,6 +167,52 @@ class TestClientToServerUpdates:
             )
             assert await asyncio.wait_for(confirmed, 5) == 1
             assert client.pending == 0
+        finally:
+            await client.stop()
+            bus.close()
+
+    async def test_events_wait_for_the_connection_in_publication_order(self) -> None:
+        # A DEALER with IMMEDIATE refuses to queue before its connection is up: the events
+        # published meanwhile must not be overtaken by those published once it is (they were:
+        # sent again by the retry tick, they reached the bus after them, and the bus kept
+        # their older values as each topic's last; the Binary Star test saw it under load).
+        bus = ScriptedBus()
+        collector_at = f"tcp://127.0.0.1:{bus.port + 2}"
+        bus.collector.close(0)
+        await _wait(lambda: _port_free(bus.port + 2))  # libzmq closes its listener later
+        client = EventBusClient([bus.url], server_timeout=60, retry_interval=60)
+        try:
+            starting = asyncio.create_task(client.start())
+            await bus.answer_snapshot([], cut=0)
+            await starting
+            published = []
+            for i in range(20):  # nowhere to go yet
+                await client.publish(f"/o/{i % 5}", i)
+                published.append(i)
+            for _attempt in range(100):  # the port is free again once the close is done
+                try:
+                    bus.collector = bus.ctx.socket(zmq.ROUTER)
+                    bus.collector.bind(collector_at)
+                    break
+                except zmq.ZMQError:
+                    bus.collector.close(0)
+                    await asyncio.sleep(0.02)
+            received: list[int] = []
+            seen: set[str] = set()
+            i = 20
+            async with asyncio.timeout(20):
+                while len(received) < len(published) or i < 120:
+                    if i < 120:  # keep publishing while the connection comes up
+                        await client.publish(f"/o/{i % 5}", i)
+                        published.append(i)
+                        i += 1
+                    while await bus.collector.poll(5 if i < 120 else 1000):
+                        _identity, *frames = await bus.collector.recv_multipart()
+                        pub = parse_pub(frames)
+                        if pub.uuid not in seen:
+                            seen.add(pub.uuid)
+                            received.append(msgpack.unpackb(pub.data))
+            assert received == published
         finally:
             await client.stop()
             bus.close()

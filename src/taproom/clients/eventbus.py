@@ -10,7 +10,10 @@ The client follows the Clone pattern's client (zguide clonecli6) with the seed's
    sequence the SUB takes the whole stream and filters subtrees locally;
 3. publish PUB commands on a DEALER to the COLLECTOR (P+2). An event stays pending, and is
    sent again under the same UUID, until its BROADCAST is seen; the bus drops the repeats and
-   names them, with their sequences, in its next HUGZ (which also confirms them);
+   names them, with their sequences, in its next HUGZ (which also confirms them). Events go
+   out in the order they were published: while one waits for the connection, the later ones
+   wait behind it (sent before it, they would reach the bus first, and its older value would
+   then replace theirs as the topic's last);
 4. a server is alive while it broadcasts or sends HUGZ in the active state. Silence longer than
    ``server_timeout`` (or a snapshot that does not come) moves the client to the next server
    of its list (the Binary Star backup), where it takes a full snapshot and re-sends what is
@@ -136,7 +139,8 @@ class EventBusClient:
         self.server_index = 0
         self.synced = asyncio.Event()
         self.stats = {"snapshots": 0, "gaps": 0, "failovers": 0, "discarded": 0, "resent": 0}
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, _Pending] = {}  # by UUID, in the order published
+        self._backlog = False  # an event waits for the connection: the later ones wait too
         self._room = asyncio.Event()
         self._room.set()
         self._ctx = zmq.asyncio.Context()
@@ -222,25 +226,35 @@ class EventBusClient:
             return existing.future
         pending = _Pending(pub_frames(event), future)
         self._pending[key] = pending
-        self._send(pending)
+        if not self._backlog:
+            self._backlog = not self._send(pending)
         return future
 
-    def _send(self, pending: _Pending) -> None:
+    def _send(self, pending: _Pending) -> bool:
+        """False when it cannot go now (no connection yet: IMMEDIATE; or a full queue): the
+        retry tick sends it, and the events published after it, in order."""
         if self._collector is None:
-            return
+            return False
         try:
             self._collector.send_multipart(pending.frames, zmq.NOBLOCK)
-        except zmq.ZMQError:  # no connection yet (IMMEDIATE) or full: the retry tick resends
-            return
+        except zmq.ZMQError:
+            return False
         pending.sent_at = time.monotonic()
+        return True
 
     def _resend(self, older_than: float) -> None:
+        """In publication order, the events never sent and those sent ``older_than`` seconds
+        ago or more and still not confirmed; stops at the first that cannot go."""
         now = time.monotonic()
         for pending in list(self._pending.values()):
             if now - pending.sent_at >= older_than:
-                if pending.sent_at:
+                resent = pending.sent_at != 0.0
+                if not self._send(pending):
+                    self._backlog = True
+                    return
+                if resent:
                     self.stats["resent"] += 1
-                self._send(pending)
+        self._backlog = False
 
     def _confirm(self, key: str, sequence: int) -> None:
         pending = self._pending.pop(key, None)
