@@ -5,13 +5,14 @@ over parallel workers (tests/scheduling.py)."""
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from tests import scheduling
+from tests import scheduling, zmqleaks
 
 settings.register_profile(
     "default", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=False
@@ -22,6 +23,10 @@ settings.load_profile("ci" if os.environ.get("CI") else "default")
 # Every commit checks the kinds its batches declare against their records (journal.kinds), in
 # this process and in the hubs it starts.
 os.environ.setdefault("TAPROOM_VERIFY_KINDS", "1")
+
+# A ZeroMQ context a test leaves open fails that test, and never hangs the suite when the
+# garbage collector reaches it (tests/zmqleaks.py).
+zmqleaks.install()
 
 
 @pytest.fixture(params=["ext", "py"])
@@ -70,9 +75,46 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    zmqleaks.set_phase(item.nodeid, "setup")
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Any:
+    zmqleaks.set_phase(item.nodeid, "call")
     with scheduling.cpu_bound_yields(item):
         return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    """Fail the test whose contexts leaked (or, for one reached by the garbage collector only
+    now, the test it was reached in: the message names the test that made it)."""
+    zmqleaks.set_phase(item.nodeid, "teardown")
+    try:
+        result = yield
+    except BaseException as exc:
+        leaks, reported = zmqleaks.check()
+        for leak in leaks + reported:  # keep the teardown's own error, and say both
+            exc.add_note(f"leaked ZeroMQ context: {leak}")
+        raise
+    finally:
+        zmqleaks.set_phase("", f"between tests, after {item.nodeid}")
+    leaks, reported = zmqleaks.check()
+    for leak in reported:
+        warnings.warn(f"leaked ZeroMQ context, by a failed test: {leak}", stacklevel=1)
+    if leaks:
+        pytest.fail("leaked ZeroMQ context(s):\n\n" + "\n\n".join(leaks), pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    report = yield
+    if report.failed:
+        zmqleaks.failed(item.nodeid)
+    return report
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

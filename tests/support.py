@@ -183,7 +183,11 @@ async def running_app(
     """The whole hub in this test's event loop: ``async with running_app(...) as app``."""
     config = load(write_config(tmp_path, enable=enable, **sections))
     app = App(config)
-    await app.start()
+    try:
+        await app.start()
+    except BaseException:
+        await app.stop()  # what started before the failure (the hub's commit thread...)
+        raise
     try:
         yield app
     finally:

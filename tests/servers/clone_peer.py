@@ -93,11 +93,14 @@ class CloneClient:
             self.subscriptions += 1
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self.ctx.destroy(0)
+        """Stop the agent and close the context; again is a no-op."""
+        try:
+            if self._task is not None:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        finally:
+            self.ctx.destroy(0)
 
     async def set(self, key: bytes, body: bytes, ttl: int = 0) -> bytes:
         """Send one update, once; returns its uuid."""

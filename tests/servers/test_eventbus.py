@@ -22,7 +22,7 @@ from bench.bench_attack import ATTACKS, goal_mib, run_attack
 
 from taproom.clients.eventbus import EventBusClient
 from taproom.config import load_config
-from taproom.errors import ConfigError
+from taproom.errors import ConfigError, StartupError
 from taproom.eventtime import EventTimes
 from taproom.journal import JournalReader
 from taproom.protocols.eventbus import (
@@ -133,6 +133,21 @@ class TestPorts:
             for port in ports:  # each is really bound
                 with socket.socket() as s:
                     assert s.connect_ex(("127.0.0.1", port)) == 0
+
+    async def test_a_group_that_cannot_bind_fails_start_and_closes_the_other(
+        self, tmp_path: Path
+    ) -> None:
+        """The seed's group binds (port 0), the CHP group's P+1 is taken: start() fails naming
+        the address, and closes what it had opened (its ZeroMQ context too: the suite's guard,
+        tests/zmqleaks.py, fails a test whose context is left open)."""
+        with socket.socket() as blocker:
+            blocker.bind(("127.0.0.1", 0))
+            blocker.listen()
+            taken = blocker.getsockname()[1]
+            settings = {"port": 0, "chp": True, "chp_port": taken - 1}
+            with pytest.raises(StartupError, match=r"\[eventbus\] cannot listen"):
+                async with running_app(tmp_path, enable=["eventbus"], eventbus=settings):
+                    pass
 
 
 class TestConfig:

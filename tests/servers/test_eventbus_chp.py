@@ -10,8 +10,9 @@ import asyncio
 import struct
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -25,6 +26,7 @@ from tests.servers.test_eventbus import start_pair
 from tests.support import HubProcess, running_app, write_config
 
 SEQ = struct.Struct(">q")
+StartClone = Callable[..., Awaitable[CloneClient]]
 
 
 def _group(addresses: dict[str, str], name: str = "eventbus_chp_snapshot") -> tuple[str, int]:
@@ -45,6 +47,22 @@ async def _until(predicate, timeout: float, what: str) -> None:  # type: ignore[
 
 
 @pytest.fixture
+async def start_clone() -> AsyncIterator[StartClone]:
+    """``await start_clone(servers, ...)``: a started CloneClient, stopped at teardown also when the
+    test failed or timed out half-way (each holds a ZeroMQ context: tests/zmqleaks.py)."""
+    made: list[CloneClient] = []
+
+    async def start(*args: Any, **kwargs: Any) -> CloneClient:
+        client = CloneClient(*args, **kwargs)
+        made.append(client)
+        return await client.start()
+
+    yield start
+    for client in made:
+        await client.stop()
+
+
+@pytest.fixture
 def ctx() -> Iterator[zmq.asyncio.Context]:
     context = zmq.asyncio.Context()
     context.setsockopt(zmq.LINGER, 0)
@@ -62,7 +80,7 @@ class TestCloneFlows:
     @pytest.mark.usefixtures("zmq_path")
     @pytest.mark.parametrize(("collector", "model"), [("pull", 5), ("sub", 6)])
     async def test_snapshot_subtree_and_updates_both_ways(
-        self, tmp_path: Path, collector: str, model: int
+        self, tmp_path: Path, collector: str, model: int, start_clone: StartClone
     ) -> None:
         async with running_app(tmp_path, enable=["eventbus"], eventbus=_chp(collector)) as app:
             chp = _group(app.addresses)
@@ -70,12 +88,12 @@ class TestCloneFlows:
             # state from both dialects before the Clone client joins
             async with EventBusClient([seed_url], producer="seed") as seed:
                 await (await seed.publish("/client/seed", {"from": "seed"}))
-            writer = await CloneClient([chp], model=model).start()
+            writer = await start_clone([chp], model=model)
             await writer.set(b"/client/1", b"one")
             await writer.set(b"/other/1", b"elsewhere")
             await _until(lambda: len(writer.kvmap) == 3, 10, "the writer's own updates")
             # a client of the /client/ subtree: snapshot, then live updates of both dialects
-            reader = await CloneClient([chp], subtree=b"/client/", model=model).start()
+            reader = await start_clone([chp], subtree=b"/client/", model=model)
             assert set(reader.kvmap) == {b"/client/seed", b"/client/1"}
             assert reader.sequence == 3  # KTHXBAI carries the bus's sequence
             one = reader.kvmap[b"/client/1"]
@@ -106,12 +124,14 @@ class TestCloneFlows:
             ]
 
     @pytest.mark.usefixtures("zmq_path")
-    async def test_empty_body_deletes_and_ttl_expires(self, tmp_path: Path) -> None:
+    async def test_empty_body_deletes_and_ttl_expires(
+        self, tmp_path: Path, start_clone: StartClone
+    ) -> None:
         settings = _chp("pull", ttl_check_ms=100)
         async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
             chp = _group(app.addresses)
             seed_url = "tcp://" + app.addresses["eventbus_snapshot"]
-            clone = await CloneClient([chp], model=5).start()
+            clone = await start_clone([chp], model=5)
             async with EventBusClient([seed_url]) as seed:
                 await clone.set(b"/t/kept", b"k")
                 await clone.set(b"/t/gone", b"g")
@@ -127,7 +147,7 @@ class TestCloneFlows:
                 await _until(lambda: "/t/brief" not in seed.state, 10, "the expiry (seed)")
                 assert clone.sequence == 5
                 assert _metric(app, "taproom_eventbus_expired_events_total") == 1
-            fresh = await CloneClient([chp], model=5).start()
+            fresh = await start_clone([chp], model=5)
             assert set(fresh.kvmap) == {b"/t/kept"}
             await fresh.stop()
             await clone.stop()
@@ -212,17 +232,19 @@ class TestCloneFlows:
             assert _metric(app, odd, labels) == 1
             assert app.readiness() == []
 
-    async def test_chp_state_survives_sigkill(self, tmp_path: Path) -> None:
+    async def test_chp_state_survives_sigkill(
+        self, tmp_path: Path, start_clone: StartClone
+    ) -> None:
         config = write_config(tmp_path, enable=["eventbus"], eventbus=_chp("pull"))
         with HubProcess(config) as hub:
-            clone = await CloneClient([_group(hub.addresses)], model=5).start()
+            clone = await start_clone([_group(hub.addresses)], model=5)
             await clone.set(b"/r/a", b"alpha", ttl=3600)
             await clone.set(b"/r/b", b"beta")
             await _until(lambda: len(clone.kvmap) == 2, 10, "two keys")
             before = dict(clone.kvmap)
             await clone.stop()
             hub.restart()  # SIGKILL; the state comes back from the journal
-            after = await CloneClient([_group(hub.addresses)], model=5).start()
+            after = await start_clone([_group(hub.addresses)], model=5)
             assert after.kvmap == before  # bodies, properties, uuids and sequences
             assert after.sequence == 2
             await after.stop()
@@ -232,11 +254,13 @@ class TestCloneFailover:
     """Model 6 across a taproom Binary Star pair: the client publishes every update once to both
     servers; the primary is SIGKILLed; no update is lost (issue 16, defect 1)."""
 
-    async def test_model6_failover_loses_no_update(self, tmp_path: Path) -> None:
+    async def test_model6_failover_loses_no_update(
+        self, tmp_path: Path, start_clone: StartClone
+    ) -> None:
         primary, backup = await start_pair(tmp_path, chp=True, chp_collector="sub")
         try:
             servers = [_group(primary.addresses), _group(backup.addresses)]
-            client = await CloneClient(servers, model=6, server_ttl=1.5).start()
+            client = await start_clone(servers, model=6, server_ttl=1.5)
             await client.subscribed(2)  # both SUB collectors have joined the client's PUB
             sent: dict[bytes, bytes] = {}
             uuids = []

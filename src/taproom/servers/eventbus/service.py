@@ -60,7 +60,13 @@ class EventBusService(SnapshotServer):
             self.dedup.add(key, seq)
         self._ctx = zmq.asyncio.Context()
         self._zmq_access = ZmqAccess(self._ctx, self.hub.config, self.hub.metrics, "eventbus")
-        addresses = await self._bind()
+        try:
+            addresses = await self._bind()
+        except BaseException:
+            # The app stops only the services that started: close what bound (the seed's
+            # group when the CHP group's ports are taken) and the context here.
+            self._close_sockets()
+            raise
         self._install(state.hashmap)
         log.info(
             "eventbus: %d topics, sequence %d rebuilt from %s (%d bus records read) in %.2fs; "
@@ -98,6 +104,17 @@ class EventBusService(SnapshotServer):
         self._zmq_access.start(spawn)
         self._broadcaster = spawn("eventbus.broadcast", self._broadcast_loop)
         return addresses
+
+    def _close_sockets(self) -> None:
+        for own in self._own:
+            own.close()
+        self._own.clear()
+        for sock in self._sockets:
+            sock.close(0)
+        self._sockets.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
 
     def _refused_handshake(self, listener: str) -> Callable[[], None]:
         def count() -> None:
@@ -248,15 +265,7 @@ class EventBusService(SnapshotServer):
                 await self.checkpoint()
             except OSError as exc:
                 log.warning("eventbus: checkpoint at stop failed: %s", exc)
-        for own in self._own:
-            own.close()
-        self._own.clear()
-        for sock in self._sockets:
-            sock.close(0)
-        self._sockets.clear()
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)
-            self._ctx = None
+        self._close_sockets()
         # The hashmap's share of the budget goes with it.
         self._hashmap_holder.release(min(self._accepted_bytes, self._hashmap_holder.used))
         self._accepted_bytes = 0
