@@ -37,177 +37,45 @@ module then handles as without it (issue 32).
 
 from __future__ import annotations
 
-import struct
-import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import orjson
 
 from ...eventtime import EventTimes
-from ...records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, EncodedBatch
-from .frames import (
-    _HALF,
-    _U32,
-    _U32X2,
-    SEQ_MASK,
-    FrameType,
-    LumberjackError,
-    LumberjackLimit,
-    Version,
-)
+from ...records import EncodedBatch
+from .batch import OpenBatch
+from .frames import _HALF, _U32, _U32X2, SEQ_MASK, LumberjackError, LumberjackLimit
 from .inflating import INFLATE_IN, INFLATE_MIN, INFLATE_STEP, Level
+from .window import (
+    _ATTRS,
+    _CT_JSON,
+    _KERNEL_HANDS_OVER,
+    _MAX_NAME_CHARS,
+    _REC_AFTER_LEN,
+    _REC_HEAD,
+    _T_A,
+    _T_C,
+    _T_D,
+    _T_J,
+    _T_W,
+    _UNBOUNDED,
+    _VER1,
+    _VER2,
+    STALL_INFLATE,
+    STALL_ROOM,
+    Limits,
+    ResendMemory,
+    Window,
+    WindowKernels,
+    _compile_paths,
+    _JSONDecodeError,
+    fingerprint,
+)
 
-__all__ = ["STALL_INFLATE", "STALL_ROOM", "Limits", "ServerConnection", "Window"]
-
-STALL_ROOM = 1  # the next event needs more journal room (``room_wanted``)
-STALL_INFLATE = 2  # inflating needs more room (``inflate_wanted``)
-_UNBOUNDED = sys.maxsize
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """Bounds checked before anything read from the wire is allocated (see the server config).
-
-    There is no bound on a window's or a ``C`` frame's size: they are streamed. A ``C`` frame
-    holds at most the rest of its window (go-lumber's reader stops there too).
-    """
-
-    max_window: int = 10_000
-    max_event_bytes: int = 12 * 1024 * 1024
-    max_pairs: int = 1024
-    max_nesting: int = 3
-    max_batch_bytes: int = 8 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Window:
-    """Events ready for the journal: one part of a sender's window (or all of it).
-
-    ``ack_seq`` is the sequence number to acknowledge once ``batch`` is durable (the highest
-    received, never a count), or ``None`` when this part is not to be acknowledged (v1 parts
-    before the window's end: a v1 client takes any ack as its window's). ``batch.count`` may
-    be 0 (``W 0``, an idle flush with nothing new, or a part whose events were all recognised
-    as already stored): the ack is owed at once, in order.
-
-    ``done``: this part ends the sender's window. Parts of a window that is not done carry
-    ``fingerprints`` (one per event of ``batch``, in order); ``skipped`` are the fingerprints
-    of events at the start of this part recognised as already stored (not in ``batch``), and
-    ``resent_of`` the key of the remembered window they matched (0: none).
-    """
-
-    batch: EncodedBatch
-    ack_seq: int | None
-    version: int
-    done: bool = True
-    fingerprints: tuple[int, ...] = ()
-    skipped: tuple[int, ...] = ()
-    resent_of: int = 0
+__all__ = ["STALL_INFLATE", "STALL_ROOM", "Limits", "ServerConnection", "Window", "fingerprint"]
 
 
-# Journal record head (records.py layout): u32 rest, i64 received_ns, i64 ts_ns, u64 seq,
-# u8 lp, u8 lc, u16 ls, lt, lr, le, u32 la, lp. Encoded here directly: records.BatchBuilder.add
-# costs ~2.5 us per event, more than the whole rest of the v2 path; the format is checked
-# against records.iter_batch by the tests.
-_REC_HEAD = RECORD_HEAD
-_REC_AFTER_LEN = RECORD_HEAD_AFTER_LEN
-_SEQ_IN_HEAD = struct.Struct("<Q")  # at offset 20 of the head: after rest, received_ns, ts_ns
-_U32LE = struct.Struct("<I")  # the head's first field (the rest's length); payload length at 42
-_MAX_NAME_CHARS = 255  # a stream/topic value longer than this is not a name: ignored
-
-_CT_KV = b"kv"
-_CT_JSON = b"json"
-# The journal's label for what a window holds (EncodedBatch.kinds): any content type.
-_KINDS = frozenset({"lumberjack/*"})
-_ATTRS = {0x31: b'{"v":"1"}', 0x32: b'{"v":"2"}'}
-# Plain ints for the hot loop: comparing with IntEnum members is several times slower.
-_VER1 = int(Version.V1)
-_VER2 = int(Version.V2)
-_T_W = int(FrameType.WINDOW)
-_T_D = int(FrameType.DATA)
-_T_J = int(FrameType.JSON)
-_T_C = int(FrameType.COMPRESSED)
-_T_A = int(FrameType.ACK)
-_JSONDecodeError = orjson.JSONDecodeError
-
-
-class ResendMemory(Protocol):
-    """What the glue remembers of a sender's cut-off windows (a mapping will do)."""
-
-    def __bool__(self) -> bool: ...
-
-    def get(self, first: int, /) -> Sequence[int] | None: ...
-
-
-class WindowKernel(Protocol):
-    """The compiled window kernel of one set of paths (``lumberjack_kernel.PathKernel``)."""
-
-    def run(
-        self,
-        view: bytes,
-        pos: int,
-        end: int,
-        version: int,
-        max_event: int,
-        tail: bytes,
-        producer_len: int,
-        received_ns: int,
-        max_events: int,
-        batch_room: int,
-        room: int,
-        count: int,
-        high: int,
-    ) -> Any: ...
-
-    def records(self) -> bytes: ...
-
-
-class WindowKernels(Protocol):
-    """What the glue gives a connection: kernels by paths (``lumberjack_kernel``)."""
-
-    def for_paths(
-        self, stream_fields: Sequence[str], topic_fields: Sequence[str]
-    ) -> WindowKernel | None: ...
-
-
-# lw_run's stops after which the frame at its position is Python's (the others: call again)
-_KERNEL_HANDS_OVER = frozenset({0, 1, 2, 3})
-
-
-def fingerprint(seq: int, payload: bytes) -> int:
-    """What identifies an event in a resent window: its sequence number and its bytes (a
-    resending sender numbers and encodes the window as before)."""
-    return hash((seq, payload))
-
-
-def _fingerprints(body: bytes) -> tuple[int, ...]:
-    """The fingerprint of every record of a batch body, read from the records (each ends with
-    its payload; the sequence number is in the head)."""
-    unpack_len = _U32LE.unpack_from
-    unpack_seq = _SEQ_IN_HEAD.unpack_from
-    view = memoryview(body)  # hashes as the bytes it shows, without a copy
-    found = []
-    pos, end = 0, len(body)
-    while pos < end:
-        stop = pos + 4 + unpack_len(body, pos)[0]
-        size = unpack_len(body, pos + 42)[0]
-        found.append(hash((unpack_seq(body, pos + 20)[0], view[stop - size : stop])))
-        pos = stop
-    return tuple(found)
-
-
-def _compile_paths(paths: Sequence[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``"fields.app"`` -> ``("fields", ("app",))``: first key, then the rest of the walk."""
-    compiled = []
-    for path in paths:
-        if path:
-            first, *rest = path.split(".")
-            compiled.append((first, tuple(rest)))
-    return tuple(compiled)
-
-
-class ServerConnection:
+class ServerConnection(OpenBatch):
     """The receiving side of one connection.
 
     ``producer`` goes into every record (peer ``ip:port`` or TLS subject CN). ``stream_fields``
@@ -220,45 +88,14 @@ class ServerConnection:
 
     __slots__ = (
         "_buf",
-        "_count",
-        "_events",
-        "_high",
-        "_in_c_window_done",
-        "_in_window",
         "_inflated",
-        "_json_cache",
         "_kernel",
         "_kernel_tail",
-        "_kv_cache",
-        "_levels",
-        "_limits",
-        "_match",
-        "_match_at",
-        "_match_key",
-        "_matching",
-        "_more",
-        "_nbytes",
-        "_need",
-        "_parts",
-        "_producer",
         "_pushed",
-        "_received_ns",
-        "_records",
-        "_skipped",
-        "_stream_keys",
         "_stream_paths",
-        "_topic_keys",
         "_topic_paths",
-        "_version",
-        "_window_size",
-        "events_total",
         "inflate_room",
         "inflate_wanted",
-        "resend",
-        "room",
-        "room_wanted",
-        "stalled",
-        "times",
     )
 
     def __init__(
@@ -854,236 +691,3 @@ class ServerConnection:
                 raise LumberjackError(f"unknown frame type {ftype:#04x}", reason="bad_frame_type")
         self._need = 2
         return pos
-
-    def _stall_room(self, size: int) -> None:
-        self.stalled = STALL_ROOM
-        self.room_wanted = size
-        self._more = True
-        self._need = 0
-
-    def _resent(self, seq: int, payload: bytes) -> bool:
-        """Resend recognition, from a window's first event on: True when this event is the
-        next of a remembered window (already stored), so it is skipped; the first mismatch
-        ends it for this window."""
-        fp = fingerprint(seq, payload)
-        match = self._match
-        if match is None:
-            resend = self.resend
-            match = resend.get(fp) if resend is not None else None
-            if match is None:
-                self._matching = False
-                return False
-            self._match = match
-            self._match_key = fp
-            self._match_at = 1
-        elif self._match_at < len(match) and match[self._match_at] == fp:
-            self._match_at += 1
-        else:
-            self._matching = False
-            return False
-        self._skipped.append(fp)
-        return True
-
-    def _counted(self, seq: int) -> None:
-        """A skipped (already stored) event still counts in its window and its ack."""
-        count = self._count
-        if count:
-            if 0 < ((seq - self._high) & SEQ_MASK) < _HALF:
-                self._high = seq
-        else:
-            self._high = seq
-        self._count = count + 1
-        in_window = self._in_window + 1
-        if in_window >= (self._window_size or self._limits.max_window):
-            self._in_window = 0
-            self._close_window("done")
-            if self._levels:
-                self._in_c_window_done = self._window_size > 0
-        else:
-            self._in_window = in_window
-
-    def _data_frames(self, view: bytes, pos: int, end: int, version: int, depth: int) -> int:
-        """A run of ``D`` frames of one version; returns where the run stops (the next other
-        frame), or ``-(pos + 1)`` when the frame at ``pos`` is incomplete or has no room."""
-        limits = self._limits
-        max_pairs = limits.max_pairs
-        max_event = limits.max_event_bytes
-        max_window = limits.max_window
-        max_batch = limits.max_batch_bytes
-        unpack1 = _U32.unpack_from
-        unpack2 = _U32X2.unpack_from
-        dumps = orjson.dumps
-        stream_keys = self._stream_keys
-        topic_keys = self._topic_keys
-        kv_cache = self._kv_cache
-        parts = self._parts  # _close_window empties this list in place
-        rec_pack = _REC_HEAD.pack
-        rec_size, rec_after = _REC_HEAD.size, _REC_AFTER_LEN
-        received_ns = self._received_ns
-        producer_len = len(self._producer)
-        iso = self.times.iso
-        max_name, mask, half, t_data = _MAX_NAME_CHARS, SEQ_MASK, _HALF, _T_D
-        while True:
-            if end - pos < 10:
-                self._need = 10
-                return -pos - 1
-            seq, npairs = unpack2(view, pos + 2)
-            if npairs == 0:
-                raise LumberjackError("D frame with zero pairs", reason="empty_data")
-            if npairs > max_pairs:
-                raise LumberjackLimit(
-                    f"D frame with {npairs} pairs, at most {max_pairs}", reason="too_many_pairs"
-                )
-            q = kend = pos + 10
-            obj: dict[str, str] = {}
-            # Fast loop without per-pair bounds checks: a length running past the data makes
-            # the next unpack raise (or leaves q > end); both mean "incomplete", decided below
-            # with the event-size limit. Slices past the end only truncate and are dropped.
-            try:
-                for _ in range(npairs):
-                    kend = q + 4 + unpack1(view, q)[0]
-                    vend = kend + 4 + unpack1(view, kend)[0]
-                    obj[view[q + 4 : kend].decode()] = view[kend + 4 : vend].decode()
-                    q = vend
-                extent = q
-            except struct.error:
-                extent = max(q, kend) + 4
-            except UnicodeDecodeError:
-                # Rare: invalid UTF-8 becomes U+FFFD (the payload must be JSON; documented).
-                q = kend = pos + 10
-                obj = {}
-                try:
-                    for _ in range(npairs):
-                        kend = q + 4 + unpack1(view, q)[0]
-                        vend = kend + 4 + unpack1(view, kend)[0]
-                        key = view[q + 4 : kend].decode("utf-8", "replace")
-                        obj[key] = view[kend + 4 : vend].decode("utf-8", "replace")
-                        q = vend
-                    extent = q
-                except struct.error:
-                    extent = max(q, kend) + 4
-            if extent - pos > max_event:
-                raise LumberjackLimit("D frame over max_event_bytes", reason="frame_too_large")
-            if extent > end:
-                self._need = extent - pos
-                return -pos - 1
-            if depth and self._in_c_window_done:
-                raise LumberjackError(
-                    f"more events in a C frame than its window of {self._window_size}",
-                    reason="window_overrun",
-                )
-            payload = dumps(obj)
-            self._version = version
-            if self._matching and self._resent(seq, payload):
-                self._counted(seq)
-                pos = q
-                if end - pos < 2 or view[pos] != version or view[pos + 1] != t_data:
-                    return pos
-                continue
-            stream = ""
-            for key in stream_keys:
-                value = obj.get(key)
-                if value and len(value) <= max_name:
-                    stream = value
-                    break
-            topic = ""
-            for key in topic_keys:
-                value = obj.get(key)
-                if value and len(value) <= max_name:
-                    topic = value
-                    break
-            when = obj.get("@timestamp")
-            ts_ns = (iso(when) or 0) if when else 0
-            # The record encoding, inlined as in the J path of _parse.
-            entry = kv_cache.get((version, stream, topic))
-            if entry is None:
-                entry = self._cache_entry((version, _CT_KV, stream, topic))
-                kv_cache[(version, stream, topic)] = entry
-            mid, mid_len, ls, lt = entry
-            plen = len(payload)
-            size = rec_size + mid_len + plen
-            if size > self.room:
-                self._stall_room(size)
-                return -pos - 1
-            self.room -= size
-            parts += (
-                rec_pack(
-                    rec_after + mid_len + plen,
-                    received_ns,
-                    ts_ns,
-                    seq,
-                    10,
-                    2,
-                    ls,
-                    lt,
-                    producer_len,
-                    0,
-                    9,
-                    plen,
-                ),
-                mid,
-                payload,
-            )
-            self._records += 1
-            self._nbytes += size
-            count = self._count
-            if count:
-                if 0 < ((seq - self._high) & mask) < half:
-                    self._high = seq
-            else:
-                self._high = seq
-            self._count = count + 1
-            in_window = self._in_window + 1
-            if in_window >= (self._window_size or max_window):
-                self._in_window = 0
-                self._close_window("done")
-                if depth:
-                    self._in_c_window_done = self._window_size > 0
-            else:
-                self._in_window = in_window
-                if self._nbytes >= max_batch:
-                    self._close_window("part")
-            pos = q
-            # Stay in this loop while the next frame is another D of the same version.
-            if end - pos < 2 or view[pos] != version or view[pos + 1] != t_data:
-                return pos
-
-    def _cache_entry(self, key: tuple[int, bytes, str, str]) -> tuple[bytes, int, int, int]:
-        """The constant middle of a record and its lengths; the caller caches it."""
-        version, content_type, stream, topic = key
-        s = stream.encode("utf-8", "surrogateescape")
-        t = topic.encode("utf-8", "surrogateescape")
-        mid = b"".join((b"lumberjack", content_type, s, t, self._producer, _ATTRS[version]))
-        if len(self._json_cache) + len(self._kv_cache) >= 256:
-            # Bounded: streams/topics are few, but senders choose them.
-            self._json_cache.clear()
-            self._kv_cache.clear()
-        return (mid, len(mid), len(s), len(t))
-
-    def _close_window(self, kind: str) -> Window:
-        """Hand over the open batch. ``kind``: ``done`` (the sender's window ended), ``part``
-        (``max_batch_bytes``, or waiting for room, inside a window), ``flush`` (idle or end of
-        input) or ``refused`` (the window is being refused after these events)."""
-        parts = self._parts
-        batch = EncodedBatch(self._records, b"".join(parts) if parts else b"", _KINDS)
-        version = self._version
-        done = kind == "done" or (kind == "flush" and not self._window_size)
-        fingerprints: tuple[int, ...] = ()
-        if not done:
-            fingerprints = _fingerprints(batch.body)
-        parts.clear()  # in place: _parse holds a reference to this list
-        self._records = 0
-        self._nbytes = 0
-        self.events_total += batch.count
-        skipped = tuple(self._skipped)
-        self._skipped = []
-        resent_of = self._match_key if skipped else 0
-        ack: int | None = self._high
-        if version == _VER1 and kind in ("part", "refused"):
-            ack = None  # v1: one ack per window (logstash-forwarder reads exactly one)
-        if ack is not None:
-            self._count = 0
-        # else: the window stays open and later parts still count towards its size.
-        window = Window(batch, ack, version, done, fingerprints, skipped, resent_of)
-        self._events.append(window)
-        return window

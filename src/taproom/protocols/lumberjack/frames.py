@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from ...errors import LimitExceeded, ProtocolError
 
 if TYPE_CHECKING:
-    from .decoder import Window
+    from .window import Window
 
 __all__ = [
     "PROTOCOL",
