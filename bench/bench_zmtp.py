@@ -31,6 +31,7 @@ from taproom.config import load_config
 from taproom.metrics import Metrics
 from taproom.protocols import zmtp as zp
 from taproom.servers.zmtp import ZmtpSocket
+from taproom.supervise import Supervisor
 
 from .common import Figure, peak_rss_mib
 
@@ -128,6 +129,7 @@ def _taproom(n: int) -> int:
         config = load_config()
         metrics = Metrics()
         budget = MemoryBudget(config, metrics)
+        supervisor = Supervisor(config.hub, metrics)
 
     async def main() -> int:
         sock = ZmtpSocket(

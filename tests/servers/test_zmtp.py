@@ -17,6 +17,7 @@ from taproom.config import load_config
 from taproom.metrics import Metrics
 from taproom.protocols import zmtp as zp
 from taproom.servers.zmtp import ZmtpConfig, ZmtpSocket
+from taproom.supervise import Supervisor
 
 pytestmark = pytest.mark.usefixtures("zmq_path")
 
@@ -26,12 +27,14 @@ LISTENER = {"ROUTER": "logjam_router", "PULL": "logjam_pull", "SUB": "lager_forw
 
 
 class Hub:
-    """What a ZmtpSocket needs of a hub: its configuration, metrics and memory budget."""
+    """What a ZmtpSocket needs of a hub: its configuration, metrics, memory budget and
+    supervisor (which counts a read the transport fails on)."""
 
     def __init__(self, text: str = "") -> None:
         self.config = load_config(text=text)
         self.metrics = Metrics()
         self.budget = MemoryBudget(self.config, self.metrics)
+        self.supervisor = Supervisor(self.config.hub, self.metrics)
 
     def rejected(self, reason: str, protocol: str = "test") -> float:
         value = self.metrics.registry.get_sample_value(

@@ -124,6 +124,7 @@ class ZmtpPublisher:
         self.protocol = protocol
         self.name = name
         self.output = output or name
+        self._guard = hub.supervisor.guard(f"zmtp.{name}", protocol=protocol, logger=log)
         self.hwm = hwm
         self.max_subscription_bytes = max_subscription_bytes
         self.on_subscription = on_subscription
@@ -409,6 +410,13 @@ class ZmtpPublisher:
     def _refused(self, reason: str, detail: str) -> None:
         self.hub.metrics.rejected(self.protocol, reason)
         self._rlog("zmtp: %s refused %s (%s)", self.name, detail, reason)
+
+    def _failed(self, exc: Exception, sub: Subscriber) -> None:
+        """A subscriber's read (handshake, subscriptions) failed unexpectedly: counted as an
+        ``internal_error`` of the protocol and logged with its traceback (taproom.supervise);
+        that subscriber is disconnected, the others go on."""
+        self._guard.failed(exc, f"read from subscriber {sub.address}")
+        sub.close()
 
     async def _sweep(self) -> None:
         """Handshake timeouts (a subscriber's own pace is its queue's business)."""

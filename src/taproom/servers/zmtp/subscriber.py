@@ -100,6 +100,12 @@ class Subscriber:
 
     def readable(self) -> None:
         try:
+            self._read()
+        except Exception as exc:  # a bug, met by what this peer sent: this subscriber only
+            self.pub._failed(exc, self)
+
+    def _read(self) -> None:
+        try:
             data = self.sock.recv(_READ)
         except (BlockingIOError, InterruptedError):
             return

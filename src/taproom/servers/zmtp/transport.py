@@ -201,6 +201,12 @@ class _Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
+        try:
+            self._received(nbytes)
+        except Exception as exc:  # a bug, met by what this peer sent: this connection only
+            self.sock._failed(exc, self)
+
+    def _received(self, nbytes: int) -> None:
         self.active = True
         if self.peer is None:
             self._handshake(bytes(self.stub[:nbytes]))
@@ -621,6 +627,7 @@ class ZmtpSocket:
         self._routes: dict[bytes, _Connection] = {}
         self._next_id = itertools.count(random.getrandbits(31))
         self._rlog = _RateLimitedLog()
+        self._guard = hub.supervisor.guard(f"zmtp.{name}", protocol=protocol, logger=log)
         self._ext = zmqburst.active() == "ext"
         ffi, lib = zmqburst.ffi_lib()
         self._ffi, self._lib = ffi, lib
@@ -801,6 +808,14 @@ class ZmtpSocket:
     def _refused(self, reason: str, detail: str) -> None:
         self.hub.metrics.rejected(self.protocol, reason)
         self._rlog("zmtp: %s refused %s (%s)", self.name, detail, reason)
+
+    def _failed(self, exc: Exception, conn: _Connection) -> None:
+        """A read the transport failed on unexpectedly (taproom.supervise): counted as an
+        ``internal_error`` of the protocol and logged with its traceback; that connection
+        closes (its buffer is in no known state; the whole messages before it are still
+        delivered), the listener and every other connection go on."""
+        self._guard.failed(exc, f"read from {conn.address}")
+        conn.close()
 
     def _cbuf(self, buf: bytearray) -> Any:
         return self._ffi.from_buffer("unsigned char[]", buf) if self._ext else None

@@ -1,0 +1,106 @@
+"""taproom's ZeroMQ transport under supervision (taproom.supervise): a read it fails on
+unexpectedly (a bug met by what one peer sent) closes that connection, counted as the
+protocol's ``internal_error`` and logged with its traceback; the listener and every other
+connection go on. Without it asyncio closed the connection uncounted (an ingest socket) or
+logged and left the subscriber in an unknown state (a publisher)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+import zmq.asyncio
+
+from taproom.protocols import logjam as lj
+from taproom.servers.zmtp import subscriber as zmtp_subscriber
+from taproom.servers.zmtp import transport as zmtp_transport
+from tests.supervision.support import assert_supervised, first_call, inject, internal_errors, until
+from tests.support import running_app
+
+pytestmark = pytest.mark.usefixtures("zmq_path")
+
+QUIET = {"heartbeat_interval_s": 3600.0, "hostname": "hub.example"}
+
+
+def _message(topic: bytes) -> list[bytes]:
+    return lj.encode_message(
+        b"app-production",
+        topic,
+        b"{}",
+        compression=0,
+        device=1,
+        created_ms=1_700_000_000_000,
+        sequence=1,
+    )
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.asyncio.Context]:
+    context = zmq.asyncio.Context()
+    context.setsockopt(zmq.LINGER, 0)
+    yield context
+    context.destroy(0)
+
+
+def _topics(app: object) -> list[str]:
+    return [r.topic for r in app.hub.journal.read(0)]  # type: ignore[attr-defined]
+
+
+class TestZmtpReads:
+    async def test_a_read_that_fails_closes_that_connection_only(
+        self,
+        tmp_path: Path,
+        ctx: zmq.asyncio.Context,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        def poisoned(conn: zmtp_transport._Connection) -> bool:
+            buf = conn.buf
+            return buf is not None and b"logs.poison" in buf[conn.start : conn.end]
+
+        raised = inject(monkeypatch, zmtp_transport._Connection, "_walk", poisoned)
+        async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
+            address = "tcp://" + app.addresses["logjam_pull"]
+            first = ctx.socket(zmq.PUSH)
+            first.connect(address)
+            await first.send_multipart(_message(b"logs.a"))
+            await until(lambda: _topics(app) == ["logs.a"], 20, "the first message")
+            await first.send_multipart(_message(b"logs.poison"))
+            await until(lambda: raised == [1], 20, "the poisoned read")
+            assert internal_errors(app, "logjam") == 1
+            second = ctx.socket(zmq.PUSH)  # another connection to the same listener
+            second.connect(address)
+            await second.send_multipart(_message(b"logs.b"))
+            await until(lambda: _topics(app) == ["logs.a", "logs.b"], 20, "the other peer's")
+            assert_supervised(app, "zmtp.logjam_pull", caplog)
+
+    async def test_a_subscriber_read_that_fails_disconnects_that_subscriber_only(
+        self,
+        tmp_path: Path,
+        ctx: zmq.asyncio.Context,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        # the first subscriber's subscription fails: that subscriber is disconnected
+        raised = inject(monkeypatch, zmtp_subscriber.Subscriber, "_frames", first_call())
+        async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
+            address = "tcp://" + app.addresses["logjam_pub"]
+            first = ctx.socket(zmq.SUB)
+            first.setsockopt(zmq.SUBSCRIBE, b"")
+            first.connect(address)
+            await until(lambda: raised == [1], 20, "the poisoned subscription")
+            assert internal_errors(app, "logjam") == 1
+            first.close(0)  # libzmq would come back; this test is about the others
+            second = ctx.socket(zmq.SUB)
+            second.setsockopt(zmq.SUBSCRIBE, b"")
+            second.connect(address)
+            service = app.services["logjam"]
+            await until(lambda: service.subscriber_count() >= 1, 20, "the second subscriber")
+            push = ctx.socket(zmq.PUSH)
+            push.connect("tcp://" + app.addresses["logjam_pull"])
+            await push.send_multipart(_message(b"logs.after"))
+            assert await second.poll(20_000)
+            assert (await second.recv_multipart())[1] == b"logs.after"
+            assert_supervised(app, "zmtp.logjam_pub", caplog)
