@@ -3,7 +3,7 @@
 Each subsystem declares its section as a frozen dataclass decorated with
 :func:`config_section`; every field is a :func:`setting` whose default carries a one-line reason
 (STYLE.md rule 4). Sections live beside the code they configure (``journal`` and ``hub`` here,
-``lumberjack`` in ``servers/lumberjack.py``, ...); :data:`SECTION_MODULES` lists the modules
+``lumberjack`` in ``servers/lumberjack/config.py``, ...); :data:`SECTION_MODULES` lists the modules
 that declare sections so ``taproom validate`` knows all of them.
 
 Resolution order for a value: the dataclass default, then the TOML file (with ``${VAR}``,

@@ -32,7 +32,7 @@ from taproom.protocols.lumberjack import (
     seq_after,
 )
 from taproom.records import BatchBuilder, decode_batch
-from taproom.servers.lumberjack_kernel import WindowKernels
+from taproom.servers.lumberjack.kernel import WindowKernels
 from tests.support import fuzz_examples
 
 V1, V2 = Version.V1, Version.V2

@@ -35,7 +35,7 @@ from taproom.protocols.lumberjack import (
     ServerConnection,
     Window,
 )
-from taproom.servers.lumberjack_kernel import WindowKernels
+from taproom.servers.lumberjack.kernel import WindowKernels
 from tests.support import fuzz_examples
 
 PATHS = (("fields.app", "beat.name", "agent.name"), ("type", "fields.type"))

@@ -29,7 +29,7 @@ connections from the same sender: a resent window whose first events match them 
 resends even by a sender that never saw the partial ack. Decisions on the seed's ambiguities
 are in ``docs/protocols/lumberjack.md``.
 
-Given ``kernels`` (the compiled window kernel, ``taproom.servers.lumberjack_kernel``; None is
+Given ``kernels`` (the compiled window kernel, ``taproom.servers.lumberjack.kernel``; None is
 the pure-Python path), runs of ``J`` frames are recorded in C: the kernel takes only frames this
 module's own path would store, writes the same records, and stops before any other, which this
 module then handles as without it (issue 32).
@@ -132,7 +132,7 @@ class ServerConnection(OpenBatch):
         self._parts: list[bytes | bytearray] = []  # records of the open batch, in pieces
         self._records = 0  # how many
         self._nbytes = 0  # journal bytes of the open batch (self._parts)
-        # The compiled window kernel, when the glue gives one (taproom.servers.lumberjack_kernel)
+        # The compiled window kernel, when the glue gives one (taproom.servers.lumberjack.kernel)
         # and it fits the paths: it takes runs of J frames it is certain of, Python the rest.
         self._kernel = kernels.for_paths(stream_fields, topic_fields) if kernels else None
         self._kernel_tail = {v: self._producer + attrs for v, attrs in _ATTRS.items()}

@@ -95,7 +95,7 @@ class ResendMemory(Protocol):
 
 
 class WindowKernel(Protocol):
-    """The compiled window kernel of one set of paths (``lumberjack_kernel.PathKernel``)."""
+    """The compiled window kernel of one set of paths (``servers.lumberjack.kernel.PathKernel``)."""
 
     def run(
         self,
@@ -118,7 +118,7 @@ class WindowKernel(Protocol):
 
 
 class WindowKernels(Protocol):
-    """What the glue gives a connection: kernels by paths (``lumberjack_kernel``)."""
+    """What the glue gives a connection: kernels by paths (``servers.lumberjack.kernel``)."""
 
     def for_paths(
         self, stream_fields: Sequence[str], topic_fields: Sequence[str]

@@ -1,72 +1,38 @@
-"""Lumberjack v1/v2 server: asyncio glue around :class:`taproom.protocols.lumberjack.ServerConnection`.
-
-One listener speaks both versions (the version byte of each frame decides). Each connection is
-an :class:`asyncio.Protocol` (cheaper than streams for 10,000 idle connections): bytes go to the
-sans-I/O parser, every batch it hands over goes to ``hub.submit`` at once (pipelining), and acks
-go out in order once the commit covering them resolves (v2: a partial ack per committed part of
-a large window).
-
-Memory comes from the hub's budget (``taproom.budget``), reserved before the parser makes it:
-journal room from ``pending`` (a step at a time; the batches it builds are handed to the hub
-with their reservation), inflated bytes from ``inflate``, and an incomplete frame's bytes past
-a small allowance from ``connection_buffers``. A connection stops reading (``pause_reading``)
-while any hold is on: the hub is out of capacity; the parser has more buffered (the rest runs
-on the next loop turn, so a large window or a zlib bomb never holds the loop for long); or it
-waits for room in one of those holders (FIFO). One sweep task per listener closes connections
-that completed no frame for ``idle_timeout_s``; a connection owns a timer only while a v2
-window waits for its commit (keepalives).
-
-When a connection ends in the middle of a window, the fingerprints of what of it was committed
-are remembered per sender (``resend_memory_events``), and the sender's resend skips them: a
-refused or cut-off window is stored once even when the sender resends it whole.
-"""
+"""One Lumberjack connection: bytes to the parser, batches to the hub, acks in order once
+durable, reading paused while memory or the hub says so (see the package docstring)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import ssl
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..access import ConnectionGate, access_for
-from ..budget import CONNECTION_BUFFERS
-from ..config import Config, config_check, config_section, setting
-from ..errors import ConfigError, HubStopped, ProtocolError
-from ..eventtime import TIME_OUT_OF_RANGE
-from ..hub import Commit, Hub
-from ..protocols.lumberjack import (
+from ...errors import HubStopped, ProtocolError
+from ...eventtime import TIME_OUT_OF_RANGE
+from ...hub import Commit
+from ...protocols.lumberjack import (
     PROTOCOL,
     STALL_INFLATE,
     STALL_ROOM,
-    Limits,
     LumberjackError,
     LumberjackLimit,
     ServerConnection,
     Window,
     encode_ack,
 )
-from .lumberjack_kernel import WindowKernels
-from .lumberjack_resend import Remembered, ResendMemory
-from .tlsaccept import start_server_tls, tls_refusal
+from .resend import Remembered
 
-__all__ = ["LumberjackConfig", "LumberjackServer", "create_service", "server_ssl_context"]
+if TYPE_CHECKING:
+    from .service import LumberjackServer
 
 log = logging.getLogger("taproom.lumberjack")
 
-_CLIENT_AUTH = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
 
-_FRAME_HEAD = 10  # the longest frame header (D and J: version, type, seq, length)
 # An incomplete frame up to this size is held without a reservation: it costs less than one
 # socket read (256 KiB), and most single events are smaller.
 _UNRESERVED_FRAME_BYTES = 64 * 1024
-# Journal room a connection reserves at a time: a Filebeat window of 2048 ordinary events
-# (~0.8 MB of records) in one step; larger windows take more steps, each granted in turn.
-_ROOM_STEP = 1024 * 1024
 
 # Why a connection is not reading (bits of _Connection.holds).
 _HOLD_CAPACITY = 1  # the hub is out of capacity
@@ -74,194 +40,6 @@ _HOLD_PARSE = 2  # complete frames are still buffered in the parser
 _HOLD_BUFFER = 4  # waiting for connection_buffers to reserve its incomplete frame
 _HOLD_ROOM = 8  # waiting for journal room (the pending holder)
 _HOLD_INFLATE = 16  # waiting for room to inflate (the inflate holder)
-
-
-@config_section(
-    "lumberjack",
-    retired={
-        "max_frame_bytes": "frames are read as a stream now; max_event_bytes bounds one event",
-        "max_decompressed_bytes": "inflating is bounded by the memory budget's inflate share "
-        "and max_event_bytes, not per window",
-        "max_buffered_bytes": "unfinished frames reserve from the memory budget's "
-        "connection_buffers share",
-    },
-)
-@dataclass(frozen=True)
-class LumberjackConfig:
-    enabled: bool = setting(True, "Filebeat-style shippers are the most common source")
-    host: str = setting("127.0.0.1", "loopback until an operator opts in to exposure")
-    port: int = setting(5044, "the Beats/Logstash convention", min=0, max=65535)
-    tls_cert: str = setting(
-        "", "PEM certificate (chain); empty serves plain TCP like Beats' default"
-    )
-    tls_key: str = setting("", "PEM private key, PKCS#8 or PKCS#1 (Logstash users have both)")
-    tls_ca: str = setting("", "PEM CA bundle that client certificates must chain to")
-    tls_client_auth: str = setting(
-        "none",
-        "Logstash's default; 'required' is for fleets with client certificates",
-        choices=("none", "optional", "required"),
-    )
-    max_window: int = setting(
-        10_000, "go-lumber closes on a larger W; Filebeat sends at most 2048", min=1, max=1 << 24
-    )
-    max_event_bytes: int = setting(
-        12 * 1024 * 1024,
-        "one event (a J payload or a D frame): the journal stores it whole, so it is the one "
-        "size bound; Filebeat caps a message at 10 MiB (max_bytes) and adds ~1 KiB of fields "
-        "and its JSON escaping. Windows and C frames have no size bound: they are streamed",
-        min=1024,
-        max=63 * 1024 * 1024,  # under the journal's bound on one record's payload
-    )
-    max_pairs: int = setting(
-        1024, "logstash-forwarder sends ~5 pairs per D frame; thousands is an attack", min=1
-    )
-    max_nesting: int = setting(
-        3, "real senders nest C at most once; recursion must stay bounded", min=1, max=16
-    )
-    max_batch_bytes: int = setting(
-        8 * 1024 * 1024,
-        "a window larger than this is journaled in parts (its ack waits for the last part)",
-        min=64 * 1024,
-    )
-    max_connections: int = setting(
-        4096, "one or a few connections per shipper; an idle one costs ~5 KiB (bench)", min=1
-    )
-    accept_backlog: int = setting(
-        128,
-        "asyncio accepts this many in one go: 1024 let a connect/RST flood hold the loop long "
-        "enough that /health took over 1 s; the kernel's SYN retries pace the flood instead",
-        min=16,
-        max=65535,
-    )
-    max_connections_per_peer: int = setting(
-        256,
-        "Filebeat opens one per worker; room for a NAT gateway in front of a fleet, while one "
-        "host can hold at most 1/16 of max_connections",
-        min=1,
-    )
-    peer_connections_per_s: float = setting(
-        64.0,
-        "new connections one address may open a second once its burst is spent: shippers "
-        "reconnect after errors with backoff; a connect loop costs a TLS handshake each",
-        min=0.01,
-    )
-    peer_connection_burst: int = setting(
-        256,
-        "new connections one address may open at once: a NAT gateway's whole fleet "
-        "reconnecting after a restart of the hub (max_connections_per_peer)",
-        min=1,
-    )
-    resend_memory_events: int = setting(
-        100_000,
-        "events remembered (8 bytes each) of windows whose connection ended before they were "
-        "complete, so the sender's resend of them is stored once: 48 of Filebeat's 2048-event "
-        "windows",
-        min=0,
-        max=10_000_000,
-    )
-    idle_timeout_s: float = setting(
-        60.0,
-        "no complete frame for this long: Filebeat's default client timeout is 30 s; twice that "
-        "is surely dead (a trickle of bytes does not count as alive)",
-        min=0.1,
-    )
-    handshake_timeout_s: float = setting(
-        10.0, "a TLS handshake that takes longer is a stuck or hostile peer", min=0.1
-    )
-    tls_shutdown_timeout_s: float = setting(
-        2.0,
-        "closing TLS flushes our acks, then waits for close_notify, which go-lumber and "
-        "logstash-forwarder never send (asyncio waits 30 s)",
-        min=0.1,
-        max=60,
-    )
-    idle_ack_s: float = setting(
-        0.2,
-        "streaming v1 senders (npm lumberjack-protocol) never finish a window: ack when quiet",
-        min=0.001,
-        max=60,
-    )
-    keepalive_s: float = setting(
-        3.0, "v2 only: go-lumber sends keepalive acks every 3 s while a commit is pending", min=0.1
-    )
-    stream_fields: tuple[str, ...] = setting(
-        ("fields.app", "beat.name", "agent.name"),
-        "Beats put the app in fields.app by convention; else the shipper's name",
-    )
-    topic_fields: tuple[str, ...] = setting(
-        ("type", "fields.type"), "logstash-forwarder and old Beats set type; new ones fields.type"
-    )
-
-    def validate(self) -> None:
-        """Check the limits fit together and the TLS files load (``taproom validate``)."""
-        if self.tls_key and not self.tls_cert:
-            raise ConfigError("tls_key given without tls_cert", key="tls_cert")
-        if self.tls_ca and not self.tls_cert:
-            raise ConfigError("tls_ca given without tls_cert", key="tls_cert")
-        if self.tls_client_auth != "none" and not self.tls_ca:
-            raise ConfigError(
-                f"client auth {self.tls_client_auth!r} needs tls_ca", key="tls_client_auth"
-            )
-        if not self.tls_cert:
-            return
-        if not self.tls_key:
-            raise ConfigError("tls_cert given without tls_key", key="tls_key")
-        for key in ("tls_cert", "tls_key", "tls_ca"):
-            path = getattr(self, key)
-            if path and not os.path.isfile(path):
-                raise ConfigError(f"{path}: no such file", key=key)
-        server_ssl_context(self)
-
-    @property
-    def limits(self) -> Limits:
-        return Limits(
-            max_window=self.max_window,
-            max_event_bytes=self.max_event_bytes,
-            max_pairs=self.max_pairs,
-            max_nesting=self.max_nesting,
-            max_batch_bytes=self.max_batch_bytes,
-        )
-
-
-@config_check
-def _event_fits_the_budget(config: Config) -> None:
-    """One event must fit in the holders it passes through, or it could never be received."""
-    try:
-        section = config.section("lumberjack")
-        hub = config.section("hub")
-    except KeyError:
-        return
-    if not section.enabled:
-        return
-    need = section.max_event_bytes + _FRAME_HEAD
-    for key in ("connection_buffer_bytes", "max_inflate_bytes"):
-        if getattr(hub, key) < need:
-            raise ConfigError(
-                f"{section.max_event_bytes} does not fit in hub.{key} ({getattr(hub, key)}) "
-                "with its frame header: raise that or lower this",
-                key="lumberjack.max_event_bytes",
-            )
-
-
-def server_ssl_context(config: LumberjackConfig) -> ssl.SSLContext:
-    """TLS 1.2+ server context; raises :class:`ConfigError` naming the key at fault."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        ctx.load_cert_chain(config.tls_cert, config.tls_key)
-    except ssl.SSLError as exc:
-        raise ConfigError(
-            f"certificate and key do not load together: {exc}", key="tls_key"
-        ) from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc}", key="tls_cert") from None
-    if config.tls_ca:
-        try:
-            ctx.load_verify_locations(cafile=config.tls_ca)
-        except (ssl.SSLError, OSError) as exc:
-            raise ConfigError(f"not a PEM CA bundle: {exc}", key="tls_ca") from None
-    ctx.verify_mode = _CLIENT_AUTH[config.tls_client_auth]
-    return ctx
 
 
 class _Connection(asyncio.Protocol):
@@ -716,168 +494,3 @@ class _Connection(asyncio.Protocol):
         self._pending.clear()
         if self.transport is not None:
             self.transport.abort()
-
-
-class _TLSAccept(asyncio.Protocol):
-    """A TLS listener's new connection: the gate first, then the handshake (tlsaccept), then
-    a :class:`_Connection` takes over."""
-
-    __slots__ = ("server",)
-
-    def __init__(self, server: LumberjackServer) -> None:
-        self.server = server
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        server = self.server
-        peer = transport.get_extra_info("peername")
-        if not server.admit(None, peer):
-            transport.abort()
-            return
-        host = peer[0] if peer else ""
-        where = f"{peer[0]}:{peer[1]}" if peer else "?"
-        task = server.loop.create_task(server.handshake(transport, host, where))
-        server.handshaking.add(task)
-        task.add_done_callback(server.handshaking.discard)
-
-
-class LumberjackServer:
-    """The listener: accepts, limits connections (in total and per peer), sweeps idle
-    connections and failed TLS handshakes, and remembers cut-off windows for their resend."""
-
-    def __init__(self, hub: Hub, config: LumberjackConfig) -> None:
-        self.hub = hub
-        self.config = config
-        self.limits = config.limits
-        self.connections: set[_Connection] = set()
-        self.access = access_for(hub.config, "lumberjack", hub.metrics)
-        self.gate = ConnectionGate(
-            self.access,
-            max_connections=config.max_connections,
-            max_per_peer=config.max_connections_per_peer,
-            per_peer_per_s=config.peer_connections_per_s,
-            per_peer_burst=config.peer_connection_burst,
-            max_tracked_peers=hub.config.access.max_tracked_peers,
-        )
-        self.loop = asyncio.get_event_loop()
-        self._server: asyncio.Server | None = None
-        self._sweeper: asyncio.Task[None] | None = None
-        self.pending = hub.budget.holder("pending")
-        self.inflate = hub.budget.holder("inflate")
-        self.buffers = hub.budget.holder(CONNECTION_BUFFERS)
-        # A step of journal room: a Filebeat window's worth, or less under a small bound (a
-        # step is granted beyond the bound when nothing else is held).
-        self.room_step = min(_ROOM_STEP, max(self.pending.bound // 8, 16 * 1024))
-        # Per-read supervision of the connections (taproom.supervise): a read the decoder
-        # fails on unexpectedly closes that connection, counted and logged rate-limited.
-        self.guard = hub.supervisor.guard("lumberjack.connection", protocol=PROTOCOL, logger=log)
-        m = hub.metrics
-        self.m_connections = m.connections(PROTOCOL, "lumberjack")
-        self.resend = ResendMemory(config.resend_memory_events, m)
-        # Runs of J frames in C while the compiled path is selected (issue 32), else None.
-        self.kernels = WindowKernels.create()
-        # TLS handshakes under way (tlsaccept: each failure is counted with its cause at once).
-        self.handshaking: set[asyncio.Task[None]] = set()
-        self._tls: ssl.SSLContext | None = None
-
-    def _accept(self) -> asyncio.Protocol:
-        return _Connection(self) if self._tls is None else _TLSAccept(self)
-
-    async def handshake(self, transport: asyncio.BaseTransport, host: str, peer: str) -> None:
-        """TLS on a connection the gate let in; a failure is counted and logged with its
-        cause at once, and frees the gate's slot."""
-        assert self._tls is not None
-        cfg = self.config
-        conn = _Connection(self, admitted=host)
-        try:
-            await start_server_tls(
-                transport,
-                self._tls,
-                conn,
-                handshake_timeout=cfg.handshake_timeout_s,
-                shutdown_timeout=cfg.tls_shutdown_timeout_s,
-            )
-        except Exception as exc:
-            reason, detail = tls_refusal(exc)
-            self.access.refused(peer, reason, detail)
-            self.gate.leave(host)
-
-    # -- connection accounting ---------------------------------------------------------------
-
-    def admit(self, conn: _Connection | None, peer: Any) -> bool:
-        """The connection gate (allowlist, max_connections, per peer: count and rate):
-        True and counted in, or False, counted and logged (rate-limited) by reason."""
-        host, port = (peer[0], peer[1]) if peer else ("", None)
-        if self.gate.admit(host, port):
-            return False
-        if conn is not None:
-            conn.peer_host = host
-        return True
-
-    def forget(self, conn: _Connection) -> None:
-        """The connection is gone: its slot and its peer count are free."""
-        if conn not in self.connections:
-            return
-        self.connections.discard(conn)
-        self.m_connections.dec()
-        self.gate.leave(conn.peer_host)
-
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    async def start(self) -> dict[str, str]:
-        self.loop = asyncio.get_running_loop()
-        cfg = self.config
-        ssl_ctx = server_ssl_context(cfg) if cfg.tls_cert else None
-        self._tls = ssl_ctx
-        # TLS is started per connection after the gate (tlsaccept), not by the server.
-        self._server = await self.loop.create_server(
-            self._accept, cfg.host, cfg.port, backlog=cfg.accept_backlog
-        )
-        self._sweeper = self.hub.supervisor.spawn("lumberjack.sweep", self._sweep)
-        host, port = self._server.sockets[0].getsockname()[:2]
-        log.info("lumberjack listening on %s:%d (%s)", host, port, "TLS" if ssl_ctx else "TCP")
-        return {"lumberjack": f"{host}:{port}"}
-
-    async def _sweep(self) -> None:
-        """Idle timeouts, one wake-up per second at most."""
-        cfg = self.config
-        period = min(1.0, cfg.idle_timeout_s / 2)
-        while True:
-            await asyncio.sleep(period)
-            now = time.monotonic()
-            for conn in [c for c in self.connections if c.idle(now, cfg.idle_timeout_s)]:
-                # Counted and logged once: the abort drops the socket at once, TLS included
-                # (nothing is owed to an idle sender, so there is nothing to flush).
-                self.hub.metrics.rejected(PROTOCOL, "idle_timeout")
-                log.info(
-                    "%s: no complete frame for %.0fs, closing", conn.producer, cfg.idle_timeout_s
-                )
-                conn._closing = True
-                conn.transport.abort()
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-        for task in list(self.handshaking):
-            task.cancel()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-        # Stop reading, let in-flight commits finish so their acks go out, then close.
-        for conn in list(self.connections):
-            conn._closing = True
-            with contextlib.suppress(Exception):
-                conn.transport.pause_reading()
-        deadline = time.monotonic() + self.hub.config.hub.grace_period_s
-        while any(c._pending for c in self.connections) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        for conn in list(self.connections):
-            conn.transport.close()
-        if self._server is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
-
-
-def create_service(hub: Hub, section: LumberjackConfig) -> LumberjackServer:
-    return LumberjackServer(hub, section)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .. import zmqburst
+from ... import zmqburst
 
 __all__ = ["PathKernel", "WindowKernels"]
 

@@ -19,9 +19,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from ..hub import Commit
-from ..metrics import Metrics
-from ..protocols.lumberjack import Window
+from ...hub import Commit
+from ...metrics import Metrics
+from ...protocols.lumberjack import Window
 
 __all__ = ["Remembered", "ResendMemory", "SenderView"]
 
