@@ -454,14 +454,23 @@ class TestForwarder:
         assert frames == [u, b"BEERR01", b"\x00", ts, ROW[:4], ROW[4:]]
         assert rejected(app, "payload_size") == 1
         assert rejected(app, "frame_count") == 1
+
         # The unregistered uuid's row is held (unknown_tap_hold_s), then journaled without a
-        # key: never refused.
-        await until_metric(app, "unattributed_rows_total", 1)
-        data = [r for r in app.hub.journal.read(0) if r.content_type == "lager"]
+        # key: never refused. Counted when its batch is submitted, journaled when the batch
+        # commits: wait for the journal (under load the count came first).
+        def lager_rows() -> list[Any]:
+            return [r for r in app.hub.journal.read(0) if r.content_type == "lager"]
+
+        deadline = time.monotonic() + 30
+        while len(lager_rows()) < 2:
+            assert time.monotonic() < deadline, "the held row never reached the journal"
+            await asyncio.sleep(0.05)
+        data = lager_rows()
         assert [(r.stream, r.payload, r.attrs.get("unattributed")) for r in data] == [
             ("/R/Data/", ROW, None),
             ("", ROW, "true"),
         ]
+        assert lager_metric(app, "unattributed_rows_total") == 1
         assert rejected(app, "unknown_tap") == 0
 
     async def test_malformed_data_is_counted_never_published(
