@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP_RUN  := $(VENV)/.installed-run
 STAMP_ALL  := $(VENV)/.installed-all
 # An editable install builds taproom.zmqburst._burst in place: rebuild when its C changes.
-BUILT      := pyproject.toml setup.py src/taproom/zmqburst/burst.c src/taproom/zmqburst/eventbus.c src/taproom/zmqburst/lumberjack.c \
+BUILT      := pyproject.toml setup.py src/taproom/zmqburst/burst.c src/taproom/zmqburst/eventbus.c src/taproom/zmqburst/lumberjack.c src/taproom/zmqburst/lager.c \
               src/taproom/zmqburst/_build.py
 PEERS      := tests/peers/node_modules/.installed
 export PYSPARK_PYTHON := $(abspath $(BIN)/python)

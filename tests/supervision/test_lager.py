@@ -15,6 +15,7 @@ import zmq
 from taproom.protocols.lager import chp as lager_chp
 from taproom.servers.lager import forwarder as lager_forwarder
 from taproom.servers.lager import registrar as lager_registrar
+from taproom.servers.lager.kernel import RowKernel
 from taproom.servers.zmtp import ZmtpPublisher
 from tests.servers.test_lager import ROW, XML, Peer, register
 from tests.supervision.support import (
@@ -86,6 +87,10 @@ class TestLagerLoops:
             finally:
                 peer.close()
 
+    # The per-row Python path (the row kernel's twin: on the compiled path the kernel takes a
+    # known tap's rows without DataRecords.parts; its own failure is the next test's).
+    @pytest.mark.parametrize("zmq_path", ["py"], indirect=True)
+    @pytest.mark.usefixtures("zmq_path")
     async def test_forwarder_data(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
     ) -> None:
@@ -112,16 +117,44 @@ class TestLagerLoops:
             finally:
                 peer.close()
 
+    @pytest.mark.parametrize("zmq_path", ["ext"], indirect=True)
+    @pytest.mark.usefixtures("zmq_path")
+    async def test_forwarder_row_kernel(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A failing row kernel call (a bug) costs no row: the rest of its burst goes through
+        the Python path; the failure is counted and logged, the loop goes on."""
+        raised = inject(monkeypatch, RowKernel, "run", first_call())
+        async with running_app(tmp_path, enable=["lager"], lager=SETTINGS) as app:
+            peer = Peer(app.addresses)
+            try:
+                await peer.settle()
+                u = uuid.uuid4().bytes
+                await register(peer, "/Robot/", u)
+                for ts in (1, 2, 3):
+                    await peer.data_in.send_multipart(_row(u, ts))
+                await until(lambda: len(_rows(app)) == 3, 20, "the three rows")
+                for ts in (4, 5):  # later bursts: the kernel's again
+                    await peer.data_in.send_multipart(_row(u, ts))
+                await until(lambda: len(_rows(app)) == 5, 20, "the five rows")
+                assert [r.ts_ns for r in _rows(app)] == [1, 2, 3, 4, 5]  # type: ignore[attr-defined]
+                assert raised == [1]
+                assert internal_errors(app, "lager") == 1
+                assert_supervised(app, "lager.forwarder.data", caplog)
+            finally:
+                peer.close()
+
     async def test_forwarder_forward(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
     ) -> None:
         first = first_call()
 
-        def rows_to_mugs(publisher, messages) -> bool:  # the first batch of rows, not a mark
-            data = publisher.name == "lager_forwarder_counted" and messages[0][0][:1] != b"\x00"
+        def rows_to_mugs(publisher, burst) -> bool:  # the first batch of rows, not a mark
+            data = publisher.name == "lager_forwarder_counted" and burst.topics[0][:1] != b"\x00"
             return data and first()
 
-        raised = inject(monkeypatch, ZmtpPublisher, "send", rows_to_mugs)
+        # rows go out as bursts (laid out by the row kernel, or encoded from the Python path's)
+        raised = inject(monkeypatch, ZmtpPublisher, "publish", rows_to_mugs)
         async with running_app(tmp_path, enable=["lager"], lager=SETTINGS) as app:
             peer = Peer(app.addresses)
             try:

@@ -33,6 +33,7 @@ __all__ = [
     "Reader",
     "active",
     "buffer_bytes",
+    "compiled",
     "drain",
     "ext_status",
     "ffi_lib",
@@ -153,6 +154,12 @@ def drain(
         yield from burst.messages()
         if time.monotonic() >= deadline:
             return
+
+
+def compiled(burst: Burst) -> bool:
+    """Whether ``burst`` is in the compiled shape (buf, frame_end, counts_c) a protocol kernel
+    reads; a burst of the pure-Python path is its kernel's Python twin's."""
+    return isinstance(burst, _ExtBurst)
 
 
 def view(burst: Burst) -> tuple[Any, list[int], list[int]] | None:

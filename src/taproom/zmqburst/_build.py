@@ -89,10 +89,28 @@ void lw_run(const lw_paths *paths, const char *buf, size_t end, int version, siz
             const char *tail, size_t producer_len, size_t tail_len, int64_t received_ns,
             int max_events, size_t batch_room, size_t room, char *out, size_t out_cap,
             lw_ran *res);
+
+typedef struct lg_taps lg_taps;
+typedef struct {
+    int next; size_t next_frame; int stop; int rows; size_t out_bytes; size_t wire_bytes;
+    int runs; int out_of_range; size_t need; int reframed; size_t plain_bytes;
+} lg_ran;
+lg_taps *lg_taps_new(int limit);
+void lg_taps_clear(lg_taps *t);
+void lg_taps_free(lg_taps *t);
+int lg_taps_add(lg_taps *t, const char *key, int key_len, const char *tail, size_t tail_len,
+                uint32_t length, uint32_t row_size, const uint32_t *items, int nitems);
+void lg_run(const lg_taps *t, const char *buf, const size_t *frame_end, const int *counts,
+            int max_frames, int start, size_t start_frame, int n, int64_t received_ns,
+            char *out, size_t out_cap, char *wire, size_t wire_cap, size_t *ends, int ends_cap,
+            char *run_uuid, int *run_rows, int runs_cap, char *plain, size_t plain_cap,
+            size_t *plain_ends, lg_ran *res);
 """
 
 # burst.c, then the protocol kernels kept in files of their own (one translation unit)
-SOURCES = [Path(__file__).with_name(name) for name in ("burst.c", "eventbus.c", "lumberjack.c")]
+SOURCES = [
+    Path(__file__).with_name(name) for name in ("burst.c", "eventbus.c", "lumberjack.c", "lager.c")
+]
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)

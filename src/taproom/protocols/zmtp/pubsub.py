@@ -132,14 +132,24 @@ def _frame_at(wire: Buffer, pos: int) -> tuple[int, int, int]:
 class Burst:
     """Whole messages' wire bytes (``wire``) and where each ends (``ends``, ascending; the
     first starts at 0). Built by :meth:`encode`, by a compiled kernel (logjam's PUB: a
-    bytearray nobody changes once built), or by :meth:`select` from another burst."""
+    bytearray nobody changes once built), or by :meth:`select` from another burst.
 
-    __slots__ = ("_topics", "ends", "wire")
+    ``runs``, when the builder knows them (the Lager forwarder's kernel), are the messages'
+    topics as (topic, how many consecutive messages have it): a filter is then matched once a
+    run, not once a message."""
 
-    def __init__(self, wire: bytes | bytearray, ends: Sequence[int]) -> None:
+    __slots__ = ("_topics", "ends", "runs", "wire")
+
+    def __init__(
+        self,
+        wire: bytes | bytearray,
+        ends: Sequence[int],
+        runs: list[tuple[bytes, int]] | None = None,
+    ) -> None:
         self.wire = wire
         self.ends = ends
         self._topics: list[bytes | bytearray] | None = None
+        self.runs = runs
 
     @classmethod
     def encode(cls, messages: Iterable[Sequence[bytes]]) -> Burst:
@@ -189,6 +199,8 @@ class Burst:
     @property
     def topics(self) -> list[bytes | bytearray]:
         """Each message's first frame (what subscriptions are matched against)."""
+        if self._topics is None and self.runs is not None:
+            self._topics = [topic for topic, count in self.runs for _ in range(count)]
         if self._topics is None:
             wire = self.wire
             topics: list[bytes | bytearray] = []
@@ -209,6 +221,12 @@ class Burst:
             return self
         if not key:
             return None
+        if self.runs is not None:
+            hits = [topic.startswith(key) for topic, _count in self.runs]
+            if all(hits):
+                return self
+            if not any(hits):
+                return None
         taken = [i for i, topic in enumerate(self.topics) if topic.startswith(key)]
         if len(taken) == len(self.ends):
             return self

@@ -63,14 +63,14 @@ import logging
 import struct
 import time
 import uuid as uuid_module
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any
 
 import orjson
 
+from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
 from ...eventtime import TIME_OUT_OF_RANGE, EventTimes
 from ...hub import Hub
@@ -85,7 +85,9 @@ from ...records import (
     EncodedBatch,
 )
 from ..zmtp import Subscriber, ZmtpPublisher, ZmtpSocket
+from .batch import Batch
 from .config import LagerConfig
+from .kernel import LG_PYTHON, RowKernel, tap_key
 
 __all__ = [
     "ATTRIBUTION_CONTENT_TYPE",
@@ -211,8 +213,10 @@ class Forwarder:
         self._replay: deque[list[bytes]] = deque()  # held rows of a uuid that now has a key
         self.closing = False
         self.inflight: set[asyncio.Future[Any]] = set()
-        # uuid + flags + version -> DataRecords; cleared whenever the hashmap changes.
+        # tap_key(uuid, flags, version) -> DataRecords; cleared whenever the hashmap changes
+        # (and the compiled kernel's copy with it: it takes rows of these taps alone).
         self._records: dict[bytes, DataRecords] = {}
+        self._kernel: RowKernel | None = None  # made by the data loop on the compiled path
         self._forwarded_by_tap: dict[bytes, int] = {}  # uuid -> rows forwarded (marks)
         self._mark_rounds: dict[bytes, int] = {}  # uuid -> HUGZ rounds left to repeat its mark
         # Counts restart at zero with the process: the epoch tells a mug to take a new baseline.
@@ -313,7 +317,7 @@ class Forwarder:
 
     def formats_changed(self) -> None:
         """A registration changed the hashmap: a tap's format may be different now."""
-        self._records.clear()
+        self._clear_records()
 
     def close(self) -> None:
         for sock in self.sockets:
@@ -341,129 +345,164 @@ class Forwarder:
         cfg = self.config
         fwd_in = self.fwd_in
         hub = self.hub
-        max_frames = cfg.max_message_frames
         max_batch = cfg.max_batch_messages
-        records = self._records
-        reader = fwd_in.reader(max_frames)
+        reader = fwd_in.reader(cfg.max_message_frames)
         replay = self._replay
         times = self._times
-        guard = self._data_guard
+        kernel = self._kernel = RowKernel.create(4 * cfg.max_taps, max_batch)
         while True:
             await hub.wait_capacity()
             if not replay and not fwd_in.readable:
                 # Short naps while rows are held: a takeover releases them into ``replay``.
                 await fwd_in.wait_readable(0.1 if self._held else 1.0)
             received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
-            parts: list[bytes] = []
-            forwards: list[list[bytes]] = []
-            reframe: list[tuple[int, list[tuple[int, int]]]] = []  # seed rows of several items
-            not_plain: list[int] = []  # unattributed rows a real Mug could not read
-            unattributed_rows = 0
-            messages: Iterable[tuple[int, list[bytes]]]
+            batch = Batch()
             if replay:  # rows held for a tap that has now registered go first, in order
                 taken = [replay.popleft() for _ in range(min(max_batch, len(replay)))]
-                messages = [(len(frames), frames) for frames in taken]
+                self._take_messages([(len(frames), frames) for frames in taken], batch,
+                                    received_ns)  # fmt: skip
             else:  # one burst (taproom.zmqburst: compiled, or pyzmq per frame)
-                messages = reader.recv(max_batch, cfg.burst_bytes).messages()
-            for count, frames in messages:
-                # One row's unexpected error refuses it alone (taproom.supervise); nothing of
-                # it is journaled or forwarded, the burst's other rows are.
-                try:
-                    if count > max_frames:
-                        self._reject("frame_count", f"data message over {max_frames} frames")
-                        continue
-                    n = count
-                    if (
-                        n >= 5
-                        and len(frames[0]) == 16
-                        and 1 <= len(frames[1]) <= 8
-                        and 1 <= len(frames[2]) <= 2
-                        and len(frames[3]) == 8
-                    ):
-                        # The header of both framings, checked inline (the common case).
-                        raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
-                    else:
-                        try:
-                            parse_data_message(frames, max_frames=max_frames)
-                        except ProtocolError as exc:
-                            self._reject(exc.reason, str(exc))
-                            continue
-                        raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
-                    if ts[0] >= 0x80:
-                        # 2^63 ns and on (year 2262): a valid u64 for the seed, but the
-                        # journal cannot hold it: stored absent (0) and counted, forwarded as
-                        # received (the event-time rule, taproom.eventtime).
-                        ts = _NO_TIME
-                        times.out_of_range += 1
-                    tap = records.get(raw_uuid + flags + version)
-                    if tap is None:
-                        reg = self.registrar.by_uuid.get(raw_uuid)
-                        if reg is None:
-                            try:  # no format yet: BEERR01 is the only version any format has
-                                check_row_header(version, flags, FORMAT_VERSION)
-                            except ProtocolError as exc:
-                                self._reject(exc.reason, f"uuid {raw_uuid.hex()}: {exc}")
-                                continue
-                            if raw_uuid not in self._unattributed:
-                                self._hold(raw_uuid, frames)
-                                continue
-                            # no registration names it (a restarted tap): journaled without a key
-                            unattributed = self._unattributed_row(raw_uuid, version, flags, frames)
-                            if unattributed is None:
-                                continue
-                            tap, payload, plain = unattributed
-                            parts += tap.parts(received_ns, ts, payload)
-                            if not plain:
-                                not_plain.append(len(forwards))
-                            forwards.append(frames)
-                            self._unattributed[raw_uuid] += 1
-                            unattributed_rows += 1
-                            continue
-                        tap = self._tap_records(reg, raw_uuid, version, flags)
-                        if tap is None:
-                            continue
-                    if n == 5:  # the seed's one payload frame, or nasa/lager's single item
-                        payload = frames[4]
-                        if len(payload) != tap.row_size:
-                            self._refuse_row(raw_uuid, [len(payload)], tap)
-                            continue
-                        if tap.cuts is not None:
-                            reframe.append((len(forwards), tap.cuts))
-                    else:  # nasa/lager: one frame per item, each of the item's size
-                        items = frames[4:]
-                        if list(map(len, items)) != tap.item_sizes:
-                            self._refuse_row(raw_uuid, list(map(len, items)), tap)
-                            continue
-                        payload = b"".join(items)
-                    parts += tap.parts(received_ns, ts, payload)
-                    forwards.append(frames)  # forwarded as received, as nasa/lager's forwarder does
-                except Exception as exc:
-                    guard.failed(exc, "data message")
+                burst = reader.recv(max_batch, cfg.burst_bytes)
+                if kernel is not None and zmqburst.compiled(burst):
+                    self._take_burst(kernel, burst, batch, received_ns)
+                else:
+                    self._take_messages(burst.messages(), batch, received_ns)
+            batch.close_chunk()
             if self._held_over:
                 self._release_oldest()
-            if unattributed_rows:
-                self._m_unattributed.inc(unattributed_rows)
+            if batch.unattributed:
+                self._m_unattributed.inc(batch.unattributed)
             out_of_range = times.take()
             if out_of_range:
                 hub.metrics.odd("lager", TIME_OUT_OF_RANGE, out_of_range)
-            if forwards:
-                batch = EncodedBatch(len(forwards), b"".join(parts), _KINDS)
-                hub.metrics.accepted("lager", len(forwards), len(batch.body))
+            if batch.rows:
+                encoded = EncodedBatch(batch.rows, b"".join(batch.parts), _KINDS)
+                hub.metrics.accepted("lager", batch.rows, len(encoded.body))
                 # A tap is alive when its rows arrive, not when our disk has them: touched
                 # after the commit, a live tap looked gone for as long as commits took.
-                per_tap = Counter(map(itemgetter(0), forwards))
-                self._touch(per_tap, time.monotonic())
+                self._touch(batch.per_tap, time.monotonic())
                 try:
-                    future = hub.submit(batch)
+                    future = hub.submit(encoded)
                 except HubStopped:
                     return
                 self.inflight.add(future)
-                future.add_done_callback(
-                    functools.partial(self._forward, forwards, reframe, not_plain, per_tap)
-                )
+                future.add_done_callback(functools.partial(self._forward, batch))
             # Yield after every burst, even one that was all rejected: a flood of bad messages
             # must not starve the registrar, the commit callbacks or the forwards.
             await asyncio.sleep(0)
+
+    def _take_burst(self, kernel: RowKernel, burst: Any, batch: Batch, received_ns: int) -> None:
+        """A compiled burst: runs of rows the kernel takes (records and wire in C), each
+        message it leaves through :meth:`_take_messages`, in order. Should a kernel call
+        itself fail (a bug), the rest of the burst is the Python path's: no row is lost."""
+        n, max_frames = burst.n, self.config.max_message_frames
+        kernel.size(burst.size, burst.frames_kept)
+        times = self._times
+        start = start_frame = 0
+        while start < n:
+            try:
+                res = kernel.run(burst, start, start_frame, received_ns)
+            except Exception as exc:  # a bug: the rest of the burst goes the Python way
+                self._data_guard.failed(exc, "row kernel run")
+                rest = itertools.islice(burst.messages(), start, None)
+                self._take_messages(rest, batch, received_ns)
+                return
+            if res.rows:
+                records, wire, ends, runs, plain = kernel.taken()
+                batch.add_kernel_rows(records, wire, ends, runs, plain, res.rows)
+                times.out_of_range += res.out_of_range
+            start, start_frame = res.next, res.next_frame
+            if res.stop == LG_PYTHON:  # this message is the Python path's
+                count = burst.counts()[start]
+                self._take_messages([(count, burst.frames(start))], batch, received_ns)
+                start += 1
+                start_frame += min(count, max_frames)
+
+    def _take_messages(
+        self, messages: Iterable[tuple[int, list[bytes]]], batch: Batch, received_ns: int
+    ) -> None:
+        """The Python path (the kernel's twin): each message checked against its tap's format,
+        its record added to the batch and the message to the batch's forwards."""
+        max_frames = self.config.max_message_frames
+        records = self._records
+        times = self._times
+        guard = self._data_guard
+        parts, forwards = batch.parts, batch.forwards
+        reframe, not_plain = batch.reframe, batch.not_plain
+        for count, frames in messages:
+            # One row's unexpected error refuses it alone (taproom.supervise); nothing of
+            # it is journaled or forwarded, the burst's other rows are.
+            try:
+                if count > max_frames:
+                    self._reject("frame_count", f"data message over {max_frames} frames")
+                    continue
+                n = count
+                if (
+                    n >= 5
+                    and len(frames[0]) == 16
+                    and 1 <= len(frames[1]) <= 8
+                    and 1 <= len(frames[2]) <= 2
+                    and len(frames[3]) == 8
+                ):
+                    # The header of both framings, checked inline (the common case).
+                    raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
+                else:
+                    try:
+                        parse_data_message(frames, max_frames=max_frames)
+                    except ProtocolError as exc:
+                        self._reject(exc.reason, str(exc))
+                        continue
+                    raw_uuid, version, flags, ts = frames[0], frames[1], frames[2], frames[3]
+                if ts[0] >= 0x80:
+                    # 2^63 ns and on (year 2262): a valid u64 for the seed, but the
+                    # journal cannot hold it: stored absent (0) and counted, forwarded as
+                    # received (the event-time rule, taproom.eventtime).
+                    ts = _NO_TIME
+                    times.out_of_range += 1
+                tap = records.get(tap_key(raw_uuid, flags, version))
+                if tap is None:
+                    reg = self.registrar.by_uuid.get(raw_uuid)
+                    if reg is None:
+                        try:  # no format yet: BEERR01 is the only version any format has
+                            check_row_header(version, flags, FORMAT_VERSION)
+                        except ProtocolError as exc:
+                            self._reject(exc.reason, f"uuid {raw_uuid.hex()}: {exc}")
+                            continue
+                        if raw_uuid not in self._unattributed:
+                            self._hold(raw_uuid, frames)
+                            continue
+                        # no registration names it (a restarted tap): journaled without a key
+                        unattributed = self._unattributed_row(raw_uuid, version, flags, frames)
+                        if unattributed is None:
+                            continue
+                        tap, payload, plain = unattributed
+                        parts += tap.parts(received_ns, ts, payload)
+                        if not plain:
+                            not_plain.append(len(forwards))
+                        forwards.append(frames)
+                        self._unattributed[raw_uuid] += 1
+                        batch.unattributed += 1
+                        continue
+                    tap = self._tap_records(reg, raw_uuid, version, flags)
+                    if tap is None:
+                        continue
+                if n == 5:  # the seed's one payload frame, or nasa/lager's single item
+                    payload = frames[4]
+                    if len(payload) != tap.row_size:
+                        self._refuse_row(raw_uuid, [len(payload)], tap)
+                        continue
+                    if tap.cuts is not None:
+                        reframe.append((len(forwards), tap.cuts))
+                else:  # nasa/lager: one frame per item, each of the item's size
+                    items = frames[4:]
+                    if list(map(len, items)) != tap.item_sizes:
+                        self._refuse_row(raw_uuid, list(map(len, items)), tap)
+                        continue
+                    payload = b"".join(items)
+                parts += tap.parts(received_ns, ts, payload)
+                forwards.append(frames)  # forwarded as received, as nasa/lager's forwarder does
+            except Exception as exc:
+                guard.failed(exc, "data message")
 
     def _tap_records(
         self, reg: Registration, raw_uuid: bytes, version: bytes, flags: bytes
@@ -486,9 +525,17 @@ class Forwarder:
             self._reject("bad_record", f"{reg.key}: {exc}")
             return None
         if len(self._records) >= 4 * self.config.max_taps:  # versions/flags vary: stay bounded
-            self._records.clear()
-        self._records[raw_uuid + flags + version] = tap
+            self._clear_records()
+        key = tap_key(raw_uuid, flags, version)
+        self._records[key] = tap
+        if self._kernel is not None:
+            self._kernel.add(key, tap)
         return tap
+
+    def _clear_records(self) -> None:
+        self._records.clear()
+        if self._kernel is not None:
+            self._kernel.clear()
 
     def _unattributed_row(
         self, raw_uuid: bytes, version: bytes, flags: bytes, frames: list[bytes]
@@ -498,7 +545,7 @@ class Forwarder:
         (rejected) if it cannot be stored. Without a format its items cannot be checked."""
         items = frames[4:]
         payload = items[0] if len(items) == 1 else b"".join(items)
-        cache_key = raw_uuid + flags + version + len(payload).to_bytes(4, "big")
+        cache_key = tap_key(raw_uuid, flags, version) + len(payload).to_bytes(4, "big")
         tap = self._unattributed_records.get(cache_key)
         if tap is None:
             try:
@@ -527,14 +574,7 @@ class Forwarder:
             self._reject("item_sizes", f"{key}: item frames of {sizes[:16]} bytes, format has "
                          f"{tap.item_sizes[:16]}")  # fmt: skip
 
-    def _forward(
-        self,
-        forwards: list[list[bytes]],
-        reframe: list[tuple[int, list[tuple[int, int]]]],
-        not_plain: list[int],
-        per_tap: Counter[bytes],
-        future: asyncio.Future[Any],
-    ) -> None:
+    def _forward(self, batch: Batch, future: asyncio.Future[Any]) -> None:
         """Runs once the batch is durable: fan out to mugs (committed data only), then one
         loss-accounting mark per tap in the batch on the counted output. The plain output gets
         nasa/lager data messages only: a seed-framed row of several items goes there split into
@@ -543,15 +583,16 @@ class Forwarder:
         self.inflight.discard(future)
         if future.cancelled() or future.exception() is not None or self.closing:
             return
+        per_tap = batch.per_tap
         try:
             if self.fwd_out.has_subscribers:
-                self.fwd_out.send(_plain_rows(forwards, reframe, not_plain))
+                self.fwd_out.publish(batch.burst(plain=True))
             if self.fwd_counted.has_subscribers:
-                self.fwd_counted.send(forwards)
+                self.fwd_counted.publish(batch.burst(plain=False))
         except Exception as exc:  # a bug: these rows are not forwarded (they are journaled)
-            self._forward_guard.failed(exc, "committed batch", len(forwards))
+            self._forward_guard.failed(exc, "committed batch", batch.rows)
             return
-        self._m_forwarded.inc(len(forwards))
+        self._m_forwarded.inc(batch.rows)
         counts = self._forwarded_by_tap
         rounds = self._mark_rounds
         repeat = self.config.mark_repeat
@@ -666,22 +707,3 @@ class Forwarder:
             self.fwd_counted.send_to(
                 mug, [*self._marks(self._forwarded_by_tap), [topic, self._epoch]]
             )
-
-
-def _plain_rows(
-    forwards: list[list[bytes]],
-    reframe: list[tuple[int, list[tuple[int, int]]]],
-    not_plain: list[int],
-) -> list[list[bytes]]:
-    """The rows as a real Mug reads them on the plain output: a seed-framed row of several
-    items split into one frame per item, rows it could not read (``not_plain``) left out."""
-    plain = forwards
-    if reframe:
-        plain = list(forwards)
-        for index, cuts in reframe:
-            head, row = forwards[index][:4], forwards[index][4]
-            plain[index] = head + [row[start:end] for start, end in cuts]
-    if not_plain:
-        skip = set(not_plain)
-        plain = [m for i, m in enumerate(plain) if i not in skip]
-    return plain

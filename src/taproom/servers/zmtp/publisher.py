@@ -317,10 +317,11 @@ class ZmtpPublisher:
         """Encode whole messages (lists of frames) once, in C where it is built, and publish
         them."""
         if self._groups and messages:
-            self.publish(self._encode(messages))
+            self.publish(self.encode(messages))
 
     @staticmethod
-    def _encode(messages: Sequence[Sequence[bytes]]) -> Burst:
+    def encode(messages: Sequence[Sequence[bytes]]) -> Burst:
+        """Whole messages as one burst (in C where it is built)."""
         if zmqburst.active() == "ext":
             return Burst(*zmqburst.zmtp_wire(messages))
         return Burst.encode(messages)
@@ -329,7 +330,7 @@ class ZmtpPublisher:
         """Messages for one subscriber (a reply to its subscription), through its filter."""
         if sub.closed or sub not in self._joined_set or not messages:
             return
-        selected = self._encode(messages).select(sub.filter.key)
+        selected = self.encode(messages).select(sub.filter.key)
         if selected is not None:
             sub.offer(selected, None)
 
