@@ -149,7 +149,7 @@ async def _fuzz(hub: Hub) -> int:
     rng = random.Random(32)
     registrar = Registrar()
     taps = []
-    for i in range(6):
+    for i in range(40):  # past the C table's first 64 slots: it grows and rehashes
         xml = _format_xml(rng)
         fmt = parse_format_xml(xml)
         raw_uuid = uuid.UUID(int=rng.getrandbits(128)).bytes
@@ -199,6 +199,15 @@ def test_kernel_leaves_a_tap_it_cannot_keep_to_python() -> None:
     assert lib.lg_taps_add(kernel.taps, b"j" * 18, 18, tail, 30, 16 + 30 + 5, 4, items, 1) == -1
     assert lib.lg_taps_add(kernel.taps, b"j" * 18, 18, tail, 30, 16 + 30 + 8, 8, items, 1) == -1
     assert lib.lg_taps_add(kernel.taps, b"j" * 28, 28, tail, 30, 16 + 30 + 4, 4, items, 1) == -1
+    # a table grows with its taps (from 64 slots) up to its limit, and starts small again
+    big = RowKernel.create(1000, 16)
+    assert big is not None
+    keys = [i.to_bytes(18, "big") for i in range(1001)]
+    added = [lib.lg_taps_add(big.taps, k, 18, tail, 30, 16 + 30 + 4, 4, items, 1) for k in keys]
+    assert added == [0] * 1000 + [-1]
+    assert lib.lg_taps_add(big.taps, keys[5], 18, tail, 30, 16 + 30 + 4, 4, items, 1) == -1
+    big.clear()
+    assert lib.lg_taps_add(big.taps, keys[1000], 18, tail, 30, 16 + 30 + 4, 4, items, 1) == 0
 
 
 @pytest.mark.parametrize("size", [1, 255, 256, 70_000])

@@ -57,37 +57,43 @@ static uint64_t lg_hash(const unsigned char *p, size_t n) {
     return h;
 }
 
+#define LG_INITIAL 64 /* slots of a new or cleared table; it doubles at half full */
+
+static int lg_alloc(lg_taps *t, size_t cap) {
+    t->slots = calloc(cap, sizeof *t->slots);
+    t->mask = t->slots ? cap - 1 : 0;
+    return t->slots ? 0 : -1;
+}
+
 lg_taps *lg_taps_new(int limit) {
     if (limit < 1 || limit > (1 << 24))
         return NULL;
-    size_t cap = 8;
-    while (cap < 2 * (size_t)limit)
-        cap <<= 1;
     lg_taps *t = calloc(1, sizeof *t);
     if (!t)
         return NULL;
-    t->slots = calloc(cap, sizeof *t->slots);
-    if (!t->slots) {
+    if (lg_alloc(t, LG_INITIAL)) {
         free(t);
         return NULL;
     }
-    t->mask = cap - 1;
     t->limit = limit;
     return t;
 }
 
+/* Forget every tap (the hashmap changed): back to a small table, so memory follows the taps
+ * in use, not the limit. */
 void lg_taps_clear(lg_taps *t) {
-    if (!t->used)
-        return;
-    for (size_t i = 0; i <= t->mask; i++) {
-        lg_tap *e = &t->slots[i];
-        if (e->used) {
-            free(e->tail);
-            free(e->items);
+    if (t->slots) {
+        for (size_t i = 0; i <= t->mask; i++) {
+            if (t->slots[i].used) {
+                free(t->slots[i].tail);
+                free(t->slots[i].items);
+            }
         }
-        memset(e, 0, sizeof *e);
+        free(t->slots);
     }
     t->used = 0;
+    lg_alloc(t, LG_INITIAL); /* on failure no slots: lg_find finds nothing, lg_taps_add keeps
+                                nothing, every row is the Python path's */
 }
 
 void lg_taps_free(lg_taps *t) {
@@ -99,6 +105,8 @@ void lg_taps_free(lg_taps *t) {
 }
 
 static lg_tap *lg_find(const lg_taps *t, const unsigned char *key, int key_len) {
+    if (!t->slots)
+        return NULL;
     size_t i = lg_hash(key, (size_t)key_len) & t->mask;
     for (;;) {
         lg_tap *e = &t->slots[i];
@@ -122,7 +130,27 @@ int lg_taps_add(lg_taps *t, const char *key, int key_len, const char *tail, size
         sum += items[k];
     if (sum != row_size || (uint64_t)length != 16 + (uint64_t)tail_len + row_size)
         return -1; /* not DataRecords' shape: a bug on the Python side, the kernel stays out */
+    if (!t->slots)
+        return -1;
     lg_tap *e = lg_find(t, (const unsigned char *)key, key_len);
+    if (!e && 2 * ((size_t)t->used + 1) > t->mask + 1) { /* half full: double, rehash */
+        lg_tap *old = t->slots;
+        size_t old_cap = t->mask + 1;
+        if (lg_alloc(t, 2 * old_cap)) {
+            t->slots = old;
+            t->mask = old_cap - 1;
+            return -1;
+        }
+        for (size_t k = 0; k < old_cap; k++) {
+            if (!old[k].used)
+                continue;
+            size_t i = lg_hash(old[k].key, (size_t)old[k].key_len) & t->mask;
+            while (t->slots[i].used)
+                i = (i + 1) & t->mask;
+            t->slots[i] = old[k];
+        }
+        free(old);
+    }
     if (e) {
         free(e->tail);
         free(e->items);
