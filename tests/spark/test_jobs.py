@@ -1,5 +1,6 @@
 """The jobs: batch rollup (idempotent, by date), report, and the streaming job across a clean
-stop and a SIGKILL of the driver, compared with the batch job on the same data."""
+stop and a SIGKILL of the driver (and a planner that missed Spark's connect-back), compared
+with the batch job on the same data."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from taproom.spark.jobs.report import report_text
 from taproom.spark.jobs.rollup import day_range, run_rollup
+from taproom.spark.jobs.stream import run_stream
 from taproom.web.tables import TableFiles
 from tests.support import FAST_JVM, descendants
 
@@ -207,10 +209,12 @@ TABLES = ("requests", "request_samples", "request_ids")
 STATELESS = ("request_ids",)
 
 
-def _stream(journal: Path, out: Path, checkpoint: Path) -> subprocess.Popen[bytes]:
+def _stream(
+    journal: Path, out: Path, checkpoint: Path, python: str = sys.executable
+) -> subprocess.Popen[bytes]:
     env = dict(
         os.environ,
-        PYSPARK_PYTHON=sys.executable,
+        PYSPARK_PYTHON=python,
         TZ="UTC",
         # The driver's JVM, started by pyspark for the CLI's session: see FAST_JVM.
         PYSPARK_SUBMIT_ARGS=f"--driver-java-options '{FAST_JVM}' pyspark-shell",
@@ -295,11 +299,39 @@ def _append(journal: Path, events: list[GeneratedEvent]) -> None:
     write_journal(journal, events)  # reopening a journal appends
 
 
-# Three stream jobs (each a JVM) and a batch job: past the suite's 300 s on a loaded machine
-# (at load 10 it was still in the final batch job then); the waits have deadlines of their own.
+def _late_planner_python(tmp_path: Path) -> str:
+    """A Python for Spark's workers whose first streaming-source planner process starts 12 s
+    late: Spark waits a fixed 10 s for it to connect back (PythonWorkerFactory), so that
+    query's start fails as it does on a machine too loaded to start a Python in time."""
+    marker = tmp_path / "planner-delayed"
+    script = tmp_path / "late-planner-python"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *python_streaming_source_runner*)\n'
+        f"  mkdir '{marker}' 2>/dev/null && sleep 12 ;;\n"
+        "esac\n"
+        f'exec {sys.executable} "$@"\n'
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+# Two stream jobs (each a JVM), a run in this session and a batch job: past the suite's 300 s
+# on a loaded machine; the waits have deadlines of their own.
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_stream_exactly_once_across_stop_and_sigkill(spark: Any, tmp_path: Path) -> None:
+    """Three runs over one checkpoint, each restart resuming from what the run before left:
+
+    1. ``taproom spark stream`` (a JVM) whose first query's planner misses Spark's connect-back
+       (the query is started again, logged), stopped by SIGTERM after the first commits: the
+       clean stop (exit 0, nothing left running);
+    2. ``taproom spark stream`` again with more data, SIGKILLed mid-batch: the restart after a
+       clean stop, and a driver killed between planning and committing a micro-batch;
+    3. the same job (``run_stream``) with ``available_now`` in this test's session (its JVM
+       is up already): the restart after the SIGKILL, reading the rest and the flush.
+
+    Then every table equals the batch job's rows, none twice, none missing."""
     events = generate_events(600, seed=21, minute_span=15, in_order=True)
     # Far-future events move the watermark past every real minute, so all of them are final.
     flush_ns = BASE_NS + 3600 * 10**9
@@ -319,12 +351,16 @@ def test_stream_exactly_once_across_stop_and_sigkill(spark: Any, tmp_path: Path)
     write_journal(journal, events[:300])
     tables = TABLES
 
-    # Run 1: stop cleanly (SIGTERM) after the first committed micro-batches.
-    proc = _stream(journal, out, ckpt)
+    # Run 1: the first query's planner misses Spark's connect-back (started again); stop
+    # cleanly (SIGTERM) after the first committed micro-batches.
+    proc = _stream(journal, out, ckpt, python=_late_planner_python(tmp_path))
     try:
         _wait(proc, lambda: all(_log(ckpt, t, "commits") for t in tables), 180)
     finally:
         assert _stop(proc, signal.SIGTERM) == 0
+    log = (tmp_path / "stream.log").read_text(errors="replace")
+    assert "stream taproom_requests: its source's Python planner missed" in log, log[-3000:]
+    assert "query start(s) retried after a planner missed" in log, log[-3000:]
     stopped_at = {t: max(_log(ckpt, t, "commits")) for t in tables}
     planned = max(_log(ckpt, "requests", "offsets"))
 
@@ -345,27 +381,30 @@ def test_stream_exactly_once_across_stop_and_sigkill(spark: Any, tmp_path: Path)
     finally:
         assert _stop(proc, signal.SIGKILL) == -signal.SIGKILL
 
-    # Run 3: the rest, then the flush; stop once every query has caught up and run the
-    # no-data batch that writes the minutes the watermark closed.
+    # Run 3: the rest, then the flush, in this session until caught up (available_now): the
+    # restart after the SIGKILL needs no JVM of its own to prove itself, the clean stop was run
+    # 1's. Each query ends once it has read everything and run the no-data batch that writes
+    # the minutes the watermark closed.
     _append(journal, flush)
     end = len(events) + len(flush)
-    proc = _stream(journal, out, ckpt)
-    try:
-
-        def caught_up() -> bool:
-            for t in tables:
-                offsets, commits = _log(ckpt, t, "offsets"), _log(ckpt, t, "commits")
-                # A stateful query runs one more batch without data once the watermark moved,
-                # to write the minutes it closed; a stateless one has nothing to write then.
-                wanted = 1 if t in STATELESS else 2
-                last = sorted(i for i in commits if i in offsets)[-wanted:]
-                if len(last) < wanted or any(_source_end(offsets[i]) != end for i in last):
-                    return False
-            return True
-
-        _wait(proc, caught_up, 180)
-    finally:
-        assert _stop(proc, signal.SIGTERM) == 0
+    code = run_stream(
+        spark,
+        [str(journal)],
+        str(out),
+        str(ckpt),
+        tables=tables,
+        watermark=f"{WATERMARK_MIN} minutes",
+        available_now=True,
+        max_records=300,
+    )
+    assert code == 0
+    for t in tables:
+        offsets, commits = _log(ckpt, t, "offsets"), _log(ckpt, t, "commits")
+        # A stateful query runs one more batch without data once the watermark moved, to write
+        # the minutes it closed; a stateless one has nothing to write then.
+        wanted = 1 if t in STATELESS else 2
+        last = sorted(i for i in commits if i in offsets)[-wanted:]
+        assert len(last) == wanted and all(_source_end(offsets[i]) == end for i in last), t
 
     # The batch job over the same journal, minus the still-open flush minute.
     batch = tmp_path / "batch"

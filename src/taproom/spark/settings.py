@@ -1,4 +1,6 @@
-"""The ``[spark]`` section: bounds of the drill-down tables the rollup and stream jobs write.
+"""The ``[spark]`` section: bounds of the drill-down tables the rollup and stream jobs write,
+and how often the stream job starts a query again whose source's planner missed Spark's
+connect-back timeout.
 
 Declared here, without pyspark, so that ``taproom validate`` and ``taproom config defaults``
 know the section on a hub that has no Spark extra. ``taproom spark rollup|stream --config``
@@ -45,4 +47,14 @@ class SparkSettings:
         "file (min/max of the sorted ids), so smaller groups read less (1 MiB: ~25,000 ids)",
         min=64 << 10,
         max=128 << 20,
+    )
+    planner_start_retries: int = setting(
+        3,
+        "times in a row ``taproom spark stream`` starts a query again from its checkpoint when "
+        "the Python process planning its source missed Spark's fixed 10 s to connect back to "
+        "the JVM (PythonWorkerFactory, not configurable; a loaded machine misses it now and "
+        "then): each retry is logged and counted; more misses in a row are a machine too busy "
+        "to run the job, and end it with exit 1 (0: never retried)",
+        min=0,
+        max=100,
     )

@@ -38,6 +38,11 @@ TABLES = ("requests", "exceptions", "logs", "request_samples", "request_ids")
 # What marks a query that failed because a hub could not be reached (the error's class name
 # is in the Python traceback Spark carries over): such a query is restarted from its checkpoint.
 _HUB_DOWN = "HubUnavailable"
+# What marks a query whose source's planner (a Python process Spark starts for the data
+# source) missed Spark's fixed 10 s to connect back to the JVM (PythonWorkerFactory's
+# SparkException; not configurable): the query never read anything and is started again
+# from its checkpoint, up to ``[spark] planner_start_retries`` times in a row.
+_NO_CONNECT_BACK = "Python worker failed to connect back"
 # How long a query's start may wait for the one before to initialize its source.
 INIT_WAIT_S = 120.0
 
@@ -143,9 +148,14 @@ def _wait_initialized(query: Any, timeout_s: float = INIT_WAIT_S) -> None:
     """Until ``query`` has initialized its sources (or ended, or ``timeout_s`` passed)."""
     deadline = time.monotonic() + timeout_s
     while query.isActive and time.monotonic() < deadline:
-        if not str(query.status.get("message", "")).startswith("Initializing"):
+        if not _initializing(query):
             return
         time.sleep(0.1)
+
+
+def _initializing(query: Any) -> bool:
+    """Whether ``query`` is still initializing its sources (its planner not yet connected)."""
+    return str(query.status.get("message", "")).startswith("Initializing")
 
 
 def run_stream(
@@ -161,11 +171,53 @@ def run_stream(
     """Run until stopped (SIGTERM/SIGINT stop cleanly), or until caught up with
     ``available_now``. A query that failed because a hub could not be reached is started
     again from its checkpoint every ``retry_seconds`` (not with ``available_now``: that run
-    ends, failed). Returns 0, or 1 when a query failed otherwise."""
+    ends, failed). A query whose source's planner missed Spark's connect-back timeout is
+    started again at once, up to ``[spark] planner_start_retries`` times in a row (each
+    logged and counted). Returns 0, or 1 when a query failed otherwise."""
     from pyspark.errors import StreamingQueryException
 
-    queries = dict(zip(tables, start_stream(spark, journals, out, checkpoint, tables=tables,
-                                             **options), strict=True))  # fmt: skip
+    unknown = set(tables) - set(TABLES)
+    if unknown:
+        raise ValueError(f"unknown tables {sorted(unknown)}; known: {sorted(TABLES)}")
+    settings = options.get("settings") or SparkSettings()
+    # Planner connect-back misses in a row per query (reset once its source is initialized),
+    # and in all.
+    missed: dict[str, int] = {}
+    missed_total = 0
+
+    def may_retry(table: str, error: object) -> bool:
+        """Whether ``error`` is a planner's missed connect-back that may be retried (and if so
+        count and log it)."""
+        nonlocal missed_total
+        if _NO_CONNECT_BACK not in str(error):
+            return False
+        if missed.get(table, 0) >= settings.planner_start_retries:
+            return False
+        missed[table] = missed.get(table, 0) + 1
+        missed_total += 1
+        print(
+            f"stream taproom_{table}: its source's Python planner missed Spark's 10 s to "
+            f"connect back; starting it again from the checkpoint (miss {missed[table]} in a "
+            f"row of at most {settings.planner_start_retries}; {missed_total} in all)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return True
+
+    def start(table: str) -> Any:
+        """Start ``table``'s query and wait until its source is initialized (see
+        start_stream); a start that fails on a planner's missed connect-back is retried."""
+        while True:
+            try:
+                query = start_query(spark, journals, table, out, checkpoint, **options)
+            except Exception as exc:
+                if may_retry(table, exc):
+                    continue
+                raise
+            _wait_initialized(query)
+            return query
+
+    queries = {table: start(table) for table in tables}
     retry_at: dict[str, float] = {}  # queries that failed on a hub, and when to restart them
     running = set(tables)  # queries not finished for good
     stopping = threading.Event()
@@ -180,6 +232,8 @@ def run_stream(
             for table in sorted(running):
                 q = queries[table]
                 if q.isActive:
+                    if missed.get(table) and not _initializing(q):
+                        del missed[table]  # its planner connected: the next miss is new
                     with contextlib.suppress(StreamingQueryException):  # looked at below
                         q.awaitTermination(0.5)
                     continue
@@ -211,6 +265,9 @@ def run_stream(
                     )
                     retry_at[table] = time.monotonic() + retry_seconds
                     continue
+                if error is not None and may_retry(table, error):
+                    queries[table] = start(table)
+                    continue
                 running.discard(table)  # finished (available_now), or failed for good
                 if error is not None:
                     failed = True
@@ -220,6 +277,13 @@ def run_stream(
         for q in queries.values():
             if q.isActive:
                 q.stop()
+        if missed_total:
+            print(
+                f"stream: {missed_total} query start(s) retried after a planner missed Spark's "
+                "connect-back timeout",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
