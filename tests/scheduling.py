@@ -3,15 +3,15 @@
 Each test goes to the next free worker, except that tests sharing something costly go to one
 worker as a unit, in file order (a group; docs/testing.md):
 
-* tests using the ``spark`` session fixture (one local JVM): the group ``spark``, so one JVM
-  serves them all, except those marked ``slow``, which run beside it with a session of their
-  own;
+* tests using the ``spark`` session fixture (a local JVM): the groups ``spark`` and
+  ``spark-b`` (by module, ``SECOND_SPARK_SESSION``), so two JVMs serve them all on two
+  workers, except those marked ``slow``, which run beside them with a session of their own;
 * other tests using a fixture of module or class scope (a hub, a browser, a Spark cluster set
   up once for the module): grouped by module, so it is set up once and its tests keep their
   order (the probe's last test checks what the others left);
 * tests with an ``xdist_group`` mark written by hand: that group.
 
-Tests marked ``slow`` are sent first, then the ``spark`` group, then the rest, so the longest
+Tests marked ``slow`` are sent first, then the Spark groups, then the rest, so the longest
 units never start last and hold the run open while the other workers are idle.
 
 xdist's own loadgroup finds its groups by renaming each test's node id, which pytest 9.2 no
@@ -46,6 +46,14 @@ __all__ = [
 # The workerinput key naming the directory where workers write their groups.
 GROUPS_DIR = "taproom_groups_dir"
 
+# The tests sharing a local SparkSession are split over two sessions (two workers, a JVM
+# each): run on one they took ~10 minutes at load 20 (584 s, 35 tests, tests/spark and
+# tests/fleet/test_spark_hubs.py), the longest unit of the suite; a second JVM costs ~40 s of
+# start-up. These modules (~336 s of that run) form the second group, the rest (~285 s with
+# the session's start) the first.
+SPARK_GROUPS = ("spark", "spark-b")
+SECOND_SPARK_SESSION = ("tests/fleet/", "tests/spark/test_jobs.py")
+
 
 def _uses_fixture_of_scope(item: pytest.Item, scopes: tuple[str, ...]) -> bool:
     info = getattr(item, "_fixtureinfo", None)
@@ -60,21 +68,21 @@ def group_of(item: pytest.Item) -> str | None:
     if mark is not None:
         return str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
     if "spark" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("slow"):
-        return "spark"
+        return SPARK_GROUPS[1] if item.nodeid.startswith(SECOND_SPARK_SESSION) else SPARK_GROUPS[0]
     if _uses_fixture_of_scope(item, ("module", "class", "package")):
         return item.nodeid.split("::", 1)[0]
     return None
 
 
 def order(items: list[pytest.Item]) -> None:
-    """Slow tests first, then the ``spark`` group, then the rest; file order within each (a
+    """Slow tests first, then the Spark groups, then the rest; file order within each (a
     stable sort). Units are sent in the order their first test comes (no reordering by size:
     `make unit` passes ``--no-loadscope-reorder``)."""
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("slow"):
             return 0
-        return 1 if group_of(item) == "spark" else 2
+        return 1 if group_of(item) in SPARK_GROUPS else 2
 
     items.sort(key=rank)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,15 +14,16 @@ pytest.importorskip(
     "pyspark", reason="the Spark tests need the spark extra (make test installs it)"
 )
 
-from tests.support import FAST_JVM
+from tests.support import FAST_JVM, spark_worker_python
 
 from .generate import GeneratedEvent, generate_events, write_journal
 
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
-    # Python workers must run this interpreter so they can import taproom.
-    os.environ["PYSPARK_PYTHON"] = sys.executable
+    # Python workers must run this interpreter so they can import taproom (and import pyspark
+    # from the installed package: spark_worker_python).
+    os.environ["PYSPARK_PYTHON"] = spark_worker_python()
     # collect() turns timestamps into naive datetimes in the local zone: make that UTC.
     os.environ["TZ"] = "UTC"
     time.tzset()

@@ -22,7 +22,7 @@ from taproom.spark.jobs.report import report_text
 from taproom.spark.jobs.rollup import day_range, run_rollup
 from taproom.spark.jobs.stream import run_stream
 from taproom.web.tables import TableFiles
-from tests.support import FAST_JVM, descendants
+from tests.support import FAST_JVM, descendants, spark_worker_python
 
 from .generate import (
     BASE_NS,
@@ -210,11 +210,11 @@ STATELESS = ("request_ids",)
 
 
 def _stream(
-    journal: Path, out: Path, checkpoint: Path, python: str = sys.executable
+    journal: Path, out: Path, checkpoint: Path, python: str | None = None
 ) -> subprocess.Popen[bytes]:
     env = dict(
         os.environ,
-        PYSPARK_PYTHON=python,
+        PYSPARK_PYTHON=python or spark_worker_python(),
         TZ="UTC",
         # The driver's JVM, started by pyspark for the CLI's session: see FAST_JVM.
         PYSPARK_SUBMIT_ARGS=f"--driver-java-options '{FAST_JVM}' pyspark-shell",
@@ -310,7 +310,7 @@ def _late_planner_python(tmp_path: Path) -> str:
         'case "$*" in *python_streaming_source_runner*)\n'
         f"  mkdir '{marker}' 2>/dev/null && sleep 12 ;;\n"
         "esac\n"
-        f'exec {sys.executable} "$@"\n'
+        f'exec {spark_worker_python()} "$@"\n'
     )
     script.chmod(0o755)
     return str(script)
