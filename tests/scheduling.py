@@ -11,8 +11,9 @@ worker as a unit, in file order (a group; docs/testing.md):
   order (the probe's last test checks what the others left);
 * tests with an ``xdist_group`` mark written by hand: that group.
 
-Tests marked ``slow`` are sent first, then the Spark groups, then the rest, so the longest
-units never start last and hold the run open while the other workers are idle.
+Tests marked ``slow`` are sent first, then the Spark groups, then the other groups, then the
+rest, so the longest units never start last and hold the run open while the other workers
+are idle.
 
 xdist's own loadgroup finds its groups by renaming each test's node id, which pytest 9.2 no
 longer allows (node ids became structured values): with it every test ran alone, module
@@ -75,14 +76,19 @@ def group_of(item: pytest.Item) -> str | None:
 
 
 def order(items: list[pytest.Item]) -> None:
-    """Slow tests first, then the Spark groups, then the rest; file order within each (a
-    stable sort). Units are sent in the order their first test comes (no reordering by size:
-    `make unit` passes ``--no-loadscope-reorder``)."""
+    """Slow tests first, then the Spark groups, then the other groups (several tests sharing
+    a fixture: a unit longer than most single tests), then single tests; file order within
+    each (a stable sort). Units are sent in the order their first test comes (no reordering by
+    count: `make unit` passes ``--no-loadscope-reorder``), so the longest start first and the
+    short ones fill the workers at the end."""
 
     def rank(item: pytest.Item) -> int:
         if item.get_closest_marker("slow"):
             return 0
-        return 1 if group_of(item) in SPARK_GROUPS else 2
+        group = group_of(item)
+        if group in SPARK_GROUPS:
+            return 1
+        return 3 if group is None else 2
 
     items.sort(key=rank)
 
