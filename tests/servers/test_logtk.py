@@ -715,7 +715,11 @@ class TestIdleWebSocket:
         from websockets.client import ClientProtocol
         from websockets.uri import parse_uri
 
-        async with running_app(tmp_path, enable=["logtk"], logtk=self.CFG) as app:
+        # Only the ping timeout may close it: with the 1 s idle timeout a loaded machine
+        # (the keepalive task late) let the idle sweep close it first, and no ping timeout
+        # was ever counted.
+        cfg = {**self.CFG, "idle_timeout_s": 120}
+        async with running_app(tmp_path, enable=["logtk"], logtk=cfg) as app:
             host, port = addr(app, "logtk_ws")
             # A real WebSocket peer (the library's sans-I/O client) that never reads again.
             client = ClientProtocol(
