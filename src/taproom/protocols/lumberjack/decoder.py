@@ -74,6 +74,10 @@ from .window import (
 
 __all__ = ["STALL_INFLATE", "STALL_ROOM", "Limits", "ServerConnection", "Window", "fingerprint"]
 
+# A J payload this large is parsed as a view of the frame before it is copied (one step of
+# inflating: smaller ones are the hot path, where a slice of bytes parses fastest).
+_LARGE_PAYLOAD = INFLATE_STEP
+
 
 class ServerConnection(OpenBatch):
     """The receiving side of one connection.
@@ -339,8 +343,12 @@ class ServerConnection(OpenBatch):
                 continue
             top = levels[-1]
             if top.tail and len(top.tail) >= self._need:
-                # A large frame grown a step at a time (a bytearray) is whole now: one copy.
-                tail = top.tail if type(top.tail) is bytes else bytes(top.tail)
+                # A large frame grown a step at a time (a bytearray) is whole now: one copy,
+                # and the bytearray let go before parsing (a zlib bomb's 12 MiB event held
+                # twice, by every connection completing one, was outside the inflate budget).
+                tail = top.tail
+                if type(tail) is not bytes:
+                    top.tail = tail = bytes(tail)
                 self._pushed = False
                 pos = self._parse(tail, 0, len(tail), len(levels))
                 if pos:
@@ -468,6 +476,7 @@ class ServerConnection(OpenBatch):
         max_name, rec_size, rec_after = _MAX_NAME_CHARS, _REC_HEAD.size, _REC_AFTER_LEN
         mask, half, json_error = SEQ_MASK, _HALF, _JSONDecodeError
         kernel = self._kernel
+        large = _LARGE_PAYLOAD
         python_at = -1  # the frame the kernel stopped before: Python's
         while end - pos >= 2:
             version = view[pos]
@@ -542,18 +551,27 @@ class ServerConnection(OpenBatch):
                         f"more events in a C frame than its window of {self._window_size}",
                         reason="window_overrun",
                     )
-                payload = view[pos + 10 : fend]
-                if self._matching and self._resent(seq, payload):
-                    self._version = version
-                    self._counted(seq)
-                    pos = fend
-                    continue
+                if length < large or self._matching:
+                    payload = view[pos + 10 : fend]
+                    if self._matching and self._resent(seq, payload):
+                        self._version = version
+                        self._counted(seq)
+                        pos = fend
+                        continue
+                    text: bytes | memoryview = payload
+                else:
+                    # A large payload is parsed from a view and copied only once it is an
+                    # object: a bomb's is refused without a copy beside orjson's own.
+                    text = memoryview(view)[pos + 10 : fend]
+                    payload = b""
                 try:
-                    obj = loads(payload)
+                    obj = loads(text)
                 except json_error:
                     raise LumberjackError(
                         "J payload is not valid JSON", reason="bad_json"
                     ) from None
+                if not payload:  # large (an empty payload was refused above)
+                    payload = view[pos + 10 : fend]
                 if type(obj) is not dict:
                     raise LumberjackError(
                         "J payload is not a JSON object", reason="json_not_object"
