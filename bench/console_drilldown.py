@@ -106,7 +106,7 @@ def request_journal(path: Path, events: int, segment_bytes: int) -> list[str]:
     return ids
 
 
-def _rollup_figures(journal: Path, out: Path, events: int) -> list[Figure]:
+def rollup_figures(journal: Path, out: Path, events: int) -> list[Figure]:
     from taproom.spark.jobs.rollup import TABLES, run_rollup
     from taproom.spark.jobs.session import get_session
     from taproom.spark.settings import SparkSettings
@@ -241,7 +241,7 @@ def run(quick: bool) -> list[Figure]:
         started = time.monotonic()
         ids = request_journal(journal, events, (16 if quick else 128) << 20)
         figures = [Figure("writing the journal", time.monotonic() - started, "s")]
-        figures += _rollup_figures(journal, out, events)
+        figures += rollup_figures(journal, out, events)
         figures += _lookup_figures(workdir, journal, out, ids)
         return figures
     finally:

@@ -505,20 +505,27 @@ def request_samples(
             _count_if(F.col("failed_order").isNotNull()).alias("failed_count"),
         )
     )
+    # A request is among the slowest iff it orders at or above the least of them: the
+    # ordering is total (total_time, journal, offset are unique) and a group with fewer
+    # requests than ``slow`` has all of them there. So the failed requests not already kept
+    # as slow are those below that cut: one comparison each (mostly of total_time alone),
+    # where a union of the two arrays compared every pair of requests field by field.
+    cut = F.array_min("_slow")
+    failed_only = F.filter("_failed", lambda s: s < cut)
     kept = grouped.select(
         *_DIMENSIONS,
         _date(),
         "failed_count",
-        "_slow",
-        # min_by gives null, not [], for a group without a failed request (and so would the
-        # union): then the slowest alone.
-        F.explode(F.coalesce(F.array_union("_slow", "_failed"), F.col("_slow"))).alias("s"),
+        cut.alias("_cut"),
+        # min_by gives null, not [], for a group without a failed request: then the slowest
+        # alone.
+        F.explode(F.coalesce(F.concat("_slow", failed_only), F.col("_slow"))).alias("s"),
     )
     return kept.select(
         *_DIMENSIONS,
         "date",
         "failed_count",
-        F.array_contains("_slow", F.col("s")).alias("slow"),
+        (F.col("s") >= F.col("_cut")).alias("slow"),
         F.col("s.failed").alias("failed"),
         *[F.col(f"s.{name}").alias(name) for name in _SAMPLE_FIELDS],
     )
