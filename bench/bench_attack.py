@@ -668,9 +668,11 @@ SCALED: list[ScaledAttack] = [
 
 
 class HealthWatch:
-    """Polls ``/health`` every 0.1 s while attacks run; ``slowest`` and ``failures``."""
+    """Polls ``/health`` every 0.1 s while attacks run; ``slowest`` and ``failures``. A poll
+    unanswered within ``timeout`` (a hang guard: the bench compares ``slowest`` with 1 s) is a
+    failure."""
 
-    def __init__(self, web: tuple[str, int], timeout: float = 5.0) -> None:
+    def __init__(self, web: tuple[str, int], timeout: float = 30.0) -> None:
         self.url = "http://{}:{}/health".format(*web)
         self.timeout = timeout
         self.slowest = 0.0
