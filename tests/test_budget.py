@@ -163,6 +163,24 @@ async def test_waiters_holding_everything_held_are_not_deadlocked() -> None:
     assert holder.used == 85 and holder.waiting == 0
 
 
+async def test_past_the_bound_the_waiter_holding_the_most_is_granted() -> None:
+    # The party granted beyond the bound asks again for the rest of its frame: it, not the
+    # oldest waiter, goes on, so only one frame grows past the bound (taking the oldest let
+    # every party grow past it in turn: 74 MB in a 16 MiB holder under 64 bomb connections).
+    holder = Holder("h", 100)
+    assert holder.try_reserve(45) and holder.try_reserve(45)
+    first = asyncio.create_task(holder.reserve(40, holding=45))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(holder.reserve(40, holding=45))
+    await asyncio.wait_for(first, 5)
+    again = asyncio.create_task(holder.reserve(40, holding=85))  # the first's next step
+    await asyncio.wait_for(again, 5)
+    assert holder.used == 170 and not second.done()
+    holder.release(125)  # the first finished its frame
+    await asyncio.wait_for(second, 5)
+    assert holder.used == 85 and holder.waiting == 0
+
+
 async def test_output_queues_are_bounded_in_bytes_across_outputs(tmp_path: Path) -> None:
     # Issue 26: an output that does not read holds committed bodies in memory; with many
     # batches of large events that was max batches x batch size per output. Now the bodies
