@@ -4,7 +4,6 @@ reply, a 500 for a replay request), counted and logged; the rest are kept."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,14 +50,6 @@ def _decompress_poisoned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return inject(
         monkeypatch, lj_ingest, "decompress", lambda method, body, *_: bytes(body) == compressed
     )
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    context.setsockopt(zmq.LINGER, 0)
-    yield context
-    context.destroy(0)
 
 
 def _topics(app: object) -> list[str]:

@@ -6,46 +6,19 @@ logged and left the subscriber in an unknown state (a publisher)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import zmq
 import zmq.asyncio
 
-from taproom.protocols import logjam as lj
 from taproom.servers.zmtp import subscriber as zmtp_subscriber
 from taproom.servers.zmtp import transport as zmtp_transport
 from tests.supervision.support import assert_supervised, first_call, inject, internal_errors, until
+from tests.supervision.test_logjam import QUIET, _message, _topics
 from tests.support import running_app
 
 pytestmark = pytest.mark.usefixtures("zmq_path")
-
-QUIET = {"heartbeat_interval_s": 3600.0, "hostname": "hub.example"}
-
-
-def _message(topic: bytes) -> list[bytes]:
-    return lj.encode_message(
-        b"app-production",
-        topic,
-        b"{}",
-        compression=0,
-        device=1,
-        created_ms=1_700_000_000_000,
-        sequence=1,
-    )
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    context.setsockopt(zmq.LINGER, 0)
-    yield context
-    context.destroy(0)
-
-
-def _topics(app: object) -> list[str]:
-    return [r.topic for r in app.hub.journal.read(0)]  # type: ignore[attr-defined]
 
 
 class TestZmtpReads:
@@ -65,14 +38,14 @@ class TestZmtpReads:
             address = "tcp://" + app.addresses["logjam_pull"]
             first = ctx.socket(zmq.PUSH)
             first.connect(address)
-            await first.send_multipart(_message(b"logs.a"))
+            await first.send_multipart(_message(b"logs.a", b"{}"))
             await until(lambda: _topics(app) == ["logs.a"], 20, "the first message")
-            await first.send_multipart(_message(b"logs.poison"))
+            await first.send_multipart(_message(b"logs.poison", b"{}"))
             await until(lambda: raised == [1], 20, "the poisoned read")
             assert internal_errors(app, "logjam") == 1
             second = ctx.socket(zmq.PUSH)  # another connection to the same listener
             second.connect(address)
-            await second.send_multipart(_message(b"logs.b"))
+            await second.send_multipart(_message(b"logs.b", b"{}"))
             await until(lambda: _topics(app) == ["logs.a", "logs.b"], 20, "the other peer's")
             assert_supervised(app, "zmtp.logjam_pull", caplog)
 
@@ -100,7 +73,7 @@ class TestZmtpReads:
             await until(lambda: service.subscriber_count() >= 1, 20, "the second subscriber")
             push = ctx.socket(zmq.PUSH)
             push.connect("tcp://" + app.addresses["logjam_pull"])
-            await push.send_multipart(_message(b"logs.after"))
+            await push.send_multipart(_message(b"logs.after", b"{}"))
             assert await second.poll(20_000)
             assert (await second.recv_multipart())[1] == b"logs.after"
             assert_supervised(app, "zmtp.logjam_pub", caplog)
