@@ -23,7 +23,7 @@ from taproom.clients.eventbus import EventBusClient
 from taproom.journal import JournalReader
 from tests.servers.clone_peer import CloneClient
 from tests.servers.test_eventbus import start_pair
-from tests.support import HubProcess, running_app, write_config
+from tests.support import HubProcess, running_app, slow_commits, write_config
 
 SEQ = struct.Struct(">q")
 StartClone = Callable[..., Awaitable[CloneClient]]
@@ -122,6 +122,31 @@ class TestCloneFlows:
                 ("/client/seed", 4, "msgpack"),
                 ("/client/2", 5, "raw"),
             ]
+
+    @pytest.mark.usefixtures("zmq_path")
+    async def test_a_snapshot_holds_every_update_accepted_before_its_request(
+        self, tmp_path: Path, start_clone: StartClone
+    ) -> None:
+        """An update accepted but not yet committed when an ICANHAZ? arrives is in the snapshot
+        (the snapshot waits for the commit), as in the Guide's server, whose hashmap takes an
+        update at once. Served without it, a client whose SUB joined after the update's
+        broadcast never saw it: the CI failure of the Binary Star takeover test below."""
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=_chp("pull")) as app:
+            chp = _group(app.addresses)
+            writer = await start_clone([chp], model=5)
+            slow_commits(app.hub, 1.0)  # a commit takes a second to be reported durable
+            await writer.set(b"/s/1", b"one")
+            accepted = {"protocol": "eventbus"}
+            await _until(
+                lambda: _metric(app, "taproom_ingest_accepted_events_total", accepted) == 1,
+                10,
+                "the update accepted",
+            )
+            # not committed yet: nothing broadcast (the gauge exists: None would fail)
+            assert app.hub.metrics.registry.get_sample_value("taproom_eventbus_sequence_count") == 0
+            reader = await start_clone([chp], model=5)
+            assert {k: v.body for k, v in reader.kvmap.items()} == {b"/s/1": b"one"}
+            assert reader.sequence == 1
 
     @pytest.mark.usefixtures("zmq_path")
     async def test_empty_body_deletes_and_ttl_expires(

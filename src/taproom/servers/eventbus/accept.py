@@ -108,8 +108,7 @@ class Acceptor(BusBase):
         self.assigned_seq = entries[-1].seq
         self.hub.metrics.accepted(PROTOCOL, len(entries), len(batch.body))
         needs_ack = self._replicate(events) if events else False
-        self._bursts_open += 1
-        self._inflight.put_nowait(Burst(future, entries, needs_ack, None, wire))
+        self._queue_burst(Burst(future, entries, needs_ack, None, wire))
 
     def _replicate(self, events: list[Event]) -> bool:
         """Send a burst to the passive peer; True when the broadcast must wait for its ack.

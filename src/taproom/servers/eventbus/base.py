@@ -102,6 +102,11 @@ class BusBase:
         # Bursts submitted and not yet applied (queued or being applied): while there are none,
         # every bus record in the journal is applied (a checkpoint covers the journal's end).
         self._bursts_open = 0
+        # Bursts ever queued and ever done with (applied or failed), in queue order: a snapshot
+        # waits until the bursts queued before its request are done (snapshot.py, _settle).
+        self._bursts_queued = 0
+        self._bursts_done = 0
+        self._burst_done = asyncio.Event()
         self._cover_limit = 1 << 63  # a burst whose apply failed: checkpoints stay before it
         self._tasks: list[asyncio.Task[None]] = []
         self._resync_task: asyncio.Task[None] | None = None
@@ -178,6 +183,29 @@ class BusBase:
 
     def _state(self) -> float:
         return int(self.fsm.state)
+
+    def _queue_burst(self, burst: Burst) -> None:
+        """A journaled burst, for the broadcaster to apply once it is committed."""
+        self._bursts_open += 1
+        self._bursts_queued += 1
+        self._inflight.put_nowait(burst)
+
+    async def _settle(self, timeout: float) -> bool:
+        """Wait until every burst queued before now is applied (or failed): then the hashmap
+        holds every update this server accepted before the call. False if ``timeout`` (s)
+        passed first (a journal that does not commit)."""
+        target = self._bursts_queued
+        deadline = time.monotonic() + timeout
+        while self._bursts_done < target:
+            self._burst_done.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._burst_done.wait(), left)
+            except TimeoutError:
+                return False
+        return True
 
     def _socket(self, kind: int, **options: int) -> zmq.asyncio.Socket:
         assert self._ctx is not None

@@ -38,6 +38,8 @@ class Broadcaster(BinaryStarPeer):
                 self._cover_limit = min(self._cover_limit, self._applied_offset)
             finally:
                 self._bursts_open -= 1
+                self._bursts_done += 1
+                self._burst_done.set()
                 self._inflight.task_done()
 
     async def _apply(self, burst: Burst, pub: ZmtpPublisher) -> None:

@@ -118,8 +118,7 @@ class BinaryStarPeer(Acceptor):
         self.assigned_seq = fresh[-1].sequence
         self._m_replicated.inc(len(fresh))
         future = self.hub.submit(builder.build())
-        self._bursts_open += 1
-        self._inflight.put_nowait(Burst(future, entries, False, identity))
+        self._queue_burst(Burst(future, entries, False, identity))
 
     async def _resync(self) -> None:
         """Copy the active peer's whole state (COPY on its SNAPSHOT port) into the journal and

@@ -90,6 +90,7 @@ class SnapshotServer(ChpDialect):
         if not self._may_serve():
             self._reject("not_active", "SYNCSTART to a server that is not active")
             return
+        await self._settle_for_snapshot()
         floor = request.sequence
         prefixes = tuple(s.encode() for s in request.subtrees)
         values = self.hashmap.values()
@@ -122,6 +123,7 @@ class SnapshotServer(ChpDialect):
         if not self._may_serve():
             self._reject("not_active", "ICANHAZ? to a server that is not active")
             return
+        await self._settle_for_snapshot()
         entries = [
             e.kv for e in self.hashmap.values() if e.kv is not None and e.kv[0].startswith(subtree)
         ]
@@ -199,6 +201,15 @@ class SnapshotServer(ChpDialect):
         finally:
             self._snapshot_slots.release()
             rearm(sock)
+
+    async def _settle_for_snapshot(self) -> None:
+        """A snapshot holds every update accepted before its request, as the Guide's Clone
+        server's does (its updates are in its hashmap at once; here once committed): the held
+        updates a takeover has just applied, and a client's own last updates. Without this, a
+        client whose SUB joins late missed them for good: the snapshot lacked them and their
+        broadcast went out before its subscription arrived."""
+        if not await self._settle(self.config.snapshot_timeout_ms / 1000):
+            log.warning("eventbus: snapshot served before the journal committed earlier updates")
 
     def _may_serve(self) -> bool:
         if self.fsm.state is BStarState.PASSIVE and not self.synced:
