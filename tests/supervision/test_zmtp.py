@@ -12,8 +12,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from taproom.servers.zmtp import connection as zmtp_connection
 from taproom.servers.zmtp import subscriber as zmtp_subscriber
-from taproom.servers.zmtp import transport as zmtp_transport
 from tests.supervision.support import assert_supervised, first_call, inject, internal_errors, until
 from tests.supervision.test_logjam import QUIET, _message, _topics
 from tests.support import running_app
@@ -29,11 +29,11 @@ class TestZmtpReads:
         monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture,
     ) -> None:
-        def poisoned(conn: zmtp_transport._Connection) -> bool:
+        def poisoned(conn: zmtp_connection.Connection) -> bool:
             buf = conn.buf
             return buf is not None and b"logs.poison" in buf[conn.start : conn.end]
 
-        raised = inject(monkeypatch, zmtp_transport._Connection, "_walk", poisoned)
+        raised = inject(monkeypatch, zmtp_connection.Connection, "_walk", poisoned)
         async with running_app(tmp_path, enable=["logjam"], logjam=QUIET) as app:
             address = "tcp://" + app.addresses["logjam_pull"]
             first = ctx.socket(zmq.PUSH)

@@ -51,6 +51,7 @@ from ...protocols import zmtp as zp
 from ...protocols.zmtp.pubsub import Burst, Subscription
 from .. import ACCEPT_BATCH
 from .config import ZmtpConfig
+from .listener import RateLimitedLog, listening, zmtp_config
 from .subscriber import (
     DISCONNECTED,
     HWM,
@@ -59,7 +60,6 @@ from .subscriber import (
     Subscriber,
     _Shared,
 )
-from .transport import _RateLimitedLog, listening, zmtp_config
 
 __all__ = ["OUTPUT_QUEUES", "Subscriber", "ZmtpPublisher"]
 
@@ -141,7 +141,7 @@ class ZmtpPublisher:
         self._groups: dict[tuple[bytes, ...], set[Subscriber]] = {}
         self._prefixes: dict[bytes, int] = {}  # prefix -> subscribers that have it
         self._joined_set: set[Subscriber] = set()  # past the handshake
-        self._rlog = _RateLimitedLog()
+        self._rlog = RateLimitedLog()
         m = hub.metrics
         labels = {"output": self.output}
         self._m_sent = m.counter(

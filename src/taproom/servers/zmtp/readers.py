@@ -11,14 +11,15 @@ from ... import zmqburst
 from ...protocols import zmtp as zp
 
 if TYPE_CHECKING:
-    from .transport import ZmtpSocket, _Connection
+    from .connection import Connection
+    from .transport import ZmtpSocket
 
 __all__ = ["ExtReader", "PyReader"]
 
 _TAKEN_FULL = 3  # zt_take: the next message does not fit the burst's buffers
 
 
-def _ready_connections(sock: ZmtpSocket) -> Iterator[_Connection]:
+def _ready_connections(sock: ZmtpSocket) -> Iterator[Connection]:
     """The connections with whole messages, each once, oldest first (a connection left with
     messages after its turn goes to the back: peers are served in turn)."""
     ready = sock._ready

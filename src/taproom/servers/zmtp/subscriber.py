@@ -25,7 +25,7 @@ from ...protocols.zmtp.pubsub import (
     message_subscription,
     seal_messages,
 )
-from .transport import handshake_refusal
+from .listener import handshake_refusal
 
 if TYPE_CHECKING:
     from .publisher import ZmtpPublisher
