@@ -44,6 +44,7 @@ _GAUGES = {
     "taproom_hub_output_queue_batches": ("queue", ("output",)),
 }
 _LATENCY = "taproom_hub_commit_latency_seconds"
+_READ = frozenset((*_RATES, *_GAUGES, _LATENCY))  # the metrics a sample reads, by name
 
 
 def _name(prefix: str, labels: tuple[str, ...], values: dict[str, str]) -> str:
@@ -106,7 +107,7 @@ class StatsRing:
         row: dict[str, float | None] = {}
         totals: dict[str, float] = {}
         latency: dict[float, float] = {}
-        for metric in self.hub.metrics.registry.collect():
+        for metric in self.hub.metrics.collect(_READ):
             for sample in metric.samples:
                 name = sample.name
                 if name.endswith("_total") and name[:-6] in _RATES:
