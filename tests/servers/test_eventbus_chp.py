@@ -148,6 +148,29 @@ class TestCloneFlows:
             assert {k: v.body for k, v in reader.kvmap.items()} == {b"/s/1": b"one"}
             assert reader.sequence == 1
 
+    async def test_a_snapshot_waits_for_a_commit_no_longer_than_snapshot_timeout(
+        self, tmp_path: Path, start_clone: StartClone, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A journal that does not commit within ``snapshot_timeout_ms`` does not hold a
+        snapshot longer: it is served as it stands, logged, and the update follows live."""
+        settings = _chp("pull", snapshot_timeout_ms=300)
+        async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
+            chp = _group(app.addresses)
+            writer = await start_clone([chp], model=5)
+            slow_commits(app.hub, 6.0)  # far longer than the snapshot waits
+            await writer.set(b"/s/1", b"one")
+            accepted = {"protocol": "eventbus"}
+            await _until(
+                lambda: _metric(app, "taproom_ingest_accepted_events_total", accepted) == 1,
+                10,
+                "the update accepted",
+            )
+            reader = await start_clone([chp], model=5, server_ttl=10.0)
+            assert reader.kvmap == {} and reader.sequence == 0  # served before the commit
+            assert "snapshot served before the journal committed" in caplog.text
+            await _until(lambda: b"/s/1" in reader.kvmap, 20, "the update, live")
+            assert reader.kvmap[b"/s/1"].sequence == 1
+
     @pytest.mark.usefixtures("zmq_path")
     async def test_empty_body_deletes_and_ttl_expires(
         self, tmp_path: Path, start_clone: StartClone

@@ -195,16 +195,14 @@ class BusBase:
         holds every update this server accepted before the call. False if ``timeout`` (s)
         passed first (a journal that does not commit)."""
         target = self._bursts_queued
-        deadline = time.monotonic() + timeout
-        while self._bursts_done < target:
-            self._burst_done.clear()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            try:
-                await asyncio.wait_for(self._burst_done.wait(), left)
-            except TimeoutError:
-                return False
+        try:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel (a stop)
+            async with asyncio.timeout(timeout):
+                while self._bursts_done < target:
+                    self._burst_done.clear()
+                    await self._burst_done.wait()
+        except TimeoutError:
+            return False
         return True
 
     def _socket(self, kind: int, **options: int) -> zmq.asyncio.Socket:
