@@ -16,12 +16,22 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# pip byte-compiles what it installs one file at a time, 1,500 test modules of the Spark
+# extra's packages too: two fifths of the install's CPU (measured: docs/testing.md). Instead,
+# every module but the packages' own tests is compiled on all cores; Python compiles any
+# other module the first time it is imported, as before.
+COMPILE = $(BIN)/python -m compileall -q -j 0 -x '/tests/' \
+            "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+          || echo "some installed modules did not compile: Python compiles them when imported"
+
 $(STAMP_RUN): $(BUILT) | $(BIN)/python
-	$(BIN)/pip install --quiet -e .
+	$(BIN)/pip install --quiet --no-compile -e .
+	$(COMPILE)
 	touch $@
 
 $(STAMP_ALL): $(BUILT) | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[spark,dev]'
+	$(BIN)/pip install --quiet --no-compile -e '.[spark,dev]'
+	$(COMPILE)
 	touch $@ $(STAMP_RUN)
 
 # Real third-party peers the integration tests run (PEERS.md), in a folder the tests own.
@@ -69,7 +79,28 @@ wheel: $(STAMP_ALL)
 	  sys.exit(not any(n.startswith('taproom/zmqburst/_burst') and n.endswith('.so') for n in names) \
 	    and 'the wheel has no compiled taproom/zmqburst/_burst module')"
 
-test: lint typecheck wheel unit
+# `make test`: the install, then the suite with the checks beside it. lint, typecheck and
+# wheel (~30 s on a clean clone, mypy without a cache) need nothing the suite makes, so they
+# run at a lower CPU priority (nice 10) while it runs, and take the CPU its waits leave idle;
+# each one's output is printed after the suite, and a failure of any fails `make test`.
+CHECKS     := lint typecheck wheel
+CHECKS_DIR := build/checks
+test: $(STAMP_ALL) $(PEERS) browser
+	@rm -rf $(CHECKS_DIR) && mkdir -p $(CHECKS_DIR)
+	@for check in $(CHECKS); do \
+	  { nice -n 10 $(MAKE) --no-print-directory $$check >$(CHECKS_DIR)/$$check.log 2>&1; \
+	    echo $$? >$(CHECKS_DIR)/$$check.rc; } & \
+	done; \
+	echo "make $(CHECKS): beside the suite, at nice 10 (output below, after it)"; \
+	$(MAKE) --no-print-directory unit; unit=$$?; \
+	wait; failed=""; \
+	for check in $(CHECKS); do \
+	  echo "--- make $$check (ran beside the suite): exit $$(cat $(CHECKS_DIR)/$$check.rc)"; \
+	  cat $(CHECKS_DIR)/$$check.log; \
+	  [ "$$(cat $(CHECKS_DIR)/$$check.rc)" = 0 ] || failed="$$failed $$check"; \
+	done; \
+	[ $$unit = 0 ] || failed="$$failed unit"; \
+	if [ -n "$$failed" ]; then echo "make test failed:$$failed"; exit 1; fi
 
 bench: $(STAMP_ALL) $(PEERS)
 	$(BIN)/python -m bench $(ARGS)
