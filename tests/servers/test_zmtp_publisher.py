@@ -76,11 +76,13 @@ def numbered(i, size=0):
     return [b"topic", struct.pack(">Q", i), b"p" * size]
 
 
-async def drain(sock, n, timeout=20.0):
-    """``n`` messages from a libzmq socket, in a thread."""
+async def drain(sock, n, timeout=20.0, got=None):
+    """``n`` messages from a libzmq socket, in a thread (appended to ``got`` as they come, if
+    given, so the caller sees the progress)."""
 
     def work():
-        got = []
+        nonlocal got
+        got = [] if got is None else got
         deadline = time.monotonic() + timeout
         while len(got) < n:
             left = deadline - time.monotonic()
@@ -255,11 +257,15 @@ class TestFanout:
             fast = peer(ctx, zmq.SUB, pub.address, SUBSCRIBE=b"", RCVHWM=0)
             slow = await asyncio.to_thread(raw_subscriber, pub.address, b"", 1, 4096)
             await until(lambda: pub.subscribed() == 2, what="both subscribers")
-            reading = asyncio.create_task(drain(fast, 2000))
+            received: list[list[bytes]] = []
+            reading = asyncio.create_task(drain(fast, 2000, got=received))
             for burst in range(20):
                 pub.send([numbered(burst * 100 + i, 16_000) for i in range(100)])
                 assert pub.holder.used <= 2 * MiB + 16_100  # the slow one's, and a burst
-                await asyncio.sleep(0.01)
+                # "fast": it keeps up (has read each burst before the next; on a loaded machine
+                # its thread could lag a burst and its own 1 MiB bound, and miss some, counted)
+                await until(lambda b=burst: len(received) >= (b + 1) * 100 or reading.done(),
+                            what=f"burst {burst} read by the fast one")  # fmt: skip
             got = await reading
             assert [struct.unpack(">Q", m[1])[0] for m in got] == list(range(2000))
             assert dropped(hub, "subscriber_bytes") > 0
