@@ -75,12 +75,34 @@ def _tap_process(
     done: Any,
     cpu: Any,
     drained: Any,
-    seed_framing: bool,
+    mode: str,
 ) -> None:
+    """``mode``: "tap" (taproom's Tap, ``log_rows``), "log_row" (the Tap a row a call), "seed"
+    (the seed's 5 frames from a raw socket) or "c" (bench/zmqloops.c's C tap: the same 8
+    frames as the Tap, zero items)."""
     tap = Tap("/Bench/Tap/", XML, registrar=registrar, forwarder=forwarder, watch=False,
               send_hwm=1_000_000).register()  # fmt: skip
     row = FORMAT.encode_row({f"v{i}": float(i) for i in range(4)})
     log = tap.log_row
+    seed_framing = mode == "seed"
+    if mode == "c":  # the registered uuid from a C loop on its own XPUB
+        ctx = zmq.Context()
+        raw = ctx.socket(zmq.XPUB)
+        raw.setsockopt(zmq.SNDHWM, 1_000_000)
+        raw.setsockopt(zmq.XPUB_NODROP, 1)
+        raw.connect(f"tcp://{forwarder}")
+        zmqloops.lib()  # built before the clock starts
+        go.wait(60)
+        c0, t0 = time.process_time(), time.thread_time()
+        # waits for the forwarder's subscription, then sends blocking: push-back, no drops
+        zmqloops.lager_tap(raw, n, tap.uuid, 4)
+        cpu[0], cpu[1] = time.process_time() - c0, time.thread_time() - t0
+        done.set()
+        drained.wait(180)
+        tap.close()
+        raw.close()
+        ctx.term()
+        return
     if seed_framing:  # the seed's 5 frames (one payload frame) from a raw socket, same uuid
         ctx = zmq.Context()
         raw = ctx.socket(zmq.XPUB)
@@ -102,11 +124,23 @@ def _tap_process(
             return True
 
     go.wait(60)
-    c0 = time.process_time()
-    for i in range(n):
-        while not log(row, i):
-            time.sleep(0.0005)  # the bartender pushes back: wait, never drop
-    cpu.value = time.process_time() - c0
+    c0, t0 = time.process_time(), time.thread_time()
+    if mode == "tap":  # Tap.log_rows: batches of rows back to back, timestamps 0..n-1
+        chunk = 1024
+        rows, stamps = row * chunk, np.arange(n, dtype=np.uint64)
+        i = 0
+        while i < n:
+            k = min(chunk, n - i)
+            sent = tap.log_rows(rows[: k * len(row)], stamps[i : i + k])
+            i += sent
+            if sent < k:
+                time.sleep(0.0005)  # the bartender pushes back: wait, never drop
+    else:  # Tap.log_row, a call a row (or the seed framing's raw socket)
+        for i in range(n):
+            while not log(row, i):
+                time.sleep(0.0005)  # the bartender pushes back: wait, never drop
+    # the process (with libzmq's I/O thread, which encodes and writes) and the sending thread
+    cpu[0], cpu[1] = time.process_time() - c0, time.thread_time() - t0
     done.set()
     # The tap may be far ahead (its send queue holds up to 1M rows): closing now would
     # discard what the bartender has not read yet. Wait until the mug has accounted for all.
@@ -125,14 +159,15 @@ def _journal_rows(journal_dir: Path) -> int:
     )
 
 
-def _pipeline(tmp: Path, n: int, seed_framing: bool = False) -> list[Figure]:
+def _pipeline(tmp: Path, n: int, mode: str = "tap") -> list[Figure]:
+    """tap (``mode``, see _tap_process) -> bartender -> taproom's Mug (``recv_rows``)."""
     serve = _Serve(tmp)
     try:
         go, done, drained = _CTX.Event(), _CTX.Event(), _CTX.Event()
-        tap_cpu = _CTX.Value("d", 0.0)
+        tap_cpu = _CTX.Array("d", 2)
         proc = _CTX.Process(
             target=_tap_process,
-            args=(serve.registrar, serve.forwarder, n, go, done, tap_cpu, drained, seed_framing),
+            args=(serve.registrar, serve.forwarder, n, go, done, tap_cpu, drained, mode),
         )
         proc.start()
         gaps: list[int] = []
@@ -144,14 +179,14 @@ def _pipeline(tmp: Path, n: int, seed_framing: bool = False) -> list[Figure]:
             time.sleep(0.05)
         mug.subscribe("/Bench/Tap/")
         hub0 = cpu_seconds_of_pid(serve.proc.pid)
-        mug0 = time.process_time()
+        mug0, mug_t0 = time.process_time(), time.thread_time()
         go.set()
         received = 0
         first = last = 0.0
         stalled = time.monotonic() + 30
         # Until every row is received or counted lost (marks repeat once a HUGZ round).
         while received + mug.lost < n and time.monotonic() < stalled:
-            got = len(mug.recv_frames(8192, timeout=0.2))
+            got = sum(map(len, mug.recv_rows(8192, timeout=0.2)))
             if got:
                 now = time.perf_counter()
                 first = first or now
@@ -159,7 +194,7 @@ def _pipeline(tmp: Path, n: int, seed_framing: bool = False) -> list[Figure]:
                 last = now
                 stalled = time.monotonic() + 10
         hub_cpu = cpu_seconds_of_pid(serve.proc.pid) - hub0
-        mug_cpu = time.process_time() - mug0
+        mug_cpu, mug_thread = time.process_time() - mug0, time.thread_time() - mug_t0
         drained.set()
         proc.join(30)
         mug.close()
@@ -168,7 +203,23 @@ def _pipeline(tmp: Path, n: int, seed_framing: bool = False) -> list[Figure]:
     forwarded = received + mug.lost
     rate = forwarded / (last - first) if last > first else 0.0
     journal = _journal_rows(tmp / "journal")
-    if seed_framing:  # the same path with the seed's 5-frame messages: the framing's cost
+    if mode == "c":  # the bartender's own ceiling: a C tap, so only the mug is Python
+        return [
+            Figure("C tap -> bartender (fsync=always) -> mug, 8 frames", rate, "rows/s"),
+            Figure("  bartender CPU per row (C tap)", hub_cpu / max(forwarded, 1) * 1e6, "us"),
+            Figure("  C tap CPU per row / mug CPU per row", tap_cpu[0] / n * 1e6,
+                   f"us / {mug_cpu / max(received, 1) * 1e6:.2f} us"),
+            Figure("  rows in the journal; received + counted lost", journal, "rows",
+                   f"= {n}; {received} + {mug.lost}"),
+        ]  # fmt: skip
+    if mode == "log_row":  # the Tap's per-row call
+        return [
+            Figure("  same through Tap.log_row (a call a row)", rate, "rows/s"),
+            Figure("    tap CPU per row / its own thread", tap_cpu[0] / n * 1e6,
+                   f"us / {tap_cpu[1] / n * 1e6:.2f} us"),
+            Figure("    rows received + counted lost", received + mug.lost, "rows", f"= {n}"),
+        ]  # fmt: skip
+    if mode == "seed":  # the same path with the seed's 5-frame messages: the framing's cost
         return [
             Figure("  same, seed framing (5 frames): bartender CPU per row",
                    hub_cpu / max(forwarded, 1) * 1e6, "us"),
@@ -181,8 +232,10 @@ def _pipeline(tmp: Path, n: int, seed_framing: bool = False) -> list[Figure]:
         Figure("  bartender: rows per hub CPU-second", forwarded / hub_cpu if hub_cpu else 0.0,
                "rows/cpu-s", ">= 200000"),
         Figure("  bartender CPU per row", hub_cpu / max(forwarded, 1) * 1e6, "us"),
-        Figure("  tap CPU per row / mug CPU per row", tap_cpu.value / n * 1e6,
+        Figure("  tap CPU per row / mug CPU per row", tap_cpu[0] / n * 1e6,
                f"us / {mug_cpu / max(received, 1) * 1e6:.2f} us"),
+        Figure("    their own threads (the rest: libzmq's I/O threads)", tap_cpu[1] / n * 1e6,
+               f"us / {mug_thread / max(received, 1) * 1e6:.2f} us"),
         Figure("  rows sent by the tap", n, "rows"),
         Figure("  rows in the journal", journal, "rows", f"= {n}"),
         Figure("  rows received by the mug", received, "rows"),
@@ -413,11 +466,9 @@ def run(quick: bool) -> list[Figure]:
         figures = []
         for name, fn, arg in (
             ("pipe", _pipeline, 100_000 if quick else 1_000_000),
-            (
-                "seed",
-                lambda tmp, k: _pipeline(tmp, k, seed_framing=True),
-                30_000 if quick else 300_000,
-            ),
+            ("log_row", lambda tmp, k: _pipeline(tmp, k, "log_row"), 30_000 if quick else 300_000),
+            ("ctap", lambda tmp, k: _pipeline(tmp, k, "c"), 100_000 if quick else 1_000_000),
+            ("seed", lambda tmp, k: _pipeline(tmp, k, "seed"), 30_000 if quick else 300_000),
             ("ceiling", lambda _tmp, k: _ceiling(k), 100_000 if quick else 500_000),
             ("keg", _keg, 300_000 if quick else 3_000_000),
             ("snap", _snapshot, 2_000 if quick else 10_000),
@@ -433,6 +484,10 @@ def run(quick: bool) -> list[Figure]:
         if pipe:
             figures.append(Figure("  taproom pipeline / raw C ceiling, wall", pipe / raw_c,
                                   "ratio", ">= 0.5"))  # fmt: skip
+        c_pipe = cpu.get("C tap -> bartender (fsync=always) -> mug, 8 frames")
+        if c_pipe:
+            figures.append(Figure("  same with the C tap / raw C ceiling, wall", c_pipe / raw_c,
+                                  "ratio"))  # fmt: skip
         hub, raw = cpu.get("bartender CPU per row"), cpu.get("receiver CPU per message")
         if hub and raw:  # both measured in this run, on this (shared) machine
             figures.append(Figure("bartender CPU per row / raw pyzmq receive CPU per message",
