@@ -413,16 +413,21 @@ class Mug:
             if self.on_gap is not None:
                 self.on_gap(key, missed)
 
+    def _wait_pending(self, limit: int, timeout: float) -> None:
+        """With nothing pending: read up to ``limit`` messages, waiting up to ``timeout``
+        seconds for the first (the registrar's updates are read meanwhile)."""
+        if not self._pending:
+            self._fill(limit)
+            if not self._pending and timeout > 0:
+                self.poll_registrar()
+                if self._data.poll(max(int(timeout * 1000), 1)):
+                    self._fill(limit)
+
     def recv_frames(self, max_messages: int = 4096, timeout: float = 0.0) -> list[list[bytes]]:
         """Up to ``max_messages`` data messages as raw frames (the fast path: no decoding),
         waiting up to ``timeout`` seconds for the first. Loss accounting is applied."""
         pending = self._pending
-        if not pending:
-            self._fill(max_messages)
-            if not pending and timeout > 0:
-                self.poll_registrar()
-                if self._data.poll(max(int(timeout * 1000), 1)):
-                    self._fill(max_messages)
+        self._wait_pending(max_messages, timeout)
         out: list[list[bytes]] = []
         while pending and len(out) < max_messages:
             item = pending[0]
@@ -443,12 +448,7 @@ class Mug:
         order received (the fast path: a few Python objects a run, not a row). Messages
         ``recv_message`` would skip (bad framing) are skipped; loss accounting is applied."""
         pending = self._pending
-        if not pending:
-            self._fill(max_rows)
-            if not pending and timeout > 0:
-                self.poll_registrar()
-                if self._data.poll(max(int(timeout * 1000), 1)):
-                    self._fill(max_rows)
+        self._wait_pending(max_rows, timeout)
         runs: list[tuple[bytes, int, list[np.ndarray[Any, Any]], list[bytes]]] = []
         taken = 0
         while pending and taken < max_rows:
