@@ -12,7 +12,7 @@ from __future__ import annotations
 from .cli import register_commands
 from .common import DuplicateTap, LagerClientError
 from .keg import KegWriter
-from .mug import Mug, Sample
+from .mug import Mug, Rows, Sample
 from .tap import Tap
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "KegWriter",
     "LagerClientError",
     "Mug",
+    "Rows",
     "Sample",
     "Tap",
     "register_commands",
