@@ -197,8 +197,11 @@ class Mug:
         # zmqburst's compiled reader when selected: every ready message in one C call, sorted
         # with numpy a burst at a time (~0.7 us a row against ~8 for pyzmq's per-frame
         # receives); None: the pure-Python twin, message by message.
+        # The module's ffi is kept with it: a later zmqburst.select("py") (tests switch paths)
+        # changes what new readers take, never this one's bursts.
+        self._ffi, _lib = zmqburst.ffi_lib()
         self._reader = (
-            zmqburst.reader(self._data, _MAX_DATA_FRAMES) if zmqburst.active() == "ext" else None
+            zmqburst.reader(self._data, _MAX_DATA_FRAMES) if self._ffi is not None else None
         )
         self._poller = zmq.Poller()
         self._poller.register(self._updates, zmq.POLLIN)
@@ -523,7 +526,7 @@ class Mug:
         numpy over the burst's frame table: runs of data messages of one uuid and one frame
         layout become one :class:`_Block` each (counted at once); any other message (marks,
         hellos, a message ``parse_data_message`` refuses) goes through ``_take`` alone."""
-        ffi, _lib = zmqburst.ffi_lib()
+        ffi = self._ffi
         n, frames_kept = burst.n, burst.frames_kept
         counts = np.frombuffer(ffi.buffer(burst.counts_c, 4 * n), np.int32).astype(np.int64)
         ends = np.zeros(frames_kept + 1, np.int64)
