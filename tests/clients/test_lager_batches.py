@@ -177,16 +177,22 @@ class FakeForwarder:
 U1, U2, U3, END = (bytes([k]) * 16 for k in (1, 2, 3, 9))
 
 
-def script(rng: random.Random, n: int) -> list[list[bytes]]:
+def script(rng: random.Random, n: int, wide: bool) -> list[list[bytes]]:
     """What a forwarder might send a mug: rows of three taps in both framings, runs of them,
     marks (some showing rows this mug never got), malformed data messages, other topics and
-    one message over 1028 frames. Ends with a row of tap END (the test's sentinel)."""
+    one message over 1028 frames. Ends with a row of tap END (the test's sentinel). ``wide``:
+    U1 and U3 rows have 70 items (74 frames: the sort's other comparison), of two layouts."""
     out: list[list[bytes]] = []
     sent = {U1: 0, U2: 0, U3: 0}
     for _ in range(n):
         pick = rng.random()
         u = rng.choice([U1, U1, U2, U3])
-        items = [rng.randbytes(8), rng.randbytes(4)] if u != U2 else [rng.randbytes(3)]
+        if u == U2:
+            items = [rng.randbytes(3)]
+        elif wide:  # U3's last item is 2 bytes: the same count as U1's, not the same layout
+            items = [rng.randbytes(1) for _ in range(69)] + [rng.randbytes(1 + (u == U3))]
+        else:
+            items = [rng.randbytes(8), rng.randbytes(4)]
         if pick < 0.55:  # a run of nasa/lager rows
             for _ in range(rng.randint(1, 40)):
                 ts = rng.getrandbits(64).to_bytes(8, "big")
@@ -254,7 +260,7 @@ def test_burst_reader_sorts_as_the_message_reader(use_rows: bool) -> None:
         fwd = FakeForwarder()
         try:
             mugs = mugs_side_by_side(fwd)
-            messages = script(random.Random(seed), 120)
+            messages = script(random.Random(seed), 120, wide=seed % 2 == 1)
             for frames in messages:
                 fwd.pub.send_multipart(frames)
             # The selection changes after the mugs were made: each keeps the path it was made on.
