@@ -28,6 +28,7 @@ from taproom.protocols.eventbus import (
 )
 from taproom.servers.eventbus import accept, bstar, snapshot
 from taproom.servers.eventbus.broadcast import Broadcaster
+from taproom.servers.eventbus.chp import ChpDialect
 from taproom.servers.eventbus.collector import Collector
 from tests.supervision.support import (
     assert_supervised,
@@ -53,8 +54,15 @@ def _pub(topic: str, ts: bytes = TS) -> list[bytes]:
     ]
 
 
-def _kv(key: bytes, body: bytes = b"v", uuid16: bytes | None = None) -> list[bytes]:
-    return [key, bytes(8), uuid.uuid4().bytes if uuid16 is None else uuid16, b"", body]
+def _kv(
+    key: bytes, body: bytes = b"v", uuid16: bytes | None = None, properties: bytes = b""
+) -> list[bytes]:
+    return [key, bytes(8), uuid.uuid4().bytes if uuid16 is None else uuid16, properties, body]
+
+
+# A property the CHP collector's kernel leaves to the Python path (parse_update, _accept_one),
+# whose handlers two tests below poison; a plain update goes through the kernel.
+PYTHON_PATH = b"note=x\n"
 
 
 @pytest.fixture
@@ -126,10 +134,35 @@ class TestEventBusLoops:
             push = ctx.socket(zmq.PUSH)
             push.connect("tcp://" + app.addresses["eventbus_chp_collector"])
             for key in (b"/ok/a", b"/poison/1", b"/ok/b"):
+                await push.send_multipart(_kv(key, properties=PYTHON_PATH))
+            await until(lambda: len(_topics(app)) == 2, 20, "the two valid updates")
+            assert _topics(app) == ["/ok/a", "/ok/b"] and raised == [1]
+            assert internal_errors(app, "eventbus") == 1
+            assert_supervised(app, "eventbus.chp_collector", caplog)
+
+    async def test_chp_collector_kernel_run(
+        self,
+        tmp_path: Path,
+        ctx: zmq.asyncio.Context,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """The CHP kernel's run: one update whose admission fails is refused alone."""
+        raised = inject(
+            monkeypatch, ChpDialect, "_admit", lambda _self, topic, *_: topic == b"/poison/1"
+        )
+        async with running_app(
+            tmp_path, enable=["eventbus"], eventbus={"chp": True, "chp_collector": "pull"}
+        ) as app:
+            push = ctx.socket(zmq.PUSH)
+            push.connect("tcp://" + app.addresses["eventbus_chp_collector"])
+            for key in (b"/ok/a", b"/poison/1", b"/ok/b"):
                 await push.send_multipart(_kv(key))
             await until(lambda: len(_topics(app)) == 2, 20, "the two valid updates")
             assert _topics(app) == ["/ok/a", "/ok/b"] and raised == [1]
             assert internal_errors(app, "eventbus") == 1
+            await push.send_multipart(_kv(b"/ok/c"))  # still serving
+            await until(lambda: len(_topics(app)) == 3, 20, "an update after the poison")
             assert_supervised(app, "eventbus.chp_collector", caplog)
 
     async def test_accept_undoes_the_admission_of_an_update_that_fails(
@@ -150,7 +183,7 @@ class TestEventBusLoops:
             push = ctx.socket(zmq.PUSH)
             push.connect("tcp://" + app.addresses["eventbus_chp_collector"])
             for key in (b"/ok/a", b"/poison/1", b"/ok/b"):
-                await push.send_multipart(_kv(key))
+                await push.send_multipart(_kv(key, properties=PYTHON_PATH))
             await until(lambda: len(_topics(app)) == 2, 20, "the two valid updates")
             assert _topics(app) == ["/ok/a", "/ok/b"] and raised == [1]
             service = app.services["eventbus"]

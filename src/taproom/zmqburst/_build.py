@@ -77,6 +77,24 @@ void eb_emit(const char *buf, const size_t *frame_end, const size_t *first_frame
              const uint64_t *seqs, const int *items, int count, const int64_t *ts_ns,
              const char *uuids, int64_t received_ns, char *out, size_t out_cap, char *bc,
              size_t bc_cap, size_t *bc_end, size_t bc_end_cap, eb_emitted *res);
+typedef struct {
+    size_t producer; size_t producer_len; size_t timestamp; size_t timestamp_len; size_t entry;
+} eb_kv_item;
+void eb_kv_scan(const char *buf, const size_t *frame_end, const int *counts, int max_frames,
+                int start, size_t start_frame, int n, size_t max_topic, size_t max_producer,
+                size_t max_data, size_t max_properties, int64_t received_ns,
+                size_t received_len, int64_t *ts_ns, char *uuids, eb_kv_item *items, int cap,
+                eb_scanned *res);
+typedef struct {
+    size_t out_bytes; size_t bc_frames; size_t bc_bytes; size_t kv_frames; size_t kv_bytes;
+    int error; int emitted;
+} eb_kv_emitted;
+void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_frames,
+                const uint64_t *seqs, const int *items, int count, const int64_t *ts_ns,
+                const char *uuids, const eb_kv_item *kv_items, const char *received,
+                size_t received_len, int64_t received_ns, char *out, size_t out_cap, char *bc,
+                size_t bc_cap, size_t *bc_end, size_t bc_end_cap, char *kv, size_t kv_cap,
+                size_t *kv_end, size_t kv_end_cap, eb_kv_emitted *res);
 
 typedef struct lw_paths lw_paths;
 lw_paths *lw_paths_new(int nstream, int ntopic, const int *parts, const char *text,

@@ -393,3 +393,302 @@ void eb_emit(const char *buf, const size_t *frame_end, const size_t *first_frame
     res->bc_frames = fr;
     res->bc_bytes = b;
 }
+
+/* --- The CHP dialect: the Guide's kvmsg updates (key, sequence, uuid, properties, body) ------
+ *
+ * eb_kv_scan validates a run of kvmsg updates from the CHP collector (PULL or SUB: no routing
+ * id) as protocols/eventbus/kvmsg.parse_update does, taking only what it is certain
+ * parse_update accepts: a uuid of 16 bytes (an empty one, which the server replaces with one
+ * of its own, is left to Python), properties that are only producer and timestamp lines (ttl
+ * and every other property are left to Python), a timestamp eb_timestamp reads (one the
+ * journal cannot hold is left to Python, which counts it). Python deduplicates, admits and
+ * numbers the run; eb_kv_emit writes the journal records as state.journal_event does for a
+ * kvmsg event, and the seed's BROADCASTs and the CHP publisher's kvmsgs, each as one burst.
+ */
+
+typedef struct {
+    size_t producer;      /* offset of the producer value in the burst's buffer */
+    size_t producer_len;  /* 0: no producer */
+    size_t timestamp;     /* offset of the timestamp value */
+    size_t timestamp_len; /* 0: none, the server's receive time stands for it */
+    size_t entry;         /* state.entry_bytes of the event (0: an empty body, a deletion) */
+} eb_kv_item;
+
+/* The properties frame at offset `base`: 1 when it holds only producer and timestamp lines
+ * parse_update takes (the last of each wins, as there), their values' spans in *item and the
+ * time in *ns; 0: Python decides. */
+static int eb_kv_properties(const unsigned char *p0, size_t n, size_t base,
+                            size_t max_producer, eb_kv_item *item, int64_t *ns) {
+    const unsigned char *p = p0, *e = p0 + n;
+    item->producer = item->producer_len = item->timestamp = item->timestamp_len = 0;
+    if (!eb_utf8(p0, n))
+        return 0;
+    while (p < e) {
+        const unsigned char *nl = memchr(p, '\n', (size_t)(e - p));
+        const unsigned char *end = nl ? nl : e;
+        if (end > p) { /* empty lines are skipped */
+            const unsigned char *eq = memchr(p, '=', (size_t)(end - p));
+            if (!eq)
+                return 0;
+            size_t name = (size_t)(eq - p), len = (size_t)(end - eq - 1);
+            size_t at = base + (size_t)(eq + 1 - p0);
+            if (name == 8 && memcmp(p, "producer", 8) == 0) {
+                if (len > max_producer || len > 0xFFFF)
+                    return 0;
+                item->producer = at;
+                item->producer_len = len;
+            } else if (name == 9 && memcmp(p, "timestamp", 9) == 0) {
+                if (!eb_timestamp(eq + 1, len, ns))
+                    return 0;
+                item->timestamp = at;
+                item->timestamp_len = len;
+            } else {
+                return 0; /* ttl, any other property, a line that is not name=value */
+            }
+        }
+        p = end + 1;
+    }
+    return 1;
+}
+
+/* The bytes of the seed's data frame for a body: a MessagePack bin (state.chp_data), or
+ * nothing for a deletion. */
+static size_t eb_bin_head(size_t len) {
+    return len == 0 ? 0 : len < 0x100 ? 2 : len < 0x10000 ? 3 : 5;
+}
+
+#define EB_ENTRY_OVERHEAD 640 /* state.ENTRY_OVERHEAD */
+
+/* Validate updates [start, n) of a CHP collector burst, at most `cap` of them, until one
+ * Python must handle (res->slow). For the k-th valid one: ts_ns[k] (received_ns when it has
+ * no timestamp), its uuid's text at uuids + 36 k, its spans and charge in items[k]; the
+ * charge counts the receive time's text (received_len) when it has no timestamp. */
+void eb_kv_scan(const char *buf, const size_t *frame_end, const int *counts, int max_frames,
+                int start, size_t start_frame, int n, size_t max_topic, size_t max_producer,
+                size_t max_data, size_t max_properties, int64_t received_ns,
+                size_t received_len, int64_t *ts_ns, char *uuids, eb_kv_item *items, int cap,
+                eb_scanned *res) {
+    static const char hex[] = "0123456789abcdef";
+    size_t frame = start_frame;
+    size_t pos = frame ? frame_end[frame - 1] : 0;
+    int i, k = 0;
+    res->slow = 0;
+    for (i = start; i < n && k < cap; i++) {
+        if (counts[i] != 5 || max_frames < 5) {
+            res->slow = 1;
+            break;
+        }
+        const unsigned char *f[5];
+        size_t len[5], at[5];
+        size_t p = pos;
+        for (int j = 0; j < 5; j++) {
+            at[j] = p;
+            f[j] = (const unsigned char *)buf + p;
+            len[j] = frame_end[frame + j] - p;
+            p = frame_end[frame + j];
+        }
+        /* key: '/' first, UTF-8, bounded (and within records.py's u16 fields) */
+        if (len[0] == 0 || len[0] > max_topic || len[0] > 0xFFFF || f[0][0] != '/' ||
+            !eb_utf8(f[0], len[0]))
+            goto slow;
+        if (len[1] != 8)
+            goto slow;
+        /* uuid: 16 bytes of an RFC 4122 version 4 UUID */
+        if (len[2] != 16 || (f[2][6] >> 4) != 4 || (f[2][8] & 0xC0) != 0x80)
+            goto slow;
+        if (len[4] > max_data)
+            goto slow;
+        if (len[3] > max_properties)
+            goto slow;
+        eb_kv_item *item = &items[k];
+        ts_ns[k] = received_ns;
+        if (!eb_kv_properties(f[3], len[3], at[3], max_producer, item, &ts_ns[k]))
+            goto slow;
+        char *u = uuids + 36 * (size_t)k;
+        for (int b = 0, o = 0; b < 16; b++) {
+            if (b == 4 || b == 6 || b == 8 || b == 10)
+                u[o++] = '-';
+            u[o++] = hex[f[2][b] >> 4];
+            u[o++] = hex[f[2][b] & 15];
+        }
+        if (len[4]) {
+            size_t ts_len = item->timestamp_len ? item->timestamp_len : received_len;
+            /* entry_bytes: topic, producer, timestamp, data (the bin), chp (no other
+             * properties, the body) */
+            item->entry = EB_ENTRY_OVERHEAD + len[0] + item->producer_len + ts_len +
+                          eb_bin_head(len[4]) + 2 * len[4];
+        } else {
+            item->entry = 0;
+        }
+        k++;
+        frame += 5;
+        pos = frame_end[frame - 1];
+        continue;
+    slow:
+        res->slow = 1;
+        break;
+    }
+    res->next = i;
+    res->next_frame = frame;
+    res->scanned = k;
+}
+
+typedef struct {
+    size_t out_bytes; /* in and out: bytes of records in out */
+    size_t bc_frames; /* in and out: BROADCAST frames in bc (6 a message) */
+    size_t bc_bytes;  /* in and out: bytes in bc */
+    size_t kv_frames; /* in and out: kvmsg frames in kv (5 a message) */
+    size_t kv_bytes;  /* in and out: bytes in kv */
+    int error;        /* 1: a buffer was too small (the caller sizes them: a bug) */
+    int emitted;      /* messages written (all of them unless error) */
+} eb_kv_emitted;
+
+static char *eb_put(char *c, const void *src, size_t n) {
+    memcpy(c, src, n);
+    return c + n;
+}
+
+/* Records, BROADCASTs and kvmsgs of the admitted updates: the j-th has its first frame (the
+ * key) at first_frames[j] in the burst, bus sequence seqs[j] and scan item items[j]. An
+ * update without a timestamp takes the receive time's text (received, received_len).
+ *
+ * Record (state.journal_event of a kvmsg event): protocol "eventbus", content type "raw",
+ * stream, topic, producer, uuid text, attrs {"timestamp":..,"dialect":"chp"} (and
+ * "delete":true for an empty body, as orjson writes them), the body. BROADCAST: topic,
+ * sequence, producer, timestamp, uuid text, the body as a MessagePack bin (empty: a
+ * deletion). kvmsg (state.kv_frames): key, sequence, the 16-byte uuid, producer= (when not
+ * empty) and timestamp= lines, the body. */
+void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_frames,
+                const uint64_t *seqs, const int *items, int count, const int64_t *ts_ns,
+                const char *uuids, const eb_kv_item *kv_items, const char *received,
+                size_t received_len, int64_t received_ns, char *out, size_t out_cap, char *bc,
+                size_t bc_cap, size_t *bc_end, size_t bc_end_cap, char *kv, size_t kv_cap,
+                size_t *kv_end, size_t kv_end_cap, eb_kv_emitted *res) {
+    static const char middle[] = "eventbusraw"; /* protocol, content type */
+    static const char attrs_head[] = "{\"timestamp\":\"";
+    static const char attrs_tail[] = "\",\"dialect\":\"chp\"";
+    static const char attrs_delete[] = ",\"delete\":true";
+    size_t o = res->out_bytes, b = res->bc_bytes, fr = res->bc_frames;
+    size_t v = res->kv_bytes, kfr = res->kv_frames;
+    res->error = 0;
+    res->emitted = 0;
+    for (int j = 0; j < count; j++) {
+        size_t frame = first_frames[j];
+        size_t p = frame ? frame_end[frame - 1] : 0;
+        const char *f[5];
+        size_t len[5];
+        for (int q = 0; q < 5; q++) {
+            f[q] = buf + p;
+            len[q] = frame_end[frame + q] - p;
+            p = frame_end[frame + q];
+        }
+        const eb_kv_item *item = &kv_items[items[j]];
+        const char *topic = f[0], *body = f[4];
+        size_t lt = len[0], lb = len[4];
+        const char *producer = buf + item->producer;
+        size_t lp = item->producer_len;
+        const char *ts = item->timestamp_len ? buf + item->timestamp : received;
+        size_t lts = item->timestamp_len ? item->timestamp_len : received_len;
+        /* stream: topic.split("/", 2)[1] */
+        const char *stream = topic + 1;
+        const char *slash = memchr(stream, '/', lt - 1);
+        size_t ls = slash ? (size_t)(slash - stream) : lt - 1;
+        size_t la = (sizeof attrs_head - 1) + lts + (sizeof attrs_tail - 1) +
+                    (lb ? 0 : sizeof attrs_delete - 1) + 1;
+        size_t size = EB_HEAD + 11 + ls + lt + lp + 36 + la + lb;
+        size_t bin = eb_bin_head(lb);
+        size_t bsize = lt + 8 + lp + lts + 36 + bin + lb;
+        size_t props = (lp ? 10 + lp : 0) + 11 + lts;
+        size_t vsize = lt + 8 + 16 + props + lb;
+        if (o + size > out_cap || b + bsize > bc_cap || fr + 6 > bc_end_cap ||
+            v + vsize > kv_cap || kfr + 5 > kv_end_cap) {
+            res->error = 1;
+            break;
+        }
+        const char *uuid = uuids + 36 * (size_t)items[j];
+        uint64_t seq = seqs[j];
+        unsigned char *h = (unsigned char *)out + o;
+        eb_le(h, size - 4, 4);
+        eb_le(h + 4, (uint64_t)received_ns, 8);
+        eb_le(h + 12, (uint64_t)ts_ns[items[j]], 8);
+        eb_le(h + 20, seq, 8);
+        h[28] = 8;
+        h[29] = 3;
+        eb_le(h + 30, ls, 2);
+        eb_le(h + 32, lt, 2);
+        eb_le(h + 34, lp, 2);
+        eb_le(h + 36, 36, 2);
+        eb_le(h + 38, la, 4);
+        eb_le(h + 42, lb, 4);
+        char *q = (char *)h + EB_HEAD;
+        q = eb_put(q, middle, 11);
+        q = eb_put(q, stream, ls);
+        q = eb_put(q, topic, lt);
+        q = eb_put(q, producer, lp);
+        q = eb_put(q, uuid, 36);
+        q = eb_put(q, attrs_head, sizeof attrs_head - 1);
+        q = eb_put(q, ts, lts);
+        q = eb_put(q, attrs_tail, sizeof attrs_tail - 1);
+        if (!lb)
+            q = eb_put(q, attrs_delete, sizeof attrs_delete - 1);
+        *q++ = '}';
+        eb_put(q, body, lb);
+        o += size;
+        /* the BROADCAST */
+        char seq_be[8];
+        for (int k = 0; k < 8; k++)
+            seq_be[k] = (char)(seq >> (8 * (7 - k)));
+        char *c = bc + b;
+        c = eb_put(c, topic, lt);
+        bc_end[fr++] = (size_t)(c - bc);
+        c = eb_put(c, seq_be, 8);
+        bc_end[fr++] = (size_t)(c - bc);
+        c = eb_put(c, producer, lp);
+        bc_end[fr++] = (size_t)(c - bc);
+        c = eb_put(c, ts, lts);
+        bc_end[fr++] = (size_t)(c - bc);
+        c = eb_put(c, uuid, 36);
+        bc_end[fr++] = (size_t)(c - bc);
+        if (bin == 2) {
+            *c++ = (char)0xc4;
+            *c++ = (char)lb;
+        } else if (bin == 3) {
+            *c++ = (char)0xc5;
+            *c++ = (char)(lb >> 8);
+            *c++ = (char)lb;
+        } else if (bin == 5) {
+            *c++ = (char)0xc6;
+            for (int k = 3; k >= 0; k--)
+                *c++ = (char)(lb >> (8 * k));
+        }
+        c = eb_put(c, body, lb);
+        bc_end[fr++] = (size_t)(c - bc);
+        b = (size_t)(c - bc);
+        /* the kvmsg */
+        char *w = kv + v;
+        w = eb_put(w, topic, lt);
+        kv_end[kfr++] = (size_t)(w - kv);
+        w = eb_put(w, seq_be, 8);
+        kv_end[kfr++] = (size_t)(w - kv);
+        w = eb_put(w, f[2], 16);
+        kv_end[kfr++] = (size_t)(w - kv);
+        if (lp) {
+            w = eb_put(w, "producer=", 9);
+            w = eb_put(w, producer, lp);
+            *w++ = '\n';
+        }
+        w = eb_put(w, "timestamp=", 10);
+        w = eb_put(w, ts, lts);
+        *w++ = '\n';
+        kv_end[kfr++] = (size_t)(w - kv);
+        w = eb_put(w, body, lb);
+        kv_end[kfr++] = (size_t)(w - kv);
+        v = (size_t)(w - kv);
+        res->emitted = j + 1;
+    }
+    res->out_bytes = o;
+    res->bc_frames = fr;
+    res->bc_bytes = b;
+    res->kv_frames = kfr;
+    res->kv_bytes = v;
+}

@@ -17,7 +17,7 @@ import zmq
 
 from ...protocols.eventbus import SEQUENCE, Event, replicate_frames
 from ...records import BatchBuilder, EncodedBatch
-from .base import Burst, BusBase
+from .base import Batch, Burst, BusBase
 from .state import PROTOCOL, Entry, entry_bytes, journal_event, kv_frames
 from .wire import rearm
 
@@ -101,14 +101,15 @@ class Acceptor(BusBase):
         entries: list[Entry],
         events: list[Event],
         wire: tuple[Any, Any, Any, int] | None = None,
+        kv_wire: tuple[Any, Any, Any, int] | None = None,
     ) -> None:
-        """Journal a burst and queue it for the broadcaster (after replicating it); ``wire``:
-        its BROADCASTs as the collector's kernel laid them out."""
+        """Journal a burst and queue it for the broadcaster (after replicating it); ``wire``
+        (and ``kv_wire``): its BROADCASTs (and kvmsgs) as a collector's kernel laid them out."""
         future = self.hub.submit(batch)
         self.assigned_seq = entries[-1].seq
         self.hub.metrics.accepted(PROTOCOL, len(entries), len(batch.body))
         needs_ack = self._replicate(events) if events else False
-        self._queue_burst(Burst(future, entries, needs_ack, None, wire))
+        self._queue_burst(Burst(future, entries, needs_ack, None, wire, kv_wire))
 
     def _replicate(self, events: list[Event]) -> bool:
         """Send a burst to the passive peer; True when the broadcast must wait for its ack.
@@ -139,58 +140,67 @@ class Acceptor(BusBase):
             rearm(self._peer_dealer)
         return self.peer_synced and self.peer_acked >= self._degraded_until
 
-    def _accept_events(self, events: Iterable[Event]) -> int:
-        """Admit parsed events (CHP updates, held updates, expiries); returns how many."""
-        builder: BatchBuilder | None = None
-        entries: list[Entry] = []
-        replicas: list[Event] = []
-        paired = self.config.role != "standalone"
-        seq = self.assigned_seq
-        for event in events:
-            # One update's unexpected error refuses it alone (taproom.supervise): its admission
-            # is undone, nothing of it is journaled, the others go on.
+    def _accept_one(self, event: Event, batch: Batch) -> None:
+        """Admit one parsed event into ``batch`` (its record, entry and replica, numbered
+        after the batch's last). One update's unexpected error refuses it alone
+        (taproom.supervise): its admission is undone, nothing of it is journaled."""
+        try:
+            if event.uuid in self.dedup:
+                self._duplicate(event.uuid)
+                return
+            seq = batch.seq + 1
+            timestamp = event.timestamp.encode()
+            frames = (
+                event.topic.encode(),
+                SEQUENCE.pack(seq),
+                event.producer.encode(),
+                timestamp,
+                event.uuid.encode(),
+                event.data,
+            )
+            size = entry_bytes(frames, event.chp) if event.data else 0
+            previous = self._accepted.get(frames[0])
+            accepted_bytes = self._accepted_bytes
+            if not self._admit(frames[0], seq, size):
+                return
+            builder = BatchBuilder(batch.received_ns)
             try:
-                if event.uuid in self.dedup:
-                    self._duplicate(event.uuid)
-                    continue
-                timestamp = event.timestamp.encode()
-                frames = (
-                    event.topic.encode(),
-                    SEQUENCE.pack(seq + 1),
-                    event.producer.encode(),
-                    timestamp,
-                    event.uuid.encode(),
-                    event.data,
-                )
-                size = entry_bytes(frames, event.chp) if event.data else 0
-                previous = self._accepted.get(frames[0])
-                accepted_bytes = self._accepted_bytes
-                if not self._admit(frames[0], seq + 1, size):
-                    continue
-                if builder is None:
-                    builder = BatchBuilder()
-                try:
-                    journal_event(builder, event, seq + 1, timestamp)  # appends only if whole
-                except Exception:
-                    if previous is None:
-                        self._accepted.pop(frames[0], None)
-                    else:
-                        self._accepted[frames[0]] = previous
-                    self._accepted_bytes = accepted_bytes
-                    raise
-            except Exception as exc:
-                self._accept_guard.failed(exc, "update")
-                continue
-            seq += 1
-            self.dedup.add(event.uuid, seq)
-            entries.append(Entry(seq, frames, event.chp, event.expires_ms))
-            if paired:
-                replicas.append(event._replace(sequence=seq))
-        if not entries:
+                journal_event(builder, event, seq, timestamp)  # appends only if whole
+            except Exception:
+                if previous is None:
+                    self._accepted.pop(frames[0], None)
+                else:
+                    self._accepted[frames[0]] = previous
+                self._accepted_bytes = accepted_bytes
+                raise
+            record = builder.build()
+        except Exception as exc:
+            self._accept_guard.failed(exc, "update")
+            return
+        batch.seq = seq
+        batch.parts.append(record.body)
+        if record.kinds:
+            batch.kinds |= record.kinds
+        self.dedup.add(event.uuid, seq)
+        batch.entries.append(Entry(seq, frames, event.chp, event.expires_ms))
+        if self.config.role != "standalone":
+            batch.events.append(event._replace(sequence=seq))
+
+    def _submit_batch(self, batch: Batch, wire: Any = None, kv_wire: Any = None) -> int:
+        """Journal ``batch`` (when it holds anything): how many events it holds."""
+        if not batch.entries:
             return 0
-        assert builder is not None
-        self._submit(builder.build(), entries, replicas)
-        return len(entries)
+        body = EncodedBatch(len(batch.entries), b"".join(batch.parts), frozenset(batch.kinds))
+        self._submit(body, batch.entries, batch.events, wire, kv_wire)
+        return len(batch.entries)
+
+    def _accept_events(self, events: Iterable[Event]) -> int:
+        """Admit parsed events (CHP updates, held updates, expiries) as one journal batch;
+        returns how many."""
+        batch = Batch(self.assigned_seq, False, set())
+        for event in events:
+            self._accept_one(event, batch)
+        return self._submit_batch(batch)
 
     # --- a passive server's held updates (issue 16 defect 1; clonesrv6's pending list) ---------
 

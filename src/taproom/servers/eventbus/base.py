@@ -34,6 +34,25 @@ class Burst:
     # The entries' BROADCASTs laid out by the collector's kernel (buffer, frame ends, frame
     # counts, messages: ZmtpPublisher.publish_prepared), or None: built from the entries.
     wire: tuple[Any, Any, Any, int] | None = None
+    # ... and their kvmsgs for the CHP publisher (the CHP collector's kernel), or None.
+    kv_wire: tuple[Any, Any, Any, int] | None = None
+
+
+class Batch:
+    """One journal batch on its way, built by a collector: records, hashmap entries,
+    replicas, the last sequence, the records' kinds."""
+
+    __slots__ = ("entries", "events", "kinds", "parts", "received_ns", "seq", "wire")
+
+    def __init__(self, seq: int, wire: bool, kinds: set[str], received_ns: int = 0) -> None:
+        self.parts: list[bytes] = []
+        self.entries: list[Entry] = []
+        self.events: list[Event] = []
+        self.seq = seq
+        # one receive time per batch, as BatchBuilder does
+        self.received_ns = received_ns or time.time_ns()
+        self.wire = wire  # every BROADCAST of the batch is laid out by a kernel
+        self.kinds = kinds  # EncodedBatch.kinds of the records in parts
 
 
 class BusBase:

@@ -64,18 +64,24 @@ class Broadcaster(BinaryStarPeer):
         if (
             burst.wire is not None
             and broadcast
-            and chp_pub is None
+            and (chp_pub is None or burst.kv_wire is not None)
             and burst.entries[0].seq > broadcast_seq
         ):
-            # the collector's kernel laid the BROADCASTs out as one burst: the hashmap here,
-            # their wire bytes in one C call, written to every subscriber (its events all have
-            # data: none is a deletion)
+            # a collector's kernel laid the BROADCASTs (and kvmsgs) out as one burst: the
+            # hashmap here, their wire bytes in one C call, written to every subscriber (an
+            # empty data frame is a deletion; a kernel's events have no ttl)
             for entry in burst.entries:
-                topic = entry[1][0]
+                frames = entry[1]
+                topic = frames[0]
                 current = hashmap.get(topic)
                 if current is None or current[0] < entry[0]:
-                    hashmap[topic] = entry
+                    if frames[5]:
+                        hashmap[topic] = entry
+                    else:
+                        hashmap.pop(topic, None)
             pub.publish_prepared(*burst.wire)
+            if chp_pub is not None and burst.kv_wire is not None:
+                chp_pub.publish_prepared(*burst.kv_wire)
             sent = len(burst.entries)
             broadcast_seq = burst.entries[-1].seq
         else:

@@ -13,21 +13,28 @@ import asyncio
 import heapq
 import time
 import uuid as uuid_mod
+from typing import Any
 
 from ... import zmqburst
 from ...errors import HubStopped
 from ...eventtime import TIME_OUT_OF_RANGE
 from ...protocols.eventbus import Event, EventBusError, kvmsg
+from .base import Batch
 from .collector import Collector
-from .state import PROTOCOL, chp_data
+from .kernel import ChpKernel
+from .state import CHP_KIND, PROTOCOL, Entry, chp_event
 from .wire import MAX_FRAMES, now_iso
 
 
 class ChpDialect(Collector):
     """Reads kvmsg updates from the CHP collector; deletes expired keys."""
 
+    _chp_kernel: ChpKernel | None = None
+
     async def _chp_collector_loop(self) -> None:
         reader = self._chp_collector.reader(MAX_FRAMES)
+        cfg = self.config
+        self._chp_kernel = ChpKernel.create(self.limits, cfg.max_burst, cfg.max_burst_bytes)
         while True:
             await self._chp_collector.wait_readable()
             await self.hub.wait_capacity()
@@ -37,58 +44,174 @@ class ChpDialect(Collector):
                 return
 
     def _drain_chp_collector(self, reader: zmqburst.Reader) -> None:
-        """One burst of kvmsg updates, bounded as the seed's PUBs are (_drain_collector)."""
+        """One journal batch of kvmsg updates, bounded as the seed's PUBs are
+        (_drain_collector). An active server's compiled bursts go through the kernel
+        (validated, recorded and laid out as BROADCASTs and kvmsgs in C); what it leaves, and
+        everything on the Python path, is handled an update at a time (:meth:`_chp_one`)."""
         cfg = self.config
-        limits = self.limits
         received = now_iso()
         received_ns = time.time_ns()
-        now_ms = received_ns // 1_000_000
-        active = self.fsm.active
-        events: list[Event] = []
-        times = self._times
-        guard = self._chp_collector_guard
+        kernel = self._chp_kernel if self.fsm.active else None
+        batch = Batch(self.assigned_seq, kernel is not None, set(), received_ns)
+        if kernel is not None:
+            kernel.start_batch(received.encode(), received_ns)
+        max_messages, max_bytes = cfg.max_burst, cfg.max_burst_bytes
+        deadline = time.monotonic() + cfg.burst_read_ms / 1000
         no_uuid = 0
-        for count, msg in zmqburst.drain(
-            reader, cfg.max_burst, cfg.max_burst_bytes, cfg.burst_read_ms / 1000
-        ):
-            # One update's unexpected error refuses it alone (taproom.supervise).
-            try:
-                if count > MAX_FRAMES:
-                    self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
-                    continue
-                try:
-                    update = kvmsg.parse_update(msg, limits, times)
-                except EventBusError as exc:
-                    self._reject(exc.reason, f"CHP collector: {exc}")
-                    continue
-                event_uuid = update.uuid
-                if not event_uuid:  # the Guide's C clonecli5: no uuid of its own
-                    event_uuid = str(uuid_mod.uuid4())
-                    no_uuid += 1
-                event = Event(
-                    update.topic,
-                    0,
-                    update.producer,
-                    update.timestamp or received,
-                    event_uuid,
-                    chp_data(update.body),
-                    update.ts_ns if update.timestamp else received_ns,
-                    (update.properties, update.body),
-                    now_ms + update.ttl_ms if update.ttl_ms else 0,
-                )
-                if active:
-                    events.append(event)
-                else:
-                    self._hold(event)
-            except Exception as exc:
-                guard.failed(exc, "CHP update")
-        odd = times.take()
+        while max_messages > 0 and max_bytes > 0:
+            burst = reader.recv(max_messages, max_bytes)
+            if not burst.n:
+                break
+            max_messages -= burst.n
+            max_bytes -= burst.size
+            compiled = zmqburst.view(burst) if kernel is not None else None
+            if compiled is None:
+                for count, msg in burst.messages():
+                    no_uuid += self._chp_one(count, msg, batch, received)
+                batch.wire = False
+            else:
+                assert kernel is not None
+                no_uuid += self._chp_compiled(kernel, *compiled, batch, received)
+            if time.monotonic() >= deadline:
+                break
+        odd = self._times.take()
         if odd:
             self.hub.metrics.odd(PROTOCOL, TIME_OUT_OF_RANGE, odd)
         if no_uuid:
             self.hub.metrics.odd(PROTOCOL, "empty_uuid", no_uuid)
-        if events:
-            self._accept_events(events)
+        if batch.entries:
+            wire = kv_wire = None
+            if kernel is not None and batch.wire:
+                wire, kv_wire = kernel.wires()
+            self._submit_batch(batch, wire, kv_wire)
+
+    def _chp_compiled(
+        self,
+        kernel: ChpKernel,
+        burst: Any,
+        ends: list[int],
+        starts: list[int],
+        batch: Batch,
+        received: str,
+    ) -> int:
+        """A compiled burst: runs of updates the kernel validates are deduplicated, admitted
+        and numbered here and recorded by the kernel; an update it leaves goes to
+        :meth:`_chp_one` (parse_update's refusal and reason, or a form the kernel does not
+        take), then the kernel goes on after it. Returns the updates given a uuid here."""
+        known = self.dedup.seqs
+        admit = self._admit
+        add = self.dedup.add
+        new_entry = Entry._make
+        paired = self.config.role != "standalone"
+        guard = self._chp_collector_guard
+        data = zmqburst.buffer_bytes(burst)
+        entries, events = batch.entries, batch.events
+        no_uuid = 0
+        start, n = 0, burst.n
+        while start < n:
+            res = kernel.scan(burst, start, starts[start])
+            scanned, nxt, slow = res.scanned, res.next, res.slow
+            if scanned:
+                uuids = kernel.ffi.buffer(kernel.uuids, 36 * scanned)[:]
+                kv_items = kernel.items
+                firsts: list[int] = []
+                seqs: list[int] = []
+                items: list[int] = []
+                kept: list[tuple[bytes, bytes]] = []
+                seq = batch.seq
+                for k in range(scanned):
+                    # as _accept_one: an unexpected error refuses this update alone, and
+                    # nothing changes the bus state before the last step that can fail
+                    try:
+                        f = starts[start + k]
+                        uuid_b = uuids[36 * k : 36 * k + 36]
+                        key = uuid_b.decode()
+                        if key in known:
+                            self._duplicate(key)
+                            continue
+                        topic = data[ends[f] : ends[f + 1]]
+                        if not admit(topic, seq + 1, kv_items[k].entry):
+                            continue
+                    except Exception as exc:
+                        guard.failed(exc, "CHP update")
+                        continue
+                    seq += 1
+                    add(key, seq)
+                    firsts.append(f)
+                    seqs.append(seq)
+                    items.append(k)
+                    kept.append((topic, uuid_b))
+                if seqs:
+                    records, bc, bc_ends, kv, kv_ends = kernel.emit(
+                        burst, firsts, seqs, items, 2 * burst.size
+                    )
+                    batch.parts.append(records)
+                    batch.kinds.add(CHP_KIND)
+                    batch.seq = seq
+                    # the entries' frames are the bytes sent: sliced from the BROADCASTs and
+                    # kvmsgs just laid out (ends of frames, from 0)
+                    ts_ns = kernel.ts_ns
+                    for j, (topic, uuid_b) in enumerate(kept):
+                        e = bc_ends[6 * j + 1 : 6 * j + 6]
+                        w = kv_ends[5 * j + 2 : 5 * j + 5]
+                        sequence = bc[e[0] - 8 : e[0]]
+                        frames = (
+                            topic, sequence, bc[e[0] : e[1]], bc[e[1] : e[2]], uuid_b,
+                            bc[e[3] : e[4]],
+                        )  # fmt: skip
+                        body = kv[w[1] : w[2]]
+                        kv_msg = (topic, sequence, kv[w[0] - 16 : w[0]], kv[w[0] : w[1]], body)
+                        entries.append(new_entry((seqs[j], frames, (b"", body), 0, kv_msg)))
+                        if paired:
+                            events.append(
+                                Event(
+                                    topic.decode(),
+                                    seqs[j],
+                                    frames[2].decode(),
+                                    frames[3].decode(),
+                                    uuid_b.decode(),
+                                    frames[5],
+                                    ts_ns[items[j]],
+                                    (b"", body),
+                                )
+                            )
+            if not slow:
+                break
+            # the update the kernel left: the Python path decides, then the kernel goes on
+            no_uuid += self._chp_one(burst.counts()[nxt], burst.frames(nxt), batch, received)
+            batch.wire = False
+            start = nxt + 1
+        return no_uuid
+
+    def _chp_one(self, count: int, msg: list[bytes], batch: Batch, received: str) -> int:
+        """One kvmsg update on the Python path (the kernel's twin): refused with
+        parse_update's reason, held (a passive server) or admitted into ``batch``. Returns 1
+        when the update had no uuid and was given one here.
+
+        One update's unexpected error refuses it alone (taproom.supervise)."""
+        try:
+            if count > MAX_FRAMES:
+                self._reject("frame_count", f"CHP collector: message over {MAX_FRAMES} frames")
+                return 0
+            try:
+                update = kvmsg.parse_update(msg, self.limits, self._times)
+            except EventBusError as exc:
+                self._reject(exc.reason, f"CHP collector: {exc}")
+                return 0
+            event_uuid = update.uuid
+            no_uuid = 0
+            if not event_uuid:  # the Guide's C clonecli5: no uuid of its own
+                event_uuid = str(uuid_mod.uuid4())
+                no_uuid = 1
+            event = chp_event(update, event_uuid, received, batch.received_ns)
+        except Exception as exc:
+            self._chp_collector_guard.failed(exc, "CHP update")
+            return 0
+        if self.fsm.active:
+            self._accept_one(event, batch)
+        else:
+            self._hold(event)
+        return no_uuid
 
     async def _expiry_loop(self) -> None:
         interval = self.config.ttl_check_ms / 1000

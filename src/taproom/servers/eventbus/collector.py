@@ -11,24 +11,11 @@ from ...errors import HubStopped
 from ...eventtime import TIME_OUT_OF_RANGE
 from ...protocols.eventbus import SEQUENCE, Command, Event, EventBusError, parse_pub
 from ...records import EncodedBatch
+from .base import Batch
 from .broadcast import Broadcaster
 from .kernel import SeedKernel
 from .state import ENTRY_OVERHEAD, PROTOCOL, SEED_KINDS, Entry, seed_record
 from .wire import MAX_FRAMES
-
-
-class _Batch:
-    """One journal batch on its way: records, hashmap entries, replicas, the last sequence."""
-
-    __slots__ = ("entries", "events", "parts", "received_ns", "seq", "wire")
-
-    def __init__(self, seq: int, wire: bool) -> None:
-        self.parts: list[bytes] = []
-        self.entries: list[Entry] = []
-        self.events: list[Event] = []
-        self.seq = seq
-        self.received_ns = time.time_ns()  # one receive time per batch, as BatchBuilder does
-        self.wire = wire  # every BROADCAST of the batch is laid out by the kernel
 
 
 class Collector(Broadcaster):
@@ -61,7 +48,9 @@ class Collector(Broadcaster):
         what it leaves, and everything on the Python path, is handled a message at a time."""
         cfg = self.config
         kernel = self._kernel if self.fsm.active else None
-        batch = _Batch(self.assigned_seq, kernel is not None and self._chp_publisher is None)
+        batch = Batch(
+            self.assigned_seq, kernel is not None and self._chp_publisher is None, set(SEED_KINDS)
+        )
         if kernel is not None:
             kernel.start_batch()
         max_messages, max_bytes = cfg.max_burst, cfg.max_burst_bytes
@@ -96,7 +85,7 @@ class Collector(Broadcaster):
             )
 
     def _collect_compiled(
-        self, kernel: SeedKernel, burst: Any, ends: list[int], starts: list[int], batch: _Batch
+        self, kernel: SeedKernel, burst: Any, ends: list[int], starts: list[int], batch: Batch
     ) -> None:
         """A compiled burst: runs of commands the kernel validates are deduplicated, admitted
         and numbered here and recorded by the kernel; a command it leaves goes to
@@ -174,7 +163,7 @@ class Collector(Broadcaster):
             batch.wire = False
             start = nxt + 1
 
-    def _collect_one(self, count: int, msg: list[bytes], batch: _Batch) -> None:
+    def _collect_one(self, count: int, msg: list[bytes], batch: Batch) -> None:
         """One COLLECTOR message on the Python path (the kernel's twin).
 
         One message's unexpected error refuses that message alone (counted as

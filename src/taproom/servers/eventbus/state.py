@@ -19,7 +19,7 @@ import msgpack
 import orjson
 
 from ...protocols.eventbus import SEQUENCE, Event
-from ...protocols.eventbus.kvmsg import update_properties
+from ...protocols.eventbus.kvmsg import Update, update_properties
 from ...records import RECORD_HEAD, RECORD_HEAD_AFTER_LEN, BatchBuilder
 
 log = logging.getLogger("taproom.eventbus")
@@ -62,6 +62,24 @@ def entry_bytes(frames: Frames, chp: tuple[bytes, bytes] | None) -> int:
 def chp_data(body: bytes) -> bytes:
     """The seed's data frame for a kvmsg body: a MessagePack bin, or empty for a deletion."""
     return msgpack.packb(body, use_bin_type=True) if body else b""
+
+
+def chp_event(update: Update, event_uuid: str, received: str, received_ns: int) -> Event:
+    """The bus event of a client's kvmsg update (``event_uuid``: its uuid, or one the server
+    gave it), received at ``received`` (ISO text) / ``received_ns``: an update without a
+    timestamp takes the receive time. The CHP collector's kernel (servers/eventbus/kernel.py)
+    is held to it by tests/protocols/test_eventbus_chp_kernel.py."""
+    return Event(
+        update.topic,
+        0,
+        update.producer,
+        update.timestamp or received,
+        event_uuid,
+        chp_data(update.body),
+        update.ts_ns if update.timestamp else received_ns,
+        (update.properties, update.body),
+        received_ns // 1_000_000 + update.ttl_ms if update.ttl_ms else 0,
+    )
 
 
 @dataclass
@@ -153,6 +171,7 @@ def journal_event(builder: BatchBuilder, event: Event, seq: int, timestamp: byte
 # producer, event UUID, attrs, data. Every length is bounded by the bus's own limits.
 SEED_MIDDLE = PROTOCOL.encode() + b"msgpack"
 SEED_KINDS = frozenset({PROTOCOL + "/msgpack"})  # the journal's label (EncodedBatch.kinds)
+CHP_KIND = PROTOCOL + "/raw"  # a kvmsg event's record (its raw body is the payload)
 SEED_HEAD_FIXED = RECORD_HEAD_AFTER_LEN + len(SEED_MIDDLE) + 36  # + the UUID's 36 bytes
 
 
