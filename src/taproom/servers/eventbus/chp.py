@@ -149,29 +149,27 @@ class ChpDialect(Collector):
                     batch.kinds.add(CHP_KIND)
                     batch.seq = seq
                     # the entries' frames are the bytes sent: sliced from the BROADCASTs and
-                    # kvmsgs just laid out (ends of frames, from 0)
+                    # kvmsgs just laid out (ends of frames from 0, 6 and 5 a message)
                     ts_ns = kernel.ts_ns
-                    for j, (topic, uuid_b) in enumerate(kept):
-                        e = bc_ends[6 * j + 1 : 6 * j + 6]
-                        w = kv_ends[5 * j + 2 : 5 * j + 5]
-                        sequence = bc[e[0] - 8 : e[0]]
-                        frames = (
-                            topic, sequence, bc[e[0] : e[1]], bc[e[1] : e[2]], uuid_b,
-                            bc[e[3] : e[4]],
-                        )  # fmt: skip
-                        body = kv[w[1] : w[2]]
-                        kv_msg = (topic, sequence, kv[w[0] - 16 : w[0]], kv[w[0] : w[1]], body)
-                        entries.append(new_entry((seqs[j], frames, (b"", body), 0, kv_msg)))
+                    bcs, kvs = iter(bc_ends), iter(kv_ends)
+                    for (topic, uuid_b), number, k, (t, q, p, s, u, d), (_, _, w, r, b) in zip(
+                        kept, seqs, items, zip(bcs, bcs, bcs, bcs, bcs, bcs, strict=True),
+                        zip(kvs, kvs, kvs, kvs, kvs, strict=True), strict=True,
+                    ):  # fmt: skip
+                        sequence, body = bc[t:q], kv[r:b]
+                        frames = (topic, sequence, bc[q:p], bc[p:s], uuid_b, bc[u:d])
+                        kv_msg = (topic, sequence, kv[w - 16 : w], kv[w:r], body)
+                        entries.append(new_entry((number, frames, (b"", body), 0, kv_msg)))
                         if paired:
                             events.append(
                                 Event(
                                     topic.decode(),
-                                    seqs[j],
+                                    number,
                                     frames[2].decode(),
                                     frames[3].decode(),
                                     uuid_b.decode(),
                                     frames[5],
-                                    ts_ns[items[j]],
+                                    ts_ns[k],
                                     (b"", body),
                                 )
                             )
