@@ -33,6 +33,7 @@ __all__ = [
     "Reader",
     "active",
     "buffer_bytes",
+    "bursts",
     "compiled",
     "drain",
     "ext_status",
@@ -135,15 +136,16 @@ def reader(sock: zmq.Socket[bytes], max_frames: int) -> Reader:
     return _PyReader(sock, max_frames)
 
 
-def drain(
+def bursts(
     reader: Reader, max_messages: int, max_bytes: int, max_seconds: float
-) -> Iterator[tuple[int, list[bytes]]]:
-    """(true frame count, kept frames) of bursts read one after another while messages are
-    ready, up to ``max_messages`` and ``max_bytes`` in all, and no new burst once
-    ``max_seconds`` have passed. A socket with a small receive HWM holds few messages at a
-    time, and libzmq's I/O thread refills it while the last burst is handled: one journal batch
-    then spans several bursts rather than one small one, but under a steady stream it would
-    go on to the budgets while its first message waits, hence the time bound."""
+) -> Iterator[Burst]:
+    """Bursts read one after another while messages are ready, up to ``max_messages`` and
+    ``max_bytes`` in all, and no new burst once ``max_seconds`` have passed (each is handled
+    before the next is read: it lives in the reader's buffers). A socket with a small receive
+    HWM holds few messages at a time, and libzmq's I/O thread refills it while the last burst
+    is handled: one journal batch then spans several bursts rather than one small one, but
+    under a steady stream it would go on to the budgets while its first message waits, hence
+    the time bound."""
     deadline = time.monotonic() + max_seconds
     while max_messages > 0 and max_bytes > 0:
         burst = reader.recv(max_messages, max_bytes)
@@ -151,9 +153,17 @@ def drain(
             return
         max_messages -= burst.n
         max_bytes -= burst.size
-        yield from burst.messages()
+        yield burst
         if time.monotonic() >= deadline:
             return
+
+
+def drain(
+    reader: Reader, max_messages: int, max_bytes: int, max_seconds: float
+) -> Iterator[tuple[int, list[bytes]]]:
+    """(true frame count, kept frames) of the messages of :func:`bursts`."""
+    for burst in bursts(reader, max_messages, max_bytes, max_seconds):
+        yield from burst.messages()
 
 
 def compiled(burst: Burst) -> bool:

@@ -55,15 +55,10 @@ class ChpDialect(Collector):
         batch = Batch(self.assigned_seq, kernel is not None, set(), received_ns)
         if kernel is not None:
             kernel.start_batch(received.encode(), received_ns)
-        max_messages, max_bytes = cfg.max_burst, cfg.max_burst_bytes
-        deadline = time.monotonic() + cfg.burst_read_ms / 1000
         no_uuid = 0
-        while max_messages > 0 and max_bytes > 0:
-            burst = reader.recv(max_messages, max_bytes)
-            if not burst.n:
-                break
-            max_messages -= burst.n
-            max_bytes -= burst.size
+        for burst in zmqburst.bursts(
+            reader, cfg.max_burst, cfg.max_burst_bytes, cfg.burst_read_ms / 1000
+        ):
             compiled = zmqburst.view(burst) if kernel is not None else None
             if compiled is None:
                 for count, msg in burst.messages():
@@ -72,8 +67,6 @@ class ChpDialect(Collector):
             else:
                 assert kernel is not None
                 no_uuid += self._chp_compiled(kernel, *compiled, batch, received)
-            if time.monotonic() >= deadline:
-                break
         odd = self._times.take()
         if odd:
             self.hub.metrics.odd(PROTOCOL, TIME_OUT_OF_RANGE, odd)

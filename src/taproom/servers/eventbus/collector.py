@@ -3,7 +3,6 @@ journaled (and REPLICATE from the active peer, on a passive server)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from ... import zmqburst
@@ -41,7 +40,7 @@ class Collector(Broadcaster):
     def _drain_collector(self, reader: zmqburst.Reader) -> None:
         """The seed's hot path: the frames received are the BROADCAST's frames but for the
         sequence and the (normalised) uuid and data. One journal batch: bursts read while
-        commands are ready (zmqburst.drain's bounds: at most ``max_burst`` commands, until
+        commands are ready (zmqburst.bursts' bounds: at most ``max_burst`` commands, until
         ``max_burst_bytes`` are received, no new burst after ``burst_read_ms``; the rest waits
         in ZeroMQ for the hub's capacity check, wait_capacity). An active server's compiled
         bursts go through the kernel (validated, recorded and laid out as BROADCASTs in C);
@@ -53,15 +52,10 @@ class Collector(Broadcaster):
         )
         if kernel is not None:
             kernel.start_batch()
-        max_messages, max_bytes = cfg.max_burst, cfg.max_burst_bytes
-        deadline = time.monotonic() + cfg.burst_read_ms / 1000
         one = self._collect_one
-        while max_messages > 0 and max_bytes > 0:
-            burst = reader.recv(max_messages, max_bytes)
-            if not burst.n:
-                break
-            max_messages -= burst.n
-            max_bytes -= burst.size
+        for burst in zmqburst.bursts(
+            reader, cfg.max_burst, cfg.max_burst_bytes, cfg.burst_read_ms / 1000
+        ):
             compiled = zmqburst.view(burst) if kernel is not None else None
             if compiled is None:
                 for count, msg in burst.messages():
@@ -70,8 +64,6 @@ class Collector(Broadcaster):
             else:
                 assert kernel is not None
                 self._collect_compiled(kernel, *compiled, batch)
-            if time.monotonic() >= deadline:
-                break
         odd = self._times.take()
         if odd:
             self.hub.metrics.odd(PROTOCOL, TIME_OUT_OF_RANGE, odd)

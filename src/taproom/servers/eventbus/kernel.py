@@ -14,7 +14,7 @@ in tests/protocols/test_eventbus_chp_kernel.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Self
 
 from ... import zmqburst
 from ...protocols.eventbus import Limits
@@ -27,16 +27,32 @@ _RECORD_EXTRA = 46 + 15 + 36 + 16
 _BROADCAST_EXTRA = 8
 
 
-class SeedKernel:
-    """Buffers for one journal batch's worth of PUB commands (``max_burst`` of them, up to
-    ``max_burst_bytes`` received) and the calls into eb_scan / eb_emit."""
+class _Kernel:
+    """What both kernels keep: the compiled module, the limits, and a run's event times and
+    uuid texts (``max_burst`` of them)."""
 
     def __init__(self, ffi: Any, lib: Any, limits: Limits, max_burst: int, max_bytes: int):
         self.ffi, self.lib, self.limits = ffi, lib, limits
         self.cap = max_burst
+        self.ts_ns = zmqburst.buffer("int64_t[]", max_burst)
+        self.uuids = zmqburst.buffer("char[]", 36 * max_burst)
+
+    @classmethod
+    def create(cls, limits: Limits, max_burst: int, max_bytes: int) -> Self | None:
+        """The kernel while the compiled path is selected, else None (the Python twin)."""
+        ffi, lib = zmqburst.ffi_lib()
+        if lib is None:
+            return None
+        return cls(ffi, lib, limits, max_burst, max_bytes)
+
+
+class SeedKernel(_Kernel):
+    """Buffers for one journal batch's worth of PUB commands (``max_burst`` of them, up to
+    ``max_burst_bytes`` received) and the calls into eb_scan / eb_emit."""
+
+    def __init__(self, ffi: Any, lib: Any, limits: Limits, max_burst: int, max_bytes: int):
+        super().__init__(ffi, lib, limits, max_burst, max_bytes)
         alloc = zmqburst.buffer
-        self.ts_ns = alloc("int64_t[]", max_burst)
-        self.uuids = alloc("char[]", 36 * max_burst)
         # a run's records; a batch's BROADCASTs (the batch reads up to max_bytes, and a
         # message bigger than that still arrives whole: the buffers grow for it)
         self._out_cap = self._bc_cap = 0
@@ -47,14 +63,6 @@ class SeedKernel:
         self.bc_end = alloc("size_t[]", 6 * max_burst)
         self.counts = ffi.new("int[]", [6] * max_burst)
         self.scanned = ffi.new("eb_scanned *")
-
-    @classmethod
-    def create(cls, limits: Limits, max_burst: int, max_bytes: int) -> SeedKernel | None:
-        """The kernel while the compiled path is selected, else None (the Python twin)."""
-        ffi, lib = zmqburst.ffi_lib()
-        if lib is None:
-            return None
-        return cls(ffi, lib, limits, max_burst, max_bytes)
 
     def _grow(self, size: int) -> None:
         if size > self._out_cap:
@@ -159,16 +167,13 @@ def _prepared(
 _KV_EXTRA = 256
 
 
-class ChpKernel:
+class ChpKernel(_Kernel):
     """Buffers for one journal batch's worth of kvmsg updates (``max_burst`` of them, up to
     ``max_burst_bytes`` received) and the calls into eb_kv_scan / eb_kv_emit."""
 
     def __init__(self, ffi: Any, lib: Any, limits: Limits, max_burst: int, max_bytes: int):
-        self.ffi, self.lib, self.limits = ffi, lib, limits
-        self.cap = max_burst
+        super().__init__(ffi, lib, limits, max_burst, max_bytes)
         alloc = zmqburst.buffer
-        self.ts_ns = alloc("int64_t[]", max_burst)
-        self.uuids = alloc("char[]", 36 * max_burst)
         self.items = alloc("eb_kv_item[]", max_burst)
         self._cap = 0
         self.out: Any = None
@@ -184,14 +189,6 @@ class ChpKernel:
         self.bc_counts = ffi.new("int[]", [6] * max_burst)
         self.kv_counts = ffi.new("int[]", [5] * max_burst)
         self.scanned = ffi.new("eb_scanned *")
-
-    @classmethod
-    def create(cls, limits: Limits, max_burst: int, max_bytes: int) -> ChpKernel | None:
-        """The kernel while the compiled path is selected, else None (the Python twin)."""
-        ffi, lib = zmqburst.ffi_lib()
-        if lib is None:
-            return None
-        return cls(ffi, lib, limits, max_burst, max_bytes)
 
     def _grow(self, size: int) -> None:
         """Room for ``size`` more bytes in each buffer (the batch's BROADCASTs and kvmsgs so
