@@ -79,6 +79,7 @@ void eb_emit(const char *buf, const size_t *frame_end, const size_t *first_frame
              size_t bc_cap, size_t *bc_end, size_t bc_end_cap, eb_emitted *res);
 typedef struct {
     size_t producer; size_t producer_len; size_t timestamp; size_t timestamp_len; size_t entry;
+    size_t ttl; size_t ttl_len; int64_t expires_ms;
 } eb_kv_item;
 void eb_kv_scan(const char *buf, const size_t *frame_end, const int *counts, int max_frames,
                 int start, size_t start_frame, int n, size_t max_topic, size_t max_producer,

@@ -399,8 +399,9 @@ void eb_emit(const char *buf, const size_t *frame_end, const size_t *first_frame
  * eb_kv_scan validates a run of kvmsg updates from the CHP collector (PULL or SUB: no routing
  * id) as protocols/eventbus/kvmsg.parse_update does, taking only what it is certain
  * parse_update accepts: a uuid of 16 bytes (an empty one, which the server replaces with one
- * of its own, is left to Python), properties that are only producer and timestamp lines (ttl
- * and every other property are left to Python), a timestamp eb_timestamp reads (one the
+ * of its own, is left to Python), properties that are only producer and timestamp lines and
+ * one ttl in whole seconds (a fraction, a second ttl and every other property are left to
+ * Python), a timestamp eb_timestamp reads (one the
  * journal cannot hold is left to Python, which counts it). Python deduplicates, admits and
  * numbers the run; eb_kv_emit writes the journal records as state.journal_event does for a
  * kvmsg event, and the seed's BROADCASTs and the CHP publisher's kvmsgs, each as one burst.
@@ -412,7 +413,12 @@ typedef struct {
     size_t timestamp;     /* offset of the timestamp value */
     size_t timestamp_len; /* 0: none, the server's receive time stands for it */
     size_t entry;         /* state.entry_bytes of the event (0: an empty body, a deletion) */
+    size_t ttl;           /* offset of the ttl value (whole seconds) */
+    size_t ttl_len;       /* 0: no ttl */
+    int64_t expires_ms;   /* the ttl's deadline (0: none, or a ttl of 0) */
 } eb_kv_item;
+
+#define EB_MAX_TTL_S 315360000 /* kvmsg.MAX_TTL_S: ten years */
 
 /* The properties frame at offset `base`: 1 when it holds only producer and timestamp lines
  * parse_update takes (the last of each wins, as there), their values' spans in *item and the
@@ -421,6 +427,8 @@ static int eb_kv_properties(const unsigned char *p0, size_t n, size_t base,
                             size_t max_producer, eb_kv_item *item, int64_t *ns) {
     const unsigned char *p = p0, *e = p0 + n;
     item->producer = item->producer_len = item->timestamp = item->timestamp_len = 0;
+    item->ttl = item->ttl_len = 0;
+    item->expires_ms = 0;
     if (!eb_utf8(p0, n))
         return 0;
     while (p < e) {
@@ -437,13 +445,30 @@ static int eb_kv_properties(const unsigned char *p0, size_t n, size_t base,
                     return 0;
                 item->producer = at;
                 item->producer_len = len;
+            } else if (name == 3 && memcmp(p, "ttl", 3) == 0) {
+                /* whole seconds within kvmsg.MAX_TTL_S, once (a second ttl line stays in
+                 * the properties twice there: Python decides) */
+                if (item->ttl_len || len < 1 || len > 12)
+                    return 0;
+                int64_t seconds = 0;
+                for (size_t j = 0; j < len; j++) {
+                    unsigned char c = eq[1 + j];
+                    if (c < '0' || c > '9')
+                        return 0;
+                    seconds = seconds * 10 + (c - '0');
+                }
+                if (seconds > EB_MAX_TTL_S)
+                    return 0;
+                item->ttl = at;
+                item->ttl_len = len;
+                item->expires_ms = seconds * 1000; /* the scan adds the receive time */
             } else if (name == 9 && memcmp(p, "timestamp", 9) == 0) {
                 if (!eb_timestamp(eq + 1, len, ns))
                     return 0;
                 item->timestamp = at;
                 item->timestamp_len = len;
             } else {
-                return 0; /* ttl, any other property, a line that is not name=value */
+                return 0; /* any other property, a line that is not name=value */
             }
         }
         p = end + 1;
@@ -504,6 +529,8 @@ void eb_kv_scan(const char *buf, const size_t *frame_end, const int *counts, int
         ts_ns[k] = received_ns;
         if (!eb_kv_properties(f[3], len[3], at[3], max_producer, item, &ts_ns[k]))
             goto slow;
+        if (item->expires_ms) /* chp_event: the receive time's ms + the ttl's */
+            item->expires_ms += received_ns / 1000000;
         char *u = uuids + 36 * (size_t)k;
         for (int b = 0, o = 0; b < 16; b++) {
             if (b == 4 || b == 6 || b == 8 || b == 10)
@@ -516,7 +543,7 @@ void eb_kv_scan(const char *buf, const size_t *frame_end, const int *counts, int
             /* entry_bytes: topic, producer, timestamp, data (the bin), chp (no other
              * properties, the body) */
             item->entry = EB_ENTRY_OVERHEAD + len[0] + item->producer_len + ts_len +
-                          eb_bin_head(len[4]) + 2 * len[4];
+                          eb_bin_head(len[4]) + 2 * len[4] + (item->ttl_len ? 5 + item->ttl_len : 0);
         } else {
             item->entry = 0;
         }
@@ -568,6 +595,8 @@ void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_fr
     static const char attrs_head[] = "{\"timestamp\":\"";
     static const char attrs_tail[] = "\",\"dialect\":\"chp\"";
     static const char attrs_delete[] = ",\"delete\":true";
+    static const char attrs_ttl[] = ",\"properties\":\"ttl="; /* then the value, \\n" */
+    static const char attrs_expires[] = ",\"expires_ms\":";
     size_t o = res->out_bytes, b = res->bc_bytes, fr = res->bc_frames;
     size_t v = res->kv_bytes, kfr = res->kv_frames;
     res->error = 0;
@@ -593,12 +622,25 @@ void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_fr
         const char *stream = topic + 1;
         const char *slash = memchr(stream, '/', lt - 1);
         size_t ls = slash ? (size_t)(slash - stream) : lt - 1;
+        const char *ttl = buf + item->ttl;
+        size_t lv = item->ttl_len;
+        char expires[24]; /* the deadline's decimal digits, as orjson writes an int */
+        size_t le = 0;
+        if (item->expires_ms) {
+            char rev[24];
+            for (uint64_t e = (uint64_t)item->expires_ms; e; e /= 10)
+                rev[le++] = (char)('0' + e % 10);
+            for (size_t d = 0; d < le; d++)
+                expires[d] = rev[le - 1 - d];
+        }
         size_t la = (sizeof attrs_head - 1) + lts + (sizeof attrs_tail - 1) +
-                    (lb ? 0 : sizeof attrs_delete - 1) + 1;
+                    (lv ? sizeof attrs_ttl - 1 + lv + 3 : 0) +
+                    (lb ? 0 : sizeof attrs_delete - 1) + (le ? sizeof attrs_expires - 1 + le : 0) +
+                    1;
         size_t size = EB_HEAD + 11 + ls + lt + lp + 36 + la + lb;
         size_t bin = eb_bin_head(lb);
         size_t bsize = lt + 8 + lp + lts + 36 + bin + lb;
-        size_t props = (lp ? 10 + lp : 0) + 11 + lts;
+        size_t props = (lp ? 10 + lp : 0) + 11 + lts + (lv ? 5 + lv : 0);
         size_t vsize = lt + 8 + 16 + props + lb;
         if (o + size > out_cap || b + bsize > bc_cap || fr + 6 > bc_end_cap ||
             v + vsize > kv_cap || kfr + 5 > kv_end_cap) {
@@ -629,8 +671,17 @@ void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_fr
         q = eb_put(q, attrs_head, sizeof attrs_head - 1);
         q = eb_put(q, ts, lts);
         q = eb_put(q, attrs_tail, sizeof attrs_tail - 1);
+        if (lv) { /* the properties Python keeps: "ttl=<value>\n" as a JSON string */
+            q = eb_put(q, attrs_ttl, sizeof attrs_ttl - 1);
+            q = eb_put(q, ttl, lv);
+            q = eb_put(q, "\\n\"", 3);
+        }
         if (!lb)
             q = eb_put(q, attrs_delete, sizeof attrs_delete - 1);
+        if (le) {
+            q = eb_put(q, attrs_expires, sizeof attrs_expires - 1);
+            q = eb_put(q, expires, le);
+        }
         *q++ = '}';
         eb_put(q, body, lb);
         o += size;
@@ -680,6 +731,11 @@ void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_fr
         w = eb_put(w, "timestamp=", 10);
         w = eb_put(w, ts, lts);
         *w++ = '\n';
+        if (lv) {
+            w = eb_put(w, "ttl=", 4);
+            w = eb_put(w, ttl, lv);
+            *w++ = '\n';
+        }
         kv_end[kfr++] = (size_t)(w - kv);
         w = eb_put(w, body, lb);
         kv_end[kfr++] = (size_t)(w - kv);

@@ -69,7 +69,7 @@ class Broadcaster(BinaryStarPeer):
         ):
             # a collector's kernel laid the BROADCASTs (and kvmsgs) out as one burst: the
             # hashmap here, their wire bytes in one C call, written to every subscriber (an
-            # empty data frame is a deletion; a kernel's events have no ttl)
+            # empty data frame is a deletion; a kvmsg's ttl is a deadline on the heap)
             for entry in burst.entries:
                 frames = entry[1]
                 topic = frames[0]
@@ -79,6 +79,8 @@ class Broadcaster(BinaryStarPeer):
                         hashmap[topic] = entry
                     else:
                         hashmap.pop(topic, None)
+                if entry[3]:
+                    heapq.heappush(self._expiry, (entry[3], topic, entry[0]))
             pub.publish_prepared(*burst.wire)
             if chp_pub is not None and burst.kv_wire is not None:
                 chp_pub.publish_prepared(*burst.kv_wire)

@@ -152,7 +152,13 @@ class ChpDialect(Collector):
                         sequence, body = bc[t:q], kv[r:b]
                         frames = (topic, sequence, bc[q:p], bc[p:s], uuid_b, bc[u:d])
                         kv_msg = (topic, sequence, kv[w - 16 : w], kv[w:r], body)
-                        entries.append(new_entry((number, frames, (b"", body), 0, kv_msg)))
+                        item = kv_items[k]
+                        if item.ttl_len:  # the ttl line ends the kvmsg's properties
+                            chp = (kv[r - 5 - item.ttl_len : r], body)
+                            expires_ms = item.expires_ms
+                        else:
+                            chp, expires_ms = (b"", body), 0
+                        entries.append(new_entry((number, frames, chp, expires_ms, kv_msg)))
                         if paired:
                             events.append(
                                 Event(
@@ -163,7 +169,8 @@ class ChpDialect(Collector):
                                     uuid_b.decode(),
                                     frames[5],
                                     ts_ns[k],
-                                    (b"", body),
+                                    chp,
+                                    expires_ms,
                                 )
                             )
             if not slow:

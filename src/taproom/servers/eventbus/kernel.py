@@ -163,7 +163,8 @@ def _prepared(
 
 # What a kvmsg's record, BROADCAST and kvmsg add to its frames' bytes at most, besides the
 # timestamp's text when the server's receive time stands for it: the record's head, middle
-# and attrs, the uuid's text, the sequence, the bin's head and the properties' names.
+# and attrs (at most 101 bytes with a ttl and its deadline), the uuid's text, the sequence,
+# the bin's head and the properties' names.
 _KV_EXTRA = 256
 
 
