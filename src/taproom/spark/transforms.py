@@ -29,7 +29,7 @@ the watermark passes it, and later events for that minute are dropped, as Spark 
 
 from __future__ import annotations
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from ..eventtime import MAX_MS, MAX_NS, MIN_MS, MIN_NS
@@ -466,10 +466,15 @@ def request_samples(
     both), its key fields and where it is stored (``journal``, ``offset``);
     ``failed_count`` counts every failed request of the group, kept or not.
 
-    One aggregation: ``max_by``/``min_by`` with a count keep at most that many per group (a
-    heap, so a streaming query's state is bounded by the groups, not the requests). Ties are
-    broken by ``(journal, offset)``, so batch and streaming runs keep the same requests.
+    A streaming query (or one with a ``watermark``) takes one aggregation: ``max_by``/``min_by``
+    with a count keep at most that many per group (a heap, so its state is bounded by the
+    groups, not the requests). A batch query ranks the requests with window functions instead
+    (:func:`_ranked_samples`, less CPU: docs/console.md; Structured Streaming has no such
+    windows). Both break ties by ``(journal, offset)``, so batch and streaming runs keep the
+    same requests (tests/spark/test_jobs.py compares them).
     """
+    if watermark is None and not requests.isStreaming:
+        return _ranked_samples(requests, slow, failed)
     is_failed = _is_failed(F.col("code"), F.col("severity"), F.col("exceptions"))
     # The request, led by what orders the slowest: (total_time, journal, offset) is unique, so
     # the struct orders itself and each row carries its fields once (Spark sorts every input
@@ -528,6 +533,52 @@ def request_samples(
         (F.col("s") >= F.col("_cut")).alias("slow"),
         F.col("s.failed").alias("failed"),
         *[F.col(f"s.{name}").alias(name) for name in _SAMPLE_FIELDS],
+    )
+
+
+def _ranked_samples(requests: DataFrame, slow: int, failed: int) -> DataFrame:
+    """:func:`request_samples` for a batch query, the same rows: each request ranked within
+    its group by time taken (``row_number``, slowest first) and, among the failed ones, by
+    start; kept when among the ``slow`` first or the ``failed`` first failed.
+
+    Why not the aggregation: ``max_by``/``min_by`` with a count are declarative aggregates
+    whose buffers are arrays, so Spark runs them as sort aggregates, partial and final: every
+    request row is sorted twice, and each update rebuilds a group's heap arrays; the partial
+    step saves nothing when a minute of an action holds a few requests (the heaps carry them
+    all through the shuffle). Windows shuffle the rows once, sort them once per ordering and
+    keep or drop each row where it stands (no arrays, no explode).
+    """
+    is_failed = _is_failed(F.col("code"), F.col("severity"), F.col("exceptions"))
+    rows = requests.select(
+        # The groups' hash leads the partitioning and the sorts (as in request_samples): the
+        # sorts tell groups apart by this long prefix and compare the keys only within one.
+        F.xxhash64(*_DIMENSIONS).alias("_group"),
+        *_DIMENSIONS,
+        *[c for c in _SAMPLE_FIELDS if c != "times"],
+        F.struct(*[F.col(f"resources.{n}").alias(n) for n in LOGJAM_TIME_RESOURCES]).alias("times"),
+        is_failed.alias("failed"),
+    )
+    group = Window.partitionBy("_group", *_DIMENSIONS)
+    # (total_time, journal, offset) and (started, journal, offset) are unique: the ranks are
+    # those of the heaps' orderings.
+    by_time = group.orderBy(F.desc("total_time"), F.desc("journal"), F.desc("offset"))
+    by_start = Window.partitionBy("_group", *_DIMENSIONS, "failed").orderBy(
+        "started", "journal", "offset"
+    )
+    ranked = rows.select(
+        "*",
+        F.row_number().over(by_time).alias("_slow_rank"),
+        F.count_if(F.col("failed")).over(group).cast("long").alias("failed_count"),
+        F.row_number().over(by_start).alias("_failed_rank"),
+    )
+    is_slow = F.col("_slow_rank") <= slow
+    return ranked.filter(is_slow | (F.col("failed") & (F.col("_failed_rank") <= failed))).select(
+        *_DIMENSIONS,
+        _date(),
+        "failed_count",
+        is_slow.alias("slow"),
+        "failed",
+        *_SAMPLE_FIELDS,
     )
 
 
