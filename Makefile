@@ -67,7 +67,13 @@ typecheck: $(STAMP_ALL)
 # share something costly run on one worker as a group (tests/conftest.py); one test alone,
 # serially: `.venv/bin/python -m pytest tests/x.py::test_y`, or `make unit TEST_WORKERS=0`.
 TEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
+# The tree's own modules compiled first: with PYTHONDONTWRITEBYTECODE set (as on the CI
+# machines) nothing is cached, and every hub, CLI and Spark worker process a test starts compiled
+# taproom from source again (~0.5 CPU-s each; measured: docs/testing.md). A .pyc is checked
+# against its source's mtime, so an edited module is compiled again as usual.
 unit: $(STAMP_ALL) $(PEERS) browser
+	$(BIN)/python -m compileall -q -j 0 -x node_modules src tests bench \
+	  || echo "some modules did not compile: Python compiles them when imported"
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 # A wheel, built as pip builds one, must carry the compiled ZeroMQ burst module (setup.py).
