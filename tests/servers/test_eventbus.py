@@ -74,7 +74,7 @@ async def _snapshot(url: str, subtrees: tuple[str, ...] = (), floor: int = 0) ->
         await dealer.send_multipart(syncstart_frames(subtrees, floor))
         events: dict[str, Event] = {}
         while True:
-            assert await dealer.poll(10_000), "no snapshot reply"
+            assert await dealer.poll(30_000), "no snapshot reply"
             reply = parse_snapshot_reply(await dealer.recv_multipart())
             if isinstance(reply, SyncEnd):
                 return events, reply.sequence

@@ -72,6 +72,14 @@ class EventBusConfig:
     snapshot_timeout_ms: int = setting(
         10_000, "a snapshot (to a client or from the peer) that takes longer is abandoned", min=100
     )
+    snapshot_settle_ms: int = setting(
+        1000,
+        "longest a snapshot waits for the updates accepted before it to commit; then it is served "
+        "as it stands (a slow disk must not make a Clone client, whose server_ttl is a few "
+        "seconds, take the server for dead)",
+        min=0,
+        max=600_000,
+    )
     max_topic_bytes: int = setting(1024, "topics are paths, not payloads", min=8, max=65535)
     max_producer_bytes: int = setting(256, "a producer id names a process", min=1, max=65535)
     max_data_bytes: int = setting(

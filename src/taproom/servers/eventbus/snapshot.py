@@ -208,7 +208,7 @@ class SnapshotServer(ChpDialect):
         updates a takeover has just applied, and a client's own last updates. Without this, a
         client whose SUB joins late missed them for good: the snapshot lacked them and their
         broadcast went out before its subscription arrived."""
-        if not await self._settle(self.config.snapshot_timeout_ms / 1000):
+        if not await self._settle(self.config.snapshot_settle_ms / 1000):
             log.warning("eventbus: snapshot served before the journal committed earlier updates")
 
     def _may_serve(self) -> bool:
