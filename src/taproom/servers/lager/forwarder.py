@@ -156,7 +156,7 @@ class DataRecords:
                        len(attrs), row_size)
             + fixed
         )  # fmt: skip
-        self.received_ns = -1
+        self.received_ns: int | None = None  # none yet: any int, even -1, packs a prefix
         self.prefix = b""
 
     def parts(self, received_ns: int, ts_be: bytes, payload: bytes) -> tuple[bytes, ...]:
