@@ -8,6 +8,13 @@ server against the protocol rather than against taproom's own reading of it.
   ``KTHXBAI``, whose sequence becomes the client's;
 * updates: a SUB to P+1 subscribed to the subtree and ``HUGZ``; a kvmsg whose sequence is above
   the client's is stored (an empty body deletes the key), anything else is dropped;
+* unlike the Guide's clients, it asks for a second snapshot once the SUB has received something
+  (a HUGZ at the latest), and only then counts as synced: a SUB's subscription reaches the
+  server some time after the connect (ZeroMQ's slow joiner), and an update published after the
+  first snapshot but before the subscription arrived is lost to that client for good, while it
+  keeps receiving everything after it. The Guide's clients have that gap. The first request
+  stays as the Guide sends it, at once: it is what makes a passive Binary Star server take over
+  (a passive server sends no HUGZ to wait for).
 * a server silent for ``server_ttl`` (no update, no HUGZ, no snapshot reply) is dead: the client
   asks the next server for a snapshot (the Binary Star vote);
 * publishing: a kvmsg with sequence 0 and a fresh uuid4, sent once, from a PUSH to the current
@@ -59,6 +66,7 @@ class CloneClient:
     snapshots: int = 0
     failovers: int = 0
     received: list[tuple[int, bytes]] = field(default_factory=list)  # (sequence, key) applied
+    heard_at: float = 0.0  # monotonic time of the last message on the SUB (an update or HUGZ)
 
     def __post_init__(self) -> None:
         self.ctx = zmq.asyncio.Context()
@@ -130,16 +138,39 @@ class CloneClient:
                 subscriber.connect(f"tcp://{host}:{port + 1}")
                 snapshot.connect(f"tcp://{host}:{port}")
                 if await self._snapshot(snapshot):
-                    await self._updates(subscriber)
+                    early = await self._subscribed(subscriber)
+                    if early is not None and await self._snapshot(snapshot):
+                        self.synced.set()
+                        await self._updates(subscriber, early)
             finally:
                 snapshot.close(0)
                 subscriber.close(0)
             # The server gave no hugz: fail over to the next one.
+            self.synced.clear()
             self.current = (self.current + 1) % len(self.servers)
             self.failovers += 1
             if self.model == 5:
                 host, port = self.servers[self.current]
                 self.publisher.connect(f"tcp://{host}:{port + 2}")
+
+    async def _subscribed(self, subscriber: zmq.asyncio.Socket) -> list[list[bytes]] | None:
+        """The first message on the SUB (proof that the server holds its subscriptions, which
+        went before it on the same connection), or None when the server is silent for
+        server_ttl."""
+        if not await subscriber.poll(int(self.server_ttl * 1000)):
+            return None
+        self.heard_at = time.monotonic()
+        return [await subscriber.recv_multipart()]
+
+    def describe(self) -> str:
+        """What a test's failed wait prints: was the server heard, what came, from which server."""
+        silent = time.monotonic() - self.heard_at if self.heard_at else None
+        return (
+            f"server {self.current}, sequence {self.sequence}, {len(self.kvmap)} keys, "
+            f"{len(self.received)} updates applied (last {self.received[-3:]}), "
+            f"{self.snapshots} snapshots, {self.failovers} failovers, SUB silent for "
+            f"{'ever' if silent is None else f'{silent:.2f} s'}"
+        )
 
     async def _snapshot(self, snapshot: zmq.asyncio.Socket) -> bool:
         await snapshot.send_multipart([b"ICANHAZ?", self.subtree])
@@ -154,20 +185,24 @@ class CloneClient:
                 self.kvmap = fresh
                 self.sequence = SEQ.unpack(frames[1])[0]
                 self.snapshots += 1
-                self.synced.set()
                 return True
             key, seq, event_uuid, props, body = frames
             assert key.startswith(self.subtree) and len(event_uuid) == 16 and body
             fresh[key] = Value(SEQ.unpack(seq)[0], body, properties(props), event_uuid)
 
-    async def _updates(self, subscriber: zmq.asyncio.Socket) -> None:
+    async def _updates(self, subscriber: zmq.asyncio.Socket, early: list[list[bytes]]) -> None:
+        """Apply ``early`` (received before the snapshot) and then live updates, until the
+        server is silent for server_ttl."""
         alive_at = time.monotonic()
         while time.monotonic() - alive_at < self.server_ttl:
-            if not await subscriber.poll(100):
+            if early:
+                frames = early.pop(0)
+            elif not await subscriber.poll(100):
                 continue
-            frames = await subscriber.recv_multipart()
+            else:
+                frames = await subscriber.recv_multipart()
             assert len(frames) == 5, frames
-            alive_at = time.monotonic()
+            alive_at = self.heard_at = time.monotonic()
             sequence = SEQ.unpack(frames[1])[0]
             if frames[0] == b"HUGZ" or sequence <= self.sequence:
                 continue  # "Discard out-of-sequence updates, incl. hugz"
