@@ -16,7 +16,6 @@ import itertools
 import random
 import struct
 import uuid
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +26,7 @@ from taproom.protocols.eventbus import EventBusError, Limits, kvmsg
 from taproom.records import BatchBuilder
 from taproom.servers.eventbus.kernel import ChpKernel
 from taproom.servers.eventbus.state import chp_event, entry_bytes, journal_event, kv_frames
+from tests.protocols.test_eventbus_kernel import _burst
 from tests.support import fuzz_examples
 
 # small bounds, so the fuzz reaches every one of them
@@ -45,22 +45,6 @@ def kernel() -> ChpKernel:
     made = ChpKernel.create(LIMITS, 4096, 1 << 20)
     assert made is not None
     return made
-
-
-def _burst(kernel: ChpKernel, messages: list[list[bytes]]) -> Any:
-    """Messages laid out as the reader lays out a burst (16 frames kept)."""
-    ffi = kernel.ffi
-    frames = [f for m in messages for f in m[:16]]
-    ends = list(itertools.accumulate(map(len, frames)))
-    data = b"".join(frames)
-    return SimpleNamespace(
-        buf=ffi.new("char[]", data or b"\0"),
-        frame_end=ffi.new("size_t[]", ends or [0]),
-        counts_c=ffi.new("int[]", [len(m) for m in messages]),
-        _max_frames=16,
-        n=len(messages),
-        size=len(data),
-    )
 
 
 def _python(frames: list[bytes]) -> tuple[str, Any]:

@@ -39,8 +39,9 @@ def kernel() -> SeedKernel:
     return made
 
 
-def _burst(kernel: SeedKernel, messages: list[list[bytes]]) -> Any:
-    """Messages (routing id first) laid out as tb_recv lays out a burst (16 frames kept)."""
+def _burst(kernel: Any, messages: list[list[bytes]]) -> Any:
+    """Messages laid out as tb_recv lays out a burst (16 frames kept), for either kernel (the
+    seed's routing id first; the CHP test uses it too)."""
     ffi = kernel.ffi
     frames = [f for m in messages for f in m[:16]]
     ends, pos = [], 0
