@@ -306,3 +306,26 @@ int64_t bl_count_many(void **socks, int n, long expected, int quiet_ms, int samp
     free(items);
     return last;
 }
+
+/* One snapshot read off a DEALER: whole messages until the one whose first frame is `end`
+ * (SYNCEND, KTHXBAI), read too. Returns the messages before it (the keys), or -1 when
+ * ZMQ_RCVTIMEO ran out first. The bench's reader must not be what a snapshot figure measures. */
+long bl_count_until(void *sock, const char *end, size_t end_len) {
+    long got = 0;
+    for (;;) {
+        tb_zmq_msg m;
+        z_msg_init(&m);
+        if (z_msg_recv(&m, sock, 0) < 0) {
+            z_msg_close(&m);
+            return -1;
+        }
+        int last = z_msg_size(&m) == end_len && memcmp(z_msg_data(&m), end, end_len) == 0;
+        int more = z_msg_more(&m);
+        z_msg_close(&m);
+        if (more && bl_drop_message(sock, NULL, 0) < 0)
+            return -1;
+        if (last)
+            return got;
+        got++;
+    }
+}

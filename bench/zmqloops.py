@@ -31,6 +31,7 @@ long bl_publisher(void *sock, long n, const char *app, size_t la, const char *to
 long bl_bus_publisher(void *sock, long n, long topics, uint32_t salt, const char *producer,
                       size_t lp, const char *ts, size_t lts, const char *data, size_t ld);
 long bl_count(void *sock, long n);
+long bl_count_until(void *sock, const char *end, size_t end_len);
 long bl_bus_relay(void *router, void *pub, long n);
 long bl_lager_tap(void *sock, long n, const char *uuid16, int items);
 long bl_forward(void *in, void *out, long n);
@@ -120,6 +121,13 @@ def count(sock: zmq.Socket[bytes], n: int) -> int:
     """Receive and count n whole messages (fewer when ``ZMQ_RCVTIMEO`` runs out)."""
     loops = lib()
     return int(loops.bl_count(_handle(sock), n))
+
+
+def count_until(sock: zmq.Socket[bytes], end: bytes) -> int:
+    """Read whole messages until one whose first frame is ``end`` (read too): the messages
+    before it, or -1 when ``ZMQ_RCVTIMEO`` ran out first."""
+    loops = lib()
+    return int(loops.bl_count_until(_handle(sock), end, len(end)))
 
 
 def bus_relay(router: zmq.Socket[bytes], pub: zmq.Socket[bytes], n: int) -> int:

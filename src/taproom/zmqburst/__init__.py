@@ -31,6 +31,7 @@ from ..zmqframes import recv_counted
 __all__ = [
     "Burst",
     "Reader",
+    "Run",
     "active",
     "buffer_bytes",
     "bursts",
@@ -42,6 +43,8 @@ __all__ = [
     "select",
     "send_messages",
     "send_prepared",
+    "send_routed",
+    "uniform_run",
     "view",
     "zmtp_wire",
     "zmtp_wire_prepared",
@@ -192,6 +195,43 @@ def send_prepared(sock: zmq.Socket[bytes], buf: Any, frame_end: Any, counts: Any
     if sock.closed:
         return 0
     return int(_LIB.tb_send(handle(sock), buf, frame_end, counts, n))
+
+
+class Run:
+    """Messages of ``per`` frames each laid out for :func:`send_routed` (:func:`uniform_run`):
+    their frames' bytes end to end, each frame's size, and how far sending has got."""
+
+    __slots__ = ("_at", "data", "lengths", "n", "next", "per")
+
+    def __init__(self, data: bytes, lengths: array[int], per: int) -> None:
+        self.data, self.lengths, self.per = data, lengths, per
+        self.n = len(lengths) // per
+        self.next = 0  # the first message not sent yet
+        self._at = _FFI.new("size_t *") if _FFI is not None else None
+
+
+def uniform_run(messages: Sequence[Sequence[bytes]], per: int) -> Run:
+    """Messages of ``per`` frames each in one buffer (a ValueError if one has another count)."""
+    if messages and set(map(len, messages)) != {per}:
+        raise ValueError(f"every message must have {per} frames")
+    frames = list(chain.from_iterable(messages))
+    return Run(b"".join(frames), array("Q", map(len, frames)), per)
+
+
+def send_routed(sock: zmq.Socket[bytes], identity: bytes, head: bytes | None, run: Run) -> int:
+    """The rest of ``run`` out of a ROUTER to the peer ``identity``, each message with ``head``
+    before its frames, in one C call (``eb_snap_send``): compiled path only. Returns 0 when
+    all of it is sent, else the errno that stopped it (EAGAIN: the peer's pipe is full, under
+    ``ROUTER_MANDATORY``; ``run.next`` is where to go on)."""
+    if sock.closed:
+        return int(zmq.ENOTSOCK)
+    error = _FFI.new("int *")
+    run.next = _LIB.eb_snap_send(
+        handle(sock), identity, len(identity), _FFI.NULL if head is None else head,
+        0 if head is None else len(head), run.data, _FFI.from_buffer("size_t[]", run.lengths),
+        run.per, run.next, run.n, run._at, error,
+    )  # fmt: skip
+    return int(error[0])
 
 
 def zmtp_wire(messages: Sequence[Sequence[bytes]]) -> tuple[bytearray, array[int]]:

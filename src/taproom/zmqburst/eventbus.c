@@ -748,3 +748,42 @@ void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_fr
     res->kv_frames = kfr;
     res->kv_bytes = v;
 }
+
+/* ---- snapshot: a run of prepared messages to one ROUTER peer ------------------------------ */
+
+/* Messages start..n-1 of a snapshot out of a ROUTER to the peer `identity`: each is the
+ * identity frame, then `head` (the seed's SYNC; none when head is NULL), then `per` frames of
+ * `buf` laid end to end (frame_len: the size of each of the n * per frames; `at`: where
+ * message `start` begins in buf). The identity goes with DONTWAIT: under ROUTER_MANDATORY a
+ * peer whose pipe is at its high-water mark refuses it (EAGAIN), and libzmq counts its mark in
+ * whole messages, so once the identity is taken the rest of the message is too. Returns the
+ * index of the first message not sent (n: all) and sets *at to where it begins; *error is 0,
+ * or EAGAIN (the peer is full: try again from there later), or the errno of another failure
+ * (EHOSTUNREACH: the peer went away). The GIL is released (cffi), so the hub's other threads
+ * run meanwhile. */
+int eb_snap_send(void *sock, const char *identity, size_t identity_len, const char *head,
+                 size_t head_len, const char *buf, const size_t *frame_len, int per, int start,
+                 int n, size_t *at, int *error) {
+    size_t f = (size_t)start * (size_t)per, pos = *at;
+    *error = 0;
+    for (int i = start; i < n; i++) {
+        if (z_send(sock, identity, identity_len, TB_DONTWAIT | TB_SNDMORE) < 0 ||
+            (head != NULL && z_send(sock, head, head_len, TB_SNDMORE) < 0)) {
+            *error = z_errno();
+            *at = pos;
+            return i;
+        }
+        for (int j = 0; j < per; j++, f++) {
+            if (z_send(sock, buf + pos, frame_len[f], j + 1 < per ? TB_SNDMORE : 0) < 0) {
+                *error = z_errno(); /* the router drops the part sent */
+                *at = pos + frame_len[f];
+                for (j++, f++; j < per; j++, f++)
+                    *at += frame_len[f];
+                return i + 1;
+            }
+            pos += frame_len[f];
+        }
+    }
+    *at = pos;
+    return n;
+}
