@@ -46,6 +46,7 @@ def _recv_frames(sock: zmq.Socket[bytes], flags: int = 0) -> list[bytes]:
 
 
 _CTX = mp.get_context("spawn")
+SNAPSHOT_KEYS = 100_000  # issue 32's snapshot goal: >= 400,000 keys/s at this size
 TS = b"2026-11-22T08:00:00.000000+00:00"
 DATA = msgpack.packb({"host": "web-1", "metric": "latency", "value": 12.5, "pad": "x" * 150})
 
@@ -318,7 +319,9 @@ def run(quick: bool) -> list[Figure]:
                 Figure("  raw ceiling: C relay ROUTER -> PUB, same clients", raw, "events/s")
             )
             figures.append(Figure("  taproom / raw ceiling", rate / raw, "x", ">= 0.5"))
-            keys = 10_000 if quick else 100_000
+            # 100,000 keys in --quick too: the goal is stated at that size, and a smaller
+            # snapshot mostly measures the request's fixed costs (connect, settle, the reply)
+            keys = SNAPSHOT_KEYS
             _run_load(serve, keys, topics=keys * 2)  # `keys` distinct topics
             seconds, sent, hub_cpu = _snapshot_seconds(serve)
             figures.append(
@@ -373,7 +376,7 @@ def run(quick: bool) -> list[Figure]:
                     "events/s",
                 )
             )
-            keys = 10_000 if quick else 100_000
+            keys = SNAPSHOT_KEYS
             _run_load(serve, keys, topics=keys, kvmsg=True)  # `keys` distinct keys
             seconds, sent, hub_cpu = _snapshot_seconds(serve, chp=True)
             figures.append(

@@ -523,31 +523,38 @@ def test_send_routed_sends_a_run_whole_and_resumes_where_the_peer_was_full(ctx, 
         (*(rng.randbytes(rng.choice(sizes)) for _ in range(3)), i.to_bytes(4, "big"))
         for i in range(300)
     ]
-    run = zmqburst.uniform_run(messages, 4)
     received, stalls = [], 0
     deadline = time.monotonic() + 30
-    while True:
-        error = zmqburst.send_routed(router, b"peer", head, run)
-        if not error:
-            break
-        assert error == errno.EAGAIN, os.strerror(error)
-        stalls += 1
-        while dealer.poll(0):  # the client reads a little, the server goes on
-            received.append(dealer.recv_multipart())
-        assert time.monotonic() < deadline
+    for run in zmqburst.uniform_run(messages, 4, 64):  # runs of 64: the last one is short
+        while True:
+            error = zmqburst.send_routed(router, b"peer", head, run)
+            if not error:
+                break
+            assert error == errno.EAGAIN, os.strerror(error)
+            stalls += 1
+            while dealer.poll(0):  # the client reads a little, the server goes on
+                received.append(dealer.recv_multipart())
+            assert time.monotonic() < deadline
+        assert run.next == run.n
     while len(received) < len(messages):
         assert dealer.poll(10_000), f"only {len(received)} of {len(messages)} messages"
         received.append(dealer.recv_multipart())
     prefix = [head] if head is not None else []
     assert received == [[*prefix, *m] for m in messages]
     assert stalls > 0  # the resume path ran
-    assert run.next == run.n == len(messages)
 
 
 def test_send_routed_reports_a_peer_gone_and_refuses_ragged_messages(ctx):
     router, _dealer = _routed_pair(ctx, "routed-gone")
-    run = zmqburst.uniform_run([(b"a", b"b"), (b"c", b"d")], 2)
+    messages = [(b"a", b"b"), (b"c", b"d")]
+    run = next(zmqburst.uniform_run(messages, 2, 16))
     assert zmqburst.send_routed(router, b"nobody", None, run) == errno.EHOSTUNREACH
     assert run.next == 0
-    with pytest.raises(ValueError):
-        zmqburst.uniform_run([(b"a", b"b"), (b"c",), (b"d", b"e", b"f")], 2)
+    for ragged in (
+        [(b"a", b"b"), (b"c",), (b"d", b"e", b"f")],  # as many frames in all
+        [(b"a", b"b"), (b"c", "d")],  # not bytes
+        [(b"a", b"b"), [b"c", b"d"]],  # not a tuple
+        ((b"a", b"b"),),  # not a list
+    ):
+        with pytest.raises(ValueError):
+            list(zmqburst.uniform_run(ragged, 2, 16))

@@ -198,24 +198,55 @@ def send_prepared(sock: zmq.Socket[bytes], buf: Any, frame_end: Any, counts: Any
 
 
 class Run:
-    """Messages of ``per`` frames each laid out for :func:`send_routed` (:func:`uniform_run`):
-    their frames' bytes end to end, each frame's size, and how far sending has got."""
+    """Messages ``lo``..``hi`` of a list of ``per``-frame tuples, ready for
+    :func:`send_routed`: where each frame's bytes are (the list keeps them alive: hold the
+    run no longer than the list), and how far sending has got."""
 
-    __slots__ = ("_at", "data", "lengths", "n", "next", "per")
+    __slots__ = ("messages", "n", "next", "per", "ptrs", "sizes")
 
-    def __init__(self, data: bytes, lengths: array[int], per: int) -> None:
-        self.data, self.lengths, self.per = data, lengths, per
-        self.n = len(lengths) // per
+    def __init__(
+        self, messages: Sequence[Sequence[bytes]], per: int, ptrs: Any, sizes: Any
+    ) -> None:
+        self.messages, self.per, self.ptrs, self.sizes = messages, per, ptrs, sizes
+        self.n = 0
         self.next = 0  # the first message not sent yet
-        self._at = _FFI.new("size_t *") if _FFI is not None else None
 
 
-def uniform_run(messages: Sequence[Sequence[bytes]], per: int) -> Run:
-    """Messages of ``per`` frames each in one buffer (a ValueError if one has another count)."""
-    if messages and set(map(len, messages)) != {per}:
-        raise ValueError(f"every message must have {per} frames")
-    frames = list(chain.from_iterable(messages))
-    return Run(b"".join(frames), array("Q", map(len, frames)), per)
+def _frames_fn() -> Any:
+    """``eb_snap_frames`` of the compiled module called through ctypes, which holds the GIL
+    (it reads the tuples with the C API, no Python object made a frame); cffi cannot pass a
+    Python object."""
+    import ctypes
+
+    from . import _burst  # type: ignore[attr-defined]
+
+    fn = ctypes.PyDLL(_burst.__file__).eb_snap_frames
+    fn.restype = ctypes.c_long
+    fn.argtypes = [ctypes.py_object, ctypes.c_long, ctypes.c_long, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
+    return fn
+
+
+_snap_frames: Any = None
+
+
+def uniform_run(messages: Sequence[Sequence[bytes]], per: int, run_size: int) -> Iterator[Run]:
+    """``messages`` (a list of tuples of ``per`` bytes) ``run_size`` at a time, for
+    :func:`send_routed`: compiled path only (a ValueError if it is not such a list). Each run
+    reuses the last one's arrays: send it whole before taking the next."""
+    global _snap_frames
+    if _snap_frames is None:
+        _snap_frames = _frames_fn()
+    room = min(run_size, len(messages)) * per
+    ptrs, sizes = buffer("char *[]", room), buffer("size_t[]", room)
+    run = Run(messages, per, ptrs, sizes)
+    p, s = int(_FFI.cast("uintptr_t", ptrs)), int(_FFI.cast("uintptr_t", sizes))
+    for lo in range(0, len(messages), run_size):
+        hi = min(lo + run_size, len(messages))
+        if _snap_frames(messages, lo, hi, per, p, s) < 0:
+            raise ValueError(f"every message must be a tuple of {per} bytes")
+        run.n, run.next = hi - lo, 0
+        yield run
 
 
 def send_routed(sock: zmq.Socket[bytes], identity: bytes, head: bytes | None, run: Run) -> int:
@@ -228,8 +259,7 @@ def send_routed(sock: zmq.Socket[bytes], identity: bytes, head: bytes | None, ru
     error = _FFI.new("int *")
     run.next = _LIB.eb_snap_send(
         handle(sock), identity, len(identity), _FFI.NULL if head is None else head,
-        0 if head is None else len(head), run.data, _FFI.from_buffer("size_t[]", run.lengths),
-        run.per, run.next, run.n, run._at, error,
+        0 if head is None else len(head), run.ptrs, run.sizes, run.per, run.next, run.n, error,
     )  # fmt: skip
     return int(error[0])
 

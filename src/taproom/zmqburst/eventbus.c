@@ -751,39 +751,60 @@ void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_fr
 
 /* ---- snapshot: a run of prepared messages to one ROUTER peer ------------------------------ */
 
+/* Where the frames of messages lo..hi-1 of `messages` (a list of tuples of `per` bytes objects:
+ * the hashmap entries' frames, as a snapshot takes them) are, into ptrs / lens, for
+ * eb_snap_send: no copy and no Python object made. Called through ctypes.PyDLL, so with the
+ * GIL held; the caller keeps the list (and so every tuple and bytes in it, all immutable)
+ * alive until eb_snap_send is done with them. Returns the frames, or -1 when an item is not
+ * a tuple of `per` bytes. */
+long eb_snap_frames(PyObject *messages, long lo, long hi, int per, const char **ptrs,
+                    size_t *lens) {
+    long f = 0;
+    if (!PyList_Check(messages) || lo < 0 || hi > (long)PyList_Size(messages))
+        return -1;
+    for (long i = lo; i < hi; i++) {
+        PyObject *message = PyList_GetItem(messages, i);
+        if (message == NULL || !PyTuple_Check(message) || PyTuple_Size(message) != per)
+            return -1;
+        for (int j = 0; j < per; j++, f++) {
+            char *data;
+            Py_ssize_t size;
+            PyObject *frame = PyTuple_GetItem(message, j);
+            if (frame == NULL || !PyBytes_Check(frame) ||
+                PyBytes_AsStringAndSize(frame, &data, &size) < 0)
+                return -1;
+            ptrs[f] = data;
+            lens[f] = (size_t)size;
+        }
+    }
+    return f;
+}
+
 /* Messages start..n-1 of a snapshot out of a ROUTER to the peer `identity`: each is the
- * identity frame, then `head` (the seed's SYNC; none when head is NULL), then `per` frames of
- * `buf` laid end to end (frame_len: the size of each of the n * per frames; `at`: where
- * message `start` begins in buf). The identity goes with DONTWAIT: under ROUTER_MANDATORY a
+ * identity frame, then `head` (the seed's SYNC; none when head is NULL), then `per` frames
+ * (ptrs / lens: eb_snap_frames). The identity goes with DONTWAIT: under ROUTER_MANDATORY a
  * peer whose pipe is at its high-water mark refuses it (EAGAIN), and libzmq counts its mark in
  * whole messages, so once the identity is taken the rest of the message is too. Returns the
- * index of the first message not sent (n: all) and sets *at to where it begins; *error is 0,
- * or EAGAIN (the peer is full: try again from there later), or the errno of another failure
- * (EHOSTUNREACH: the peer went away). The GIL is released (cffi), so the hub's other threads
- * run meanwhile. */
+ * index of the first message not sent (n: all); *error is 0, or EAGAIN (the peer is full: try
+ * again from there later), or the errno of another failure (EHOSTUNREACH: the peer went away).
+ * The GIL is released (cffi), so the hub's other threads run meanwhile. */
 int eb_snap_send(void *sock, const char *identity, size_t identity_len, const char *head,
-                 size_t head_len, const char *buf, const size_t *frame_len, int per, int start,
-                 int n, size_t *at, int *error) {
-    size_t f = (size_t)start * (size_t)per, pos = *at;
+                 size_t head_len, const char *const *ptrs, const size_t *lens, int per,
+                 int start, int n, int *error) {
+    size_t f = (size_t)start * (size_t)per;
     *error = 0;
     for (int i = start; i < n; i++) {
         if (z_send(sock, identity, identity_len, TB_DONTWAIT | TB_SNDMORE) < 0 ||
             (head != NULL && z_send(sock, head, head_len, TB_SNDMORE) < 0)) {
             *error = z_errno();
-            *at = pos;
             return i;
         }
         for (int j = 0; j < per; j++, f++) {
-            if (z_send(sock, buf + pos, frame_len[f], j + 1 < per ? TB_SNDMORE : 0) < 0) {
-                *error = z_errno(); /* the router drops the part sent */
-                *at = pos + frame_len[f];
-                for (j++, f++; j < per; j++, f++)
-                    *at += frame_len[f];
+            if (z_send(sock, ptrs[f], lens[f], j + 1 < per ? TB_SNDMORE : 0) < 0) {
+                *error = z_errno(); /* the router drops the part sent: go on after it */
                 return i + 1;
             }
-            pos += frame_len[f];
         }
     }
-    *at = pos;
     return n;
 }

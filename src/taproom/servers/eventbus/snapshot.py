@@ -280,8 +280,7 @@ class SnapshotServer(ChpDialect):
         """The compiled path: :data:`SNAPSHOT_RUN` keys laid out in one buffer and sent in one
         C call (``eb_snap_send``: ~8 libzmq sends a key with no Python between them). False
         when the client stayed full past ``deadline``; a ZMQError when it went away."""
-        for lo in range(0, len(messages), SNAPSHOT_RUN):
-            run = zmqburst.uniform_run(messages[lo : lo + SNAPSHOT_RUN], per)
+        for run in zmqburst.uniform_run(messages, per, SNAPSHOT_RUN):
             while True:
                 error = zmqburst.send_routed(raw, identity, head, run)
                 if not error:
