@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 from taproom.config import load_config
+from taproom.errors import HubStopped
 from taproom.hub import Hub
 from taproom.journal.segments import scan_segment, segment_name
 from taproom.records import BatchBuilder
@@ -238,3 +241,78 @@ class TestInlineCommits:
             # the first one went inline and showed the disk slow; the rest went to the thread
             assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 1
             assert _sample(hub, "taproom_hub_commits_calls_total") == 5
+
+
+def _big(tag):  # 40 KiB: two of them do not fit max_pending_bytes = 64 KiB
+    b = BatchBuilder()
+    b.add("test", tag.encode() * (40960 // len(tag)), stream="s", seq=0)
+    return b.build()
+
+
+class TestCommitCallbacks:
+    """Issue 32: ``submit_callback`` calls the server straight from the commit's delivery (no
+    future, no scheduled callback), only once the batch is durable, on both commit paths."""
+
+    async def _three_and_a_future(self, hub):
+        fsyncs_seen, commits, errors = [], [], []
+
+        def on_commit(commit, error):
+            fsyncs_seen.append(_sample(hub, "taproom_journal_fsync_calls_total"))
+            commits.append(commit)
+            errors.append(error)
+            if len(commits) == 1:
+                raise RuntimeError("a server's bug in its ack path")
+
+        for i in range(3):
+            hub.submit_callback(_batch(2, tag=f"c{i}-"), on_commit)
+        future = hub.submit(_batch(1, tag="f"))
+        # The failing first callback costs nothing else: the next ones and the future resolve.
+        assert (await asyncio.wait_for(future, 30)).first_offset == 6
+        return fsyncs_seen, commits, errors
+
+    async def test_called_after_the_fsync_inline(self, tmp_path):
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+            fsyncs_seen, commits, errors = await self._three_and_a_future(hub)
+            assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 1
+            assert [c.first_offset for c in commits] == [0, 2, 4]
+            assert errors == [None] * 3
+            assert fsyncs_seen == [1, 1, 1]  # each called after the one fsync of the group
+            assert hub._deliver_guard.errors == 1  # the bug counted
+        assert scan_segment(str(tmp_path / "j" / segment_name(0))).next_offset == 7
+
+    async def test_called_after_the_fsync_from_the_commit_thread(self, tmp_path):
+        async with Hub(_config(tmp_path, inline_commit_max_bytes=0)) as hub:
+            fsyncs_seen, commits, errors = await self._three_and_a_future(hub)
+            assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 0
+            assert [c.first_offset for c in commits] == [0, 2, 4]
+            assert errors == [None] * 3
+            assert all(n >= 1 for n in fsyncs_seen)
+            assert hub._deliver_guard.errors == 1
+
+    async def test_refused_at_stop_while_waiting_for_room(self, tmp_path, monkeypatch):
+        """A batch still waiting for room when the grace period ends is refused through its
+        callback (never acked: its sender resends it)."""
+        config = _config(
+            tmp_path, max_pending_bytes=65536, grace_period_s=0.0, inline_commit_max_bytes=0
+        )
+        async with Hub(config) as hub:
+            got = []
+            release = threading.Event()
+            real = hub.journal.commit
+
+            def held(batches):  # the first commit waits, so the second batch has no room
+                while not release.is_set():
+                    time.sleep(0.005)
+                return real(batches)
+
+            monkeypatch.setattr(hub.journal, "commit", held)
+            first = hub.submit(_big("first"))
+            hub.submit_callback(_big("second"), lambda c, e: got.append((c, e)))
+            stopping = asyncio.ensure_future(hub.stop())
+            while not got:
+                await asyncio.sleep(0.01)
+            release.set()
+            await stopping
+            assert (await first).first_offset == 0
+            ((commit, error),) = got
+            assert commit is None and isinstance(error, HubStopped)

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ..budget import MemoryBudget
@@ -30,7 +30,7 @@ from ..metrics import Metrics
 from ..records import EncodedBatch, Record, decode_batch
 from ..supervise import Supervisor
 
-__all__ = ["Commit", "CommittedBatch", "Hub", "Subscription"]
+__all__ = ["Commit", "CommittedBatch", "Hub", "OnCommit", "Subscription"]
 
 log = logging.getLogger("taproom.hub")
 
@@ -74,10 +74,18 @@ class CommittedBatch:
         return self._records
 
 
+# Called on the hub's loop once a batch is durable (its Commit, None) or refused (None, the
+# error): :meth:`Hub.submit_callback`.
+OnCommit = Callable[["Commit | None", "BaseException | None"], None]
+
+
 @dataclass(slots=True)
 class _Pending:
     batch: EncodedBatch
-    future: asyncio.Future[Commit]
+    # Exactly one of the two is set: the future submit() returned, or submit_callback's
+    # callback, called directly where the future would be resolved.
+    future: asyncio.Future[Commit] | None
+    callback: OnCommit | None
     loop: asyncio.AbstractEventLoop
     submitted: float
     waiter: object = None  # its reservation in the pending holder while it waits for room
@@ -335,7 +343,7 @@ class Hub:
         while self._waiting:
             held = self._waiting.popleft()
             self._pending.cancel(held.waiter)
-            _refuse_at_shutdown(held.future, HubStopped("the hub stopped before room"))
+            _refuse(held, HubStopped("the hub stopped before room"))
         self._waiting_bytes = 0
         # An inline group still to come is committed now, so that one it hands to the commit
         # thread (a failure) reaches the thread before the stop sentinel does.
@@ -377,7 +385,27 @@ class Hub:
         if batch.count == 0:
             future.set_result(Commit(self.journal.end_offset, 0))
             return future
-        pending = _Pending(batch, future, loop, time.monotonic())
+        self._enqueue(_Pending(batch, future, None, loop, time.monotonic()), reserved)
+        return future
+
+    def submit_callback(
+        self, batch: EncodedBatch, callback: OnCommit, *, reserved: bool = False
+    ) -> None:
+        """:meth:`submit` without a future: ``callback(commit, None)`` is called on the loop
+        as soon as ``batch`` is durable (from the commit's own delivery, before the outputs
+        are fed), or ``callback(None, error)`` if it is refused (shutdown). No future to
+        resolve and no callback to schedule: a server writes its acks in the same loop
+        iteration as the commit (issue 32, one request in flight). An exception escaping
+        ``callback`` is counted (``hub.deliver``) and costs nothing else."""
+        if not self._accepting:
+            raise HubStopped("the hub is shutting down")
+        loop = asyncio.get_running_loop()
+        if batch.count == 0:
+            loop.call_soon(callback, Commit(self.journal.end_offset, 0), None)
+            return
+        self._enqueue(_Pending(batch, None, callback, loop, time.monotonic()), reserved)
+
+    def _enqueue(self, pending: _Pending, reserved: bool) -> None:
         if reserved or self._pending.try_reserve(pending.size):
             self._admit(pending)
         else:
@@ -386,7 +414,6 @@ class Hub:
             self._waiting_bytes += pending.size
             pending.waiter = self._pending.wait(pending.size, self._admit_waiting)
         self._update_capacity()
-        return future
 
     def _admit(self, pending: _Pending) -> None:
         """Into the next group commit; its room in the pending holder is already taken.
@@ -621,7 +648,7 @@ class Hub:
 
     def _fail_all(self, group: list[_Pending], exc: Exception) -> None:
         for p in group:
-            p.loop.call_soon_threadsafe(_refuse_at_shutdown, p.future, exc)
+            p.loop.call_soon_threadsafe(_refuse, p, exc)
 
     def _sync_quietly(self) -> None:
         try:
@@ -653,8 +680,16 @@ class Hub:
         """On the loop: resolve futures first (acks), then free the batches' room and feed
         outputs."""
         for p, base in zip(group, bases, strict=True):
-            if not p.future.done():
-                p.future.set_result(Commit(base, p.batch.count))
+            future = p.future
+            if future is not None:
+                if not future.done():
+                    future.set_result(Commit(base, p.batch.count))
+                continue
+            assert p.callback is not None
+            try:
+                p.callback(Commit(base, p.batch.count), None)
+            except Exception as exc:  # one server's bug never costs the other acks
+                self._deliver_guard.failed(exc, "commit callback")
         # Admits waiting batches (and grants other reservations) in FIFO order as room frees;
         # the capacity event follows (on_change).
         self._pending.release(nbytes)
@@ -717,10 +752,18 @@ class Hub:
         return self.journal.damage_summary() + self.supervisor.degraded()
 
 
-def _refuse_at_shutdown(future: asyncio.Future[Commit], exc: Exception) -> None:
-    """Fail a batch's future at shutdown. Its server may be gone already, so the exception is
+def _refuse(pending: _Pending, exc: Exception) -> None:
+    """Refuse a batch at shutdown. Its server may be gone already, so a future's exception is
     marked retrieved: an unacked batch at shutdown is expected (its sender resends it), not a
     "Future exception was never retrieved" traceback at exit."""
+    future = pending.future
+    if future is None:
+        assert pending.callback is not None
+        try:
+            pending.callback(None, exc)
+        except Exception:
+            log.exception("commit callback failed on a refused batch")
+        return
     if not future.done():
         future.set_exception(exc)
         future.exception()

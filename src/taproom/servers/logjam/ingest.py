@@ -19,7 +19,7 @@ from typing import Any
 from ... import zmqburst
 from ...errors import HubStopped, ProtocolError
 from ...eventtime import TIME_OUT_OF_RANGE
-from ...hub import Hub
+from ...hub import Commit, Hub
 from ...metrics import Metrics
 from ...protocols import logjam as lj
 from ...protocols.zmtp import encode_message
@@ -60,7 +60,7 @@ class RejectLog:
 
 
 class Ingest:
-    """The two ingest loops and the 202s they owe; ``pending`` holds uncommitted bursts.
+    """The two ingest loops and the 202s they owe; ``unacked`` counts uncommitted bursts.
 
     A burst ends when the socket has nothing queued, after ``burst_messages`` messages, or once
     its records reach ``burst_bytes`` (bodies are counted decompressed, so a burst of small
@@ -74,7 +74,11 @@ class Ingest:
         self.config = config
         self.hostname = hostname
         self._reject = reject
-        self.pending: set[asyncio.Future[Any]] = set()
+        # Bursts handed to the hub and not yet committed (or refused); ``settled`` is set
+        # whenever there are none: stop() waits on it so the last 202s go out.
+        self.unacked = 0
+        self.settled = asyncio.Event()
+        self.settled.set()
         # "app-env" "202 Accepted", encoded once per app-env (agents keep to one or a few)
         self._accepted: dict[bytes, bytes] = {}
         m = hub.metrics
@@ -100,21 +104,26 @@ class Ingest:
             grammar=cfg.grammar,
         )
 
-    def _submit(self, parser: lj.IngestParser, not_json_before: int) -> asyncio.Future[Any] | None:
-        """One burst's records to the hub as one batch; None if the hub is stopping."""
+    def _submit(
+        self, parser: lj.IngestParser, not_json_before: int, sock: ZmtpSocket, acks: Acks
+    ) -> bool:
+        """One burst's records to the hub as one batch, its 202s (``acks``) sent straight from
+        the commit's delivery (no future, no scheduled callback: issue 32); False if the hub
+        is stopping."""
         batch = parser.take_batch()
         try:
-            future = self.hub.submit(batch)
+            self.hub.submit_callback(batch, functools.partial(self._committed, sock, acks))
         except HubStopped:
-            return None
+            return False
+        self.unacked += 1
+        self.settled.clear()
         self.hub.metrics.accepted("logjam", batch.count, len(batch.body))
         if parser.not_json != not_json_before:
             self._m_not_json.inc(parser.not_json - not_json_before)
         out_of_range = parser.times.take()
         if out_of_range:
             self.hub.metrics.odd("logjam", TIME_OUT_OF_RANGE, out_of_range)
-        self.pending.add(future)
-        return future
+        return True
 
     async def pull_loop(self, sock: ZmtpSocket) -> None:
         """PUSH agents: no replies. Four frames make a message; three frames are an old
@@ -159,20 +168,16 @@ class Ingest:
                 start = take(burst, start, acks)
             finally:
                 inflate.release(inflate_need)
-            if parser.pending():
-                future = self._submit(parser, not_json)
-                if future is None:
-                    return
-                if acks:
-                    # 202s go out only once the batch is durable; reading the next burst
-                    # overlaps with this commit's fsync (hub.wait_capacity bounds what is in
-                    # flight).
-                    future.add_done_callback(functools.partial(self._send_acks, sock, acks))
-                else:
-                    future.add_done_callback(self.pending.discard)
-            # While agents keep the socket full, neither wait above suspends: yield once per
-            # burst so commits resolve, 202s and the PUB output go out, /metrics answers.
-            await asyncio.sleep(0)
+            if parser.pending() and not self._submit(parser, not_json, sock, acks):
+                return
+            # 202s go out only once the batch is durable; reading the next burst overlaps with
+            # this commit's fsync (hub.wait_capacity bounds what is in flight).
+            if burst.n > start or sock.readable:
+                # The next wait above will not suspend (agents keep the socket full, or this
+                # burst has more): yield once so commits resolve, 202s and the PUB output go
+                # out, /metrics answers. Otherwise waiting for the socket yields anyway, and
+                # an extra turn of the loop per request is what one request in flight pays.
+                await asyncio.sleep(0)
 
     def _pull_message(
         self, sock: ZmtpSocket, push: Pusher, count: int, frames: list[bytes], _acks: Acks
@@ -254,9 +259,13 @@ class Ingest:
         if reply_to is not None:
             sock.send(lj.reply_frames(reply_to, content, lj.BAD_REQUEST))
 
-    def _send_acks(self, sock: ZmtpSocket, acks: Acks, future: asyncio.Future[Any]) -> None:
-        self.pending.discard(future)
-        if future.cancelled() or future.exception() is not None:
+    def _committed(
+        self, sock: ZmtpSocket, acks: Acks, commit: Commit | None, _error: BaseException | None
+    ) -> None:
+        self.unacked -= 1
+        if not self.unacked:
+            self.settled.set()
+        if commit is None or not acks:
             return  # not durable: no 202; the agent times out and may resend
         # as logjam-device: routing id, the agent's app-env, the status; a reply to an agent
         # that went away is dropped (and counted), as a ROUTER drops it

@@ -147,8 +147,11 @@ class LogjamService:
         """Stop reading; let submitted batches commit so their 202s go out; close."""
         for task in self._tasks[:2]:
             task.cancel()
-        if self.ingest.pending:
-            await asyncio.wait(set(self.ingest.pending), timeout=self.hub.config.hub.grace_period_s)
+        if self.ingest.unacked:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.ingest.settled.wait(), self.hub.config.hub.grace_period_s
+                )
         for task in self._tasks[2:]:
             task.cancel()
         for task in self._tasks:
