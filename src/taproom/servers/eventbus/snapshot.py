@@ -8,6 +8,7 @@ import errno
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 
 import zmq
 import zmq.asyncio
@@ -42,6 +43,18 @@ SNAPSHOT_RUN = 4096
 # Frames of each message of a snapshot after the ROUTER's identity (and the seed's SYNC).
 SYNC_FRAMES = 6
 KV_FRAMES = 5
+
+
+class Reply(NamedTuple):
+    """One snapshot on its way to one client."""
+
+    sock: zmq.asyncio.Socket  # the SNAPSHOT ROUTER (re-armed after sends)
+    raw: zmq.Socket[bytes]  # its synchronous shadow, which sends
+    identity: bytes  # the client's routing id
+    messages: Sequence[Sequence[bytes]]  # after the identity and head, each
+    head: bytes | None  # SYNC before each message (the seed's), or nothing
+    end: list[bytes]  # SYNCEND / KTHXBAI, after them all
+    per: int = 0  # frames of every message, or 0: they differ (a COPY's REPLICATE chunks)
 
 
 class SnapshotServer(ChpDialect):
@@ -81,13 +94,9 @@ class SnapshotServer(ChpDialect):
             if not self.fsm.active:
                 self._reject("not_active", "COPY to a server that is not active")
                 return
+            end = syncend_frames((), self.last_seq)
             await self._start_snapshot(
-                self._snapshot,
-                raw,
-                msg[0],
-                self._copy_messages(),
-                None,
-                syncend_frames((), self.last_seq),
+                Reply(self._snapshot, raw, msg[0], self._copy_messages(), None, end)
             )
             return
         try:
@@ -109,7 +118,9 @@ class SnapshotServer(ChpDialect):
         else:
             frames = [e.frames for e in values if e.seq > floor]
         end = syncend_frames(request.subtrees, self.last_seq)
-        await self._start_snapshot(self._snapshot, raw, msg[0], frames, SYNC, end, SYNC_FRAMES)
+        await self._start_snapshot(
+            Reply(self._snapshot, raw, msg[0], frames, SYNC, end, SYNC_FRAMES)
+        )
 
     async def _chp_snapshot_loop(self) -> None:
         """Supervised as ``eventbus.chp_snapshot``, as :meth:`_snapshot_loop`."""
@@ -136,7 +147,9 @@ class SnapshotServer(ChpDialect):
             e.kv for e in self.hashmap.values() if e.kv is not None and e.kv[0].startswith(subtree)
         ]
         end = kvmsg.kthxbai_frames(self.last_seq, subtree)
-        await self._start_snapshot(self._chp_snapshot, raw, msg[0], entries, None, end, KV_FRAMES)
+        await self._start_snapshot(
+            Reply(self._chp_snapshot, raw, msg[0], entries, None, end, KV_FRAMES)
+        )
 
     def _copy_messages(self) -> list[list[bytes]]:
         """The whole state as REPLICATE messages, in sequence order, for the passive peer."""
@@ -175,44 +188,24 @@ class SnapshotServer(ChpDialect):
             messages.append(replicate_frames(chunk))
         return messages
 
-    async def _start_snapshot(
-        self,
-        sock: zmq.asyncio.Socket,
-        raw: zmq.Socket[bytes],
-        identity: bytes,
-        messages: Sequence[Sequence[bytes]],
-        head: bytes | None,
-        end: list[bytes],
-        per: int = 0,
-    ) -> None:
+    async def _start_snapshot(self, reply: Reply) -> None:
         """Send a snapshot in a task of its own. Snapshots run side by side so one slow client
         holds up only itself; each message is sent whole between awaits, so they never
         interleave on the socket. The list is taken in one step with the cut (``end``), so a
         snapshot is consistent with the broadcasts around it."""
         await self._snapshot_slots.acquire()
-        task = asyncio.create_task(
-            self._serve_snapshot(sock, raw, identity, messages, head, end, per)
-        )
+        task = asyncio.create_task(self._serve_snapshot(reply))
         self._snapshot_tasks.add(task)
         task.add_done_callback(self._snapshot_tasks.discard)
 
-    async def _serve_snapshot(
-        self,
-        sock: zmq.asyncio.Socket,
-        raw: zmq.Socket[bytes],
-        identity: bytes,
-        messages: Sequence[Sequence[bytes]],
-        head: bytes | None,
-        end: list[bytes],
-        per: int,
-    ) -> None:
+    async def _serve_snapshot(self, reply: Reply) -> None:
         try:
-            await self._send_snapshot(sock, raw, identity, messages, head, end, per)
+            await self._send_snapshot(reply)
         except zmq.ZMQError as exc:  # the client went away (EHOSTUNREACH) mid-snapshot
             log.info("eventbus: snapshot abandoned: %s", exc)
         finally:
             self._snapshot_slots.release()
-            rearm(sock)
+            rearm(reply.sock)
 
     async def _settle_for_snapshot(self) -> None:
         """A snapshot holds every update accepted before its request, as the Guide's Clone
@@ -234,32 +227,23 @@ class SnapshotServer(ChpDialect):
             self._transition(before)
         return allowed
 
-    async def _send_snapshot(
-        self,
-        sock: zmq.asyncio.Socket,
-        raw: zmq.Socket[bytes],
-        identity: bytes,
-        messages: Sequence[Sequence[bytes]],
-        head: bytes | None,
-        end: list[bytes],
-        per: int,
-    ) -> None:
+    async def _send_snapshot(self, reply: Reply) -> None:
         """Pre-built frames, no per-key encoding: messages of ``per`` frames each (a SYNC's
         event, a kvmsg) go out a run of keys per C call on the compiled path, any other (a
         COPY's REPLICATE chunks), and all on the pure-Python twin, a few ``send`` calls each.
         The ROUTER has ROUTER_MANDATORY and a high-water mark: a slow client makes this wait
         (up to ``snapshot_timeout_ms``), never silently cuts its snapshot."""
         deadline = time.monotonic() + self.config.snapshot_timeout_ms / 1000
-        if per and zmqburst.ffi_lib()[1] is not None:
-            sent = await self._send_runs(sock, raw, identity, messages, head, per, deadline)
+        if reply.per and zmqburst.ffi_lib()[1] is not None:
+            sent = await self._send_runs(reply, deadline)
         else:
-            sent = await self._send_each(sock, raw, identity, messages, head, deadline)
+            sent = await self._send_each(reply, deadline)
         if not sent:
             log.warning("eventbus: snapshot to a slow client abandoned")
             return
         while True:
             try:
-                raw.send_multipart([identity, *end], zmq.NOBLOCK)
+                reply.raw.send_multipart([reply.identity, *reply.end], zmq.NOBLOCK)
                 break
             except zmq.Again:
                 if time.monotonic() > deadline:
@@ -267,19 +251,11 @@ class SnapshotServer(ChpDialect):
                 await asyncio.sleep(0.001)
         self._m_snapshots.inc()
 
-    async def _send_runs(
-        self,
-        sock: zmq.asyncio.Socket,
-        raw: zmq.Socket[bytes],
-        identity: bytes,
-        messages: Sequence[Sequence[bytes]],
-        head: bytes | None,
-        per: int,
-        deadline: float,
-    ) -> bool:
-        """The compiled path: :data:`SNAPSHOT_RUN` keys laid out in one buffer and sent in one
-        C call (``eb_snap_send``: ~8 libzmq sends a key with no Python between them). False
+    async def _send_runs(self, reply: Reply, deadline: float) -> bool:
+        """The compiled path: :data:`SNAPSHOT_RUN` keys sent in one C call from the entries'
+        own bytes (``eb_snap_send``: ~8 libzmq sends a key with no Python between them). False
         when the client stayed full past ``deadline``; a ZMQError when it went away."""
+        sock, raw, identity, messages, head, _end, per = reply
         for run in zmqburst.uniform_run(messages, per, SNAPSHOT_RUN):
             while True:
                 error = zmqburst.send_routed(raw, identity, head, run)
@@ -295,16 +271,9 @@ class SnapshotServer(ChpDialect):
             await asyncio.sleep(0)  # let the collector and broadcaster run
         return True
 
-    async def _send_each(
-        self,
-        sock: zmq.asyncio.Socket,
-        raw: zmq.Socket[bytes],
-        identity: bytes,
-        messages: Sequence[Sequence[bytes]],
-        head: bytes | None,
-        deadline: float,
-    ) -> bool:
+    async def _send_each(self, reply: Reply, deadline: float) -> bool:
         """The pure-Python twin of :meth:`_send_runs`, and a COPY's REPLICATE chunks."""
+        sock, raw, identity, messages, head = reply[:5]
         more = MORE
         first = MORE | NOBLOCK
         send = base_send
