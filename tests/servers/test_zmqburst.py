@@ -301,11 +301,14 @@ _usual_messages = st.builds(
 )
 
 
-def _replies(sock, timeout_ms=200):
+def _replies(sock, count, timeout_ms=10_000):
+    """The ``count`` replies the ROUTER sent (waiting for each, a hang guard): a read that
+    stopped at the first quiet 50 ms could leave one run's late replies to the next run on a
+    loaded machine."""
     got = []
-    while sock.poll(timeout_ms):
+    for _ in range(count):
+        assert sock.poll(timeout_ms), f"{len(got)} of {count} replies"
         got.append(sock.recv_multipart())
-        timeout_ms = 50
     return got
 
 
@@ -334,6 +337,17 @@ async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path, grammar):
             )
             await own[kind].bind("127.0.0.1", 0)
         pull, router = own["PULL"], own["ROUTER"]
+        # Replies the ROUTER sends by itself (PING, 400) besides the 202s the takes return: the
+        # real send, counted, so that each run reads exactly the replies it made.
+        direct = [0]
+        real_send = router.send
+
+        def counted_send(frames):  # type: ignore[no-untyped-def]
+            sent = real_send(frames)
+            direct[0] += bool(sent)
+            return sent
+
+        router.send = counted_send  # type: ignore[method-assign]
         ctx = zmq.Context()
         push = ctx.socket(zmq.PUSH)
         push.connect("tcp://" + pull.address)
@@ -360,7 +374,8 @@ async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path, grammar):
             else:
                 take = ingest_mod._compiled_take(parser, sock, router_side, one)
             before = metric_counts()
-            batches, start = [], 0
+            batches, start, sent = [], 0, 0
+            direct[0] = 0
             while start < burst.n:
                 parser.start_batch(1_700_000_000_000_000_000, budget)
                 acks = []
@@ -374,9 +389,11 @@ async def test_fuzz_compiled_ingest_equals_python_ingest(tmp_path, grammar):
                     else:
                         ack.add_to(replies, ingest._accepted_reply)
                 router.send_encoded_many(replies)
+                sent += len(replies)
             after = metric_counts()
             counts = {k: v - before[0].get(k, 0) for k, v in after[0].items()}
-            replies = await asyncio.to_thread(_replies, dealer) if router_side else []
+            sent += direct[0]
+            replies = await asyncio.to_thread(_replies, dealer, sent) if router_side else []
             return batches, {k: v for k, v in counts.items() if v}, after[1] - before[1], replies
 
         async def compare(n, router_side, budget):
