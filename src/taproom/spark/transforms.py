@@ -538,15 +538,17 @@ def request_samples(
 
 def _ranked_samples(requests: DataFrame, slow: int, failed: int) -> DataFrame:
     """:func:`request_samples` for a batch query, the same rows: each request ranked within
-    its group by time taken (``row_number``, slowest first) and, among the failed ones, by
-    start; kept when among the ``slow`` first or the ``failed`` first failed.
+    its group by time taken (``row_number``, slowest first); kept when among the ``slow``
+    first, or failed and started no later than the ``failed``-th failed request of its group
+    (``min_by`` with a count over the whole group, in the same window: one sort, where a
+    second window ordered by start sorted every row again).
 
     Why not the aggregation: ``max_by``/``min_by`` with a count are declarative aggregates
     whose buffers are arrays, so Spark runs them as sort aggregates, partial and final: every
     request row is sorted twice, and each update rebuilds a group's heap arrays; the partial
     step saves nothing when a minute of an action holds a few requests (the heaps carry them
-    all through the shuffle). Windows shuffle the rows once, sort them once per ordering and
-    keep or drop each row where it stands (no arrays, no explode).
+    all through the shuffle). Windows shuffle the rows once, sort them once and keep or drop
+    each row where it stands (no explode; the one heap holds failed starts only).
     """
     is_failed = _is_failed(F.col("code"), F.col("severity"), F.col("exceptions"))
     rows = requests.select(
@@ -558,21 +560,27 @@ def _ranked_samples(requests: DataFrame, slow: int, failed: int) -> DataFrame:
         F.struct(*[F.col(f"resources.{n}").alias(n) for n in LOGJAM_TIME_RESOURCES]).alias("times"),
         is_failed.alias("failed"),
     )
-    group = Window.partitionBy("_group", *_DIMENSIONS)
-    # (total_time, journal, offset) and (started, journal, offset) are unique: the ranks are
-    # those of the heaps' orderings.
-    by_time = group.orderBy(F.desc("total_time"), F.desc("journal"), F.desc("offset"))
-    by_start = Window.partitionBy("_group", *_DIMENSIONS, "failed").orderBy(
-        "started", "journal", "offset"
+    # (total_time, journal, offset) and (started, journal, offset) are unique: the rank and
+    # the cut are those of the heaps' orderings.
+    by_time = Window.partitionBy("_group", *_DIMENSIONS).orderBy(
+        F.desc("total_time"), F.desc("journal"), F.desc("offset")
     )
-    ranked = rows.select(
+    # The whole group, in the same order: one sort for every window of this select.
+    whole = by_time.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    # null for a request that did not fail: min_by skips it.
+    failed_order = F.when(F.col("failed"), F.struct("started", "journal", "offset"))
+    ranked = rows.select("*", failed_order.alias("_failed_order")).select(
         "*",
         F.row_number().over(by_time).alias("_slow_rank"),
-        F.count_if(F.col("failed")).over(group).cast("long").alias("failed_count"),
-        F.row_number().over(by_start).alias("_failed_rank"),
+        F.count_if(F.col("failed")).over(whole).cast("long").alias("failed_count"),
+        # The latest start among the first ``failed`` failed requests: a failed request is
+        # among them iff it started no later (null in a group without a failed request).
+        F.array_max(F.min_by("_failed_order", "_failed_order", failed).over(whole)).alias(
+            "_failed_cut"
+        ),
     )
     is_slow = F.col("_slow_rank") <= slow
-    return ranked.filter(is_slow | (F.col("failed") & (F.col("_failed_rank") <= failed))).select(
+    return ranked.filter(is_slow | (F.col("_failed_order") <= F.col("_failed_cut"))).select(
         *_DIMENSIONS,
         _date(),
         "failed_count",
