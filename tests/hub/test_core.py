@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 
@@ -316,3 +317,87 @@ class TestCommitCallbacks:
             assert (await first).first_offset == 0
             ((commit, error),) = got
             assert commit is None and isinstance(error, HubStopped)
+
+
+class TestDirectConsumers:
+    """Issue 32: an output caught up and parked gets each committed batch from the commit's
+    delivery itself (consume_directly); otherwise through its queue, in the same order."""
+
+    async def test_caught_up_batches_come_directly_the_rest_through_the_queue(self, tmp_path):
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+            sub = hub.subscribe("direct")
+            seen: list[tuple[str, int, int]] = []  # (how, base offset, end offset)
+            sub.consume_directly(lambda b: seen.append(("direct", b.base_offset, b.end_offset)))
+            # Nobody is iterating yet: the first batches queue up.
+            await hub.ingest(_batch(2, tag="q0-"))
+            await hub.ingest(_batch(3, tag="q1-"))
+            assert seen == []
+
+            async def iterate() -> None:
+                async for b in sub:
+                    seen.append(("queue", b.base_offset, b.end_offset))
+
+            consumer = asyncio.ensure_future(iterate())
+            while len(seen) < 2:  # it drains the queue, then parks
+                await asyncio.sleep(0.01)
+            while sub._waiter is None:
+                await asyncio.sleep(0.01)
+            for i in range(3):  # caught up and parked: straight from the commit
+                commit = await hub.ingest(_batch(1, tag=f"d{i}-"))
+                assert seen[-1] == ("direct", commit.first_offset, commit.end_offset)
+            # several batches of one group: each handed over, in order
+            await asyncio.gather(*(hub.ingest(_batch(1, tag=f"g{i}-")) for i in range(4)))
+            assert seen[-4:] == [("direct", k, k + 1) for k in range(8, 12)]
+            # reading back from the journal (as after its queue overflowed): passed over, the
+            # iterator reads it back
+            sub._lagging = True
+            sub._wake()
+            lagged = await hub.ingest(_batch(2, tag="lag-"))
+            assert seen[-1][2] == 12
+            deadline = asyncio.get_running_loop().time() + 30
+            while seen[-1][2] < 14 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            consumer.cancel()
+            assert seen[-1] == ("queue", 12, lagged.end_offset)
+            bases = [base for _how, base, _end in seen]
+            assert bases == [0, *(end for _how, _base, end in seen[:-1])]  # each once, in order
+            assert seen[:2] == [("queue", 0, 2), ("queue", 2, 5)]
+
+
+async def test_read_back_catching_up_while_a_commit_lands_loses_nothing(tmp_path, monkeypatch):
+    """An output reading back from the journal must not declare itself caught up on a read
+    that missed a commit which finished meanwhile: that batch was passed over while it was
+    lagging, and it would never come (a silent gap for that output)."""
+    async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+        real = hub.journal.read_batches
+        reading, go_on = threading.Event(), threading.Event()
+
+        def read_batches(start, *args, **kwargs):  # the read-back's thread
+            found = list(itertools.islice(real(start, *args, **kwargs), 1))
+            if not found and not go_on.is_set():
+                reading.set()  # found nothing: a commit lands before the loop hears it
+                go_on.wait(30)
+            return iter(found)
+
+        monkeypatch.setattr(hub.journal, "read_batches", read_batches)
+        sub = hub.subscribe("small", maxsize=1)
+        seen: list[tuple[int, int]] = []
+
+        async def iterate() -> None:
+            async for b in sub:
+                seen.append((b.base_offset, b.end_offset))
+
+        consumer = asyncio.ensure_future(iterate())
+        while sub._waiter is None:
+            await asyncio.sleep(0.01)
+        # one group of two batches: the second overflows the queue, the output reads back
+        await asyncio.gather(hub.ingest(_batch(1, "a")), hub.ingest(_batch(1, "b")))
+        while not reading.is_set():
+            await asyncio.sleep(0.01)
+        third = await hub.ingest(_batch(1, "c"))  # committed and offered while it reads
+        go_on.set()
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(seen) < 3 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        consumer.cancel()
+        assert seen == [(0, 1), (1, 2), (2, third.end_offset)]

@@ -112,6 +112,8 @@ class Subscription:
         # The consumer waiting for the next batch (one future, woken by _offer and close):
         # cheaper per batch than waiting on the queue and the hub's stop together.
         self._waiter: asyncio.Future[None] | None = None
+        # consume_directly's consumer: called by the hub itself while the output is caught up.
+        self._direct: Callable[[CommittedBatch], None] | None = None
         m = hub.metrics
         self._m_lag = m.counter(
             "hub",
@@ -131,11 +133,32 @@ class Subscription:
             "hub", "output_queue", "batches", "Committed batches waiting per output", ("output",)
         ).labels(output=name).set_function(self._queue.qsize)
 
+    def consume_directly(self, consume: Callable[[CommittedBatch], None]) -> None:
+        """Have the hub call ``consume(batch)`` itself, from the commit's delivery (after the
+        acks), with each batch that comes while this output is caught up: its queue empty,
+        not reading back, and its consumer parked waiting for the next batch. No queue, no
+        future, no task woken (issue 32: one request in flight paid a turn of the loop per
+        output). Otherwise batches go through the queue as before, in the same order: the
+        iterator and ``consume`` never both have one. ``consume`` runs on the loop, must be
+        quick and must not raise (it counts its own failures, as the iterator's loop does)."""
+        self._direct = consume
+
     def _offer(self, batch: CommittedBatch) -> None:
         """Called on the hub's loop after each commit. The queue is bounded in batches and,
         with the other outputs' queues, in bytes (the budget's ``output_queues``): past either
         bound a lossy output drops and counts, the others read back from the journal."""
         if self.closed or self._lagging:
+            return
+        direct, waiter = self._direct, self._waiter
+        if (
+            direct is not None
+            and waiter is not None
+            and not waiter.done()
+            and self._queue.empty()
+            and self.next_offset <= batch.base_offset
+        ):
+            self.next_offset = batch.end_offset
+            direct(batch)
             return
         holder = self.hub._output_queues
         if self._queue.full() or (not batch.queued and not holder.try_reserve(len(batch.body))):
@@ -200,8 +223,13 @@ class Subscription:
                 return item
             return None
 
+        end_before = journal.end_offset
         item = await asyncio.to_thread(one)
         if item is None:
+            if journal.end_offset != end_before:
+                # A commit finished while the thread read: it may have been offered (and
+                # passed over, lagging) after the read missed it. Read again, or it is lost.
+                return None
             # Caught up. Drain the stale queue so the live path starts after next_offset.
             while not self._queue.empty():
                 b = self._queue.get_nowait()

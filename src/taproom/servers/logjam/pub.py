@@ -147,6 +147,10 @@ class PubOutput:
         self.pub_endpoint = f"tcp://{self.hostname.decode()}:{port}"
         self.subscription: Subscription = self.hub.subscribe("logjam_pub")
         self._compiled = _CompiledWire.create(self.config)
+        self._guard = self.hub.supervisor.guard("logjam.pub", output="logjam_pub", logger=log)
+        # While caught up, the hub publishes each committed batch from the commit itself
+        # (no wakeup of publish_loop per batch, issue 32); publish_loop takes the rest.
+        self.subscription.consume_directly(self._publish_one)
 
     def _emit(
         self,
@@ -177,15 +181,19 @@ class PubOutput:
                 self._pub.send(out)
 
     async def publish_loop(self) -> None:
-        """Supervised as ``logjam.pub``: a batch whose publishing fails unexpectedly is
-        counted (``output="logjam_pub"``) and logged, and the next batch goes out."""
-        guard = self.hub.supervisor.guard("logjam.pub", output="logjam_pub", logger=log)
+        """Supervised as ``logjam.pub``: the batches the hub did not hand over directly
+        (``_publish_one``), i.e. while this output catches up or reads back."""
         async for batch in self.subscription:
-            try:
-                self._publish_batch(batch)
-            except Exception as exc:  # a bug must not stop the output; the next batch goes out
-                self._out = []
-                guard.failed(exc, "committed batch", batch.count)
+            self._publish_one(batch)
+
+    def _publish_one(self, batch: CommittedBatch) -> None:
+        """A batch whose publishing fails unexpectedly is counted (``output="logjam_pub"``)
+        and logged, and the next batch goes out."""
+        try:
+            self._publish_batch(batch)
+        except Exception as exc:  # a bug must not stop the output; the next batch goes out
+            self._out = []
+            self._guard.failed(exc, "committed batch", batch.count)
 
     def _publish_batch(self, batch: CommittedBatch) -> None:
         """Send one committed batch. Logjam records take a fast path straight off the batch
