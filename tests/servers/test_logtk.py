@@ -849,3 +849,33 @@ class TestConnectionBuffers:
             while buffers.used or buffers.waiting:
                 assert time.monotonic() < deadline + 20, (buffers.used, buffers.waiting)
                 await asyncio.sleep(0.05)
+
+
+def test_in_flight_batch_tells_each_waiter_once_in_order(caplog):
+    """A LogTK batch's commit callback (issue 32: acks written in the commit's own turn of the
+    loop): the connection that stored it first, then those whose repeats wait for it; one
+    failing costs the others nothing; one that comes after the commit is told at once."""
+    from taproom.hub import Commit
+    from taproom.servers.logtk.session import InFlight
+
+    told: list[tuple[str, Commit | None]] = []
+    inflight = InFlight()
+    inflight.then(lambda c, e: told.append(("owner", c)))
+
+    def broken(c, e):
+        raise RuntimeError("a bug in one connection's ack")
+
+    inflight.then(broken)
+    inflight.then(lambda c, e: told.append(("repeat", c)))
+    assert told == []
+    commit = Commit(10, 3)
+    with caplog.at_level(logging.ERROR, logger="taproom.logtk"):
+        inflight(commit, None)
+    assert told == [("owner", commit), ("repeat", commit)]
+    assert "an ack after a commit failed" in caplog.text
+    inflight.then(lambda c, e: told.append(("late", c)))
+    assert told[-1] == ("late", commit)
+    refused = InFlight()
+    refused.then(lambda c, e: told.append(("refused", c)))
+    refused(None, RuntimeError("hub stopped"))
+    assert told[-1] == ("refused", None)

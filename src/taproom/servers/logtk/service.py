@@ -25,12 +25,11 @@ from ...access import ConnectionGate, access_for
 from ...budget import CONNECTION_BUFFERS
 from ...checkpoint import CheckpointSchedule
 from ...hub import Hub
-from ...hub.core import Commit
 from ...protocols.logtk import CloseCode, ServerConnection
 from .. import ACCEPT_BATCH, deepen_accept_queue
 from .config import APP_NAME, LogTKConfig
 from .dedup import DedupIndex, rebuild, write_checkpoint
-from .session import Session
+from .session import InFlight, Session
 
 __all__ = ["AuthLimiter", "LogTKService", "create_service"]
 
@@ -83,7 +82,7 @@ class LogTKService:
             size_ratio=config.dedup_checkpoint_size_ratio,
             min_gap_s=min(1.0, config.dedup_checkpoint_interval_s),
         )
-        self.pending: dict[int, asyncio.Future[Commit]] = {}
+        self.pending: dict[int, InFlight] = {}  # key -> its batch, until committed
         self.limiter = AuthLimiter(
             config.auth_failures_per_minute, config.auth_failure_burst, config.max_tracked_peers
         )

@@ -14,7 +14,7 @@ from websockets.exceptions import ConnectionClosed
 
 from ...errors import HubStopped
 from ...eventtime import TIME_OUT_OF_RANGE, EventTimes
-from ...hub.core import Commit
+from ...hub.core import Commit, OnCommit
 from ...protocols.logtk import (
     Authenticated,
     AuthFailed,
@@ -32,9 +32,38 @@ from ...records import BatchBuilder
 if TYPE_CHECKING:
     from .service import LogTKService
 
-__all__ = ["Session"]
+__all__ = ["InFlight", "Session"]
 
 log = logging.getLogger("taproom.logtk")
+
+
+class InFlight:
+    """One LogTK batch handed to the hub, until it is committed: what to call then, in order
+    (the connection that stored it, then those whose repeats of its entries wait for it). It
+    is the batch's ``Hub.submit_callback`` callback: the acks are written in the turn of the
+    loop that made the commit, not one (a future's callback) or two (a coroutine awaiting it)
+    later (issue 32)."""
+
+    __slots__ = ("_result", "_then")
+
+    def __init__(self) -> None:
+        self._then: list[OnCommit] = []
+        self._result: tuple[Commit | None, BaseException | None] | None = None
+
+    def then(self, fn: OnCommit) -> None:
+        if self._result is not None:  # already resolved: at once
+            fn(*self._result)
+        else:
+            self._then.append(fn)
+
+    def __call__(self, commit: Commit | None, error: BaseException | None) -> None:
+        self._result = (commit, error)
+        then, self._then = self._then, []
+        for fn in then:
+            try:
+                fn(commit, error)
+            except Exception:  # one connection's bug must not cost the others their acks
+                log.exception("LogTK: an ack after a commit failed")
 
 
 class Session:
@@ -57,7 +86,9 @@ class Session:
         self.wake = asyncio.Event()
         self.room = asyncio.Event()
         self.room.set()
-        self.inflight: set[asyncio.Future[Commit]] = set()
+        self.inflight: set[InFlight] = set()
+        self._settled = asyncio.Event()  # set while nothing is in flight (shutdown waits)
+        self._settled.set()
         self._held_slots: list[int] = []
         self._finished = False
         self.done = asyncio.Event()
@@ -107,7 +138,7 @@ class Session:
         batch_idems: list[int] = []  # idems acked with this batch (new ones and in-batch repeats)
         seen_here: set[int] = set()
         at_once: list[int] = []
-        waits: dict[asyncio.Future[Commit], list[int]] = {}
+        waits: dict[InFlight, list[int]] = {}
         prefix = self._id_prefix
         fmt = self.conn.format
         time_of = self._time_of
@@ -161,20 +192,21 @@ class Session:
             svc.hub.metrics.odd("logtk", TIME_OUT_OF_RANGE, odd)
         if at_once:
             self.ack(at_once)
-        for future, idems in waits.items():
-            self._after(future, idems, ())
+        for waited, idems in waits.items():
+            self._after(waited, idems, ())
         if stored:
+            inflight = InFlight()
             try:
                 batch = builder.build()
-                future = svc.hub.submit(batch)
+                svc.hub.submit_callback(batch, inflight)
             except HubStopped:
                 self.settle(len(batch_idems))
                 self.conn.close(CloseCode.SHUTTING_DOWN, "server shutting down")
                 return
             svc.hub.metrics.accepted("logtk", len(stored), len(batch.body))
             for key in stored:
-                pending[key] = future
-            self._after(future, batch_idems, stored)
+                pending[key] = inflight
+            self._after(inflight, batch_idems, stored)
 
     def _cut(self, frame: OversizeData) -> bytes:
         """An entry over max_data_bytes is stored cut to its first max_data_bytes and acked
@@ -197,23 +229,24 @@ class Session:
             {"peer": self.peer, "transport": self.transport, "truncated_from": str(frame.size)}
         )
 
-    def _after(self, future: asyncio.Future[Commit], idems: list[int], keys: Any) -> None:
-        self.inflight.add(future)
+    def _after(self, inflight: InFlight, idems: list[int], keys: Any) -> None:
+        self.inflight.add(inflight)
+        self._settled.clear()
 
-        def done(fut: asyncio.Future[Commit]) -> None:
-            self.inflight.discard(fut)
-            ok = not fut.cancelled() and fut.exception() is None
+        def done(commit: Commit | None, _error: BaseException | None) -> None:
+            self.inflight.discard(inflight)
+            if not self.inflight:
+                self._settled.set()
+            ok = commit is not None
             svc = self.service
             if keys:
                 pop = svc.pending.pop
                 for key in keys:
                     pop(key, None)
-                if ok:
+                if commit is not None:
                     svc.dedup.add_many(keys, time.time())
                     # Commits resolve in offset order: everything below is indexed now.
-                    svc.dedup.covered_offset = max(
-                        svc.dedup.covered_offset, fut.result().end_offset
-                    )
+                    svc.dedup.covered_offset = max(svc.dedup.covered_offset, commit.end_offset)
             if ok:
                 self.ack(idems)
             else:
@@ -226,7 +259,7 @@ class Session:
             if self._finished and not self.inflight:
                 self._release_slots()  # after add_many: its keys now carry the slot
 
-        future.add_done_callback(done)
+        inflight.then(done)
 
     def finish(self) -> None:
         """The connection is over: its slots go back once its last commit has resolved (a
@@ -308,7 +341,8 @@ class Session:
 
     async def shutdown(self, grace: float) -> None:
         if self.inflight:
-            await asyncio.wait(list(self.inflight), timeout=grace)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), timeout=grace)
         self.conn.close(CloseCode.SHUTTING_DOWN, "server shutting down")
         self.wake.set()
         with contextlib.suppress(TimeoutError):
