@@ -18,14 +18,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pyspark
 
-from tests.support import FAST_JVM, descendants, free_port
+from tests.support import FAST_JVM, descendants, free_port, spark_worker_python
 
 __all__ = ["SPARK_HOME", "SparkCluster", "descendants"]
 
@@ -93,7 +92,7 @@ class SparkCluster:
             "SPARK_LOG_DIR": str(work / "logs"),
             "SPARK_LOCAL_DIRS": str(work / "local"),
             "SPARK_DAEMON_JAVA_OPTS": FAST_JVM,
-            "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_PYTHON": spark_worker_python(),
         }
 
     def _daemon(self, name: str, args: list[str]) -> None:
@@ -177,8 +176,11 @@ class SparkCluster:
             "spark.executor.cores": "1",
             "spark.cores.max": str(cores or self.workers * self.cores),
             "spark.ui.enabled": "false",
-            "spark.pyspark.python": sys.executable,
-            "spark.pyspark.driver.python": sys.executable,
+            # This interpreter, importing pyspark from the installed package
+            # (tests.support.spark_worker_python): the driver too, spark-submit puts
+            # Spark's pyspark.zip on its path as well.
+            "spark.pyspark.python": spark_worker_python(),
+            "spark.pyspark.driver.python": spark_worker_python(),
             "spark.executor.extraJavaOptions": FAST_JVM,
             "spark.sql.shuffle.partitions": "2",
         }

@@ -112,6 +112,12 @@ def _wait(what: str, done: Callable[[], bool], timeout: float, driver: Any, log:
         time.sleep(0.2)
 
 
+def _hub_failures(log: Path) -> int:
+    """How many times the stream's driver planned a query's restart because a hub was down."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return text.count("a hub is unavailable; restarting from the checkpoint")
+
+
 def _stream_args(hubs: list[HubProcess], out: Path, ckpt: Path) -> list[str]:
     args = ["stream", "--out", str(out), "--checkpoint", str(ckpt)]
     for hub in hubs:
@@ -197,9 +203,19 @@ def test_fleet_on_a_standalone_cluster(spark: Any, cluster: SparkCluster, tmp_pa
         for part in parts[1:]:
             # SIGKILL one hub in the middle of the run; the others go on taking events.
             down = hubs[1]
+            failures = _hub_failures(log)
             down.kill()
             _feed(hubs, part, only={0, 2})
-            time.sleep(3)  # the stream's next micro-batch fails on it, and retries
+            # Until the stream's next micro-batch has failed on it (each trigger asks every
+            # hub for its end; the driver logs the restart it plans), not a fixed 3 s: on a
+            # loaded machine the failure came later, on a quiet one sooner.
+            _wait(
+                "a micro-batch failing on the hub that is down",
+                lambda n=failures: _hub_failures(log) > n,  # type: ignore[misc]
+                300,
+                driver,
+                log,
+            )
             down.start()
             _feed(hubs, part, only={1})
             marks = {t: max(_log(ckpt, t, "commits")) for t in STREAM_TABLES}
