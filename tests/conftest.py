@@ -59,6 +59,7 @@ def zmq_path(request: pytest.FixtureRequest) -> Iterator[str]:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     scheduling.order(items)
     scheduling.record_groups(config, items)
+    scheduling.cpu_bound_timeouts(items)
 
 
 @pytest.hookimpl(optionalhook=True)

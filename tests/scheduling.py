@@ -37,6 +37,7 @@ import pytest
 
 __all__ = [
     "GROUPS_DIR",
+    "cpu_bound_timeouts",
     "cpu_bound_yields",
     "group_of",
     "make_scheduler",
@@ -145,6 +146,23 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 # How much lower a property test's CPU priority is while it runs beside other tests (nice).
 CPU_BOUND_NICE = 10
+# pytest-timeout's limit for a property test (a hang guard, not a figure): at nice 10 it gets
+# the CPU the other tests leave, and with a second copy of the suite on the machine (load
+# 15-21) the journal model's and the protocol fuzzers' runs passed the default 300 s (45-115 s
+# at load 10-15), each ending as hypothesis's "Inconsistent data generation" when the timeout's
+# signal cut a run short.
+CPU_BOUND_TIMEOUT_S = 900
+
+
+def _is_property_test(item: pytest.Item) -> bool:
+    return bool(getattr(getattr(item, "obj", None), "is_hypothesis_test", False))
+
+
+def cpu_bound_timeouts(items: list[pytest.Item]) -> None:
+    """Give each property test without a ``timeout`` mark of its own ``CPU_BOUND_TIMEOUT_S``."""
+    for item in items:
+        if _is_property_test(item) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(CPU_BOUND_TIMEOUT_S))
 
 
 @contextlib.contextmanager
@@ -156,8 +174,7 @@ def cpu_bound_yields(item: pytest.Item) -> Iterator[None]:
     Spark tests missed at CPU pressure ~85% with property tests on the other workers. The
     property test runs the same examples, only later. The priority is set back afterwards where
     the system allows it (raising it again needs CAP_SYS_NICE); else the worker stays lower."""
-    hypothesis_test = getattr(getattr(item, "obj", None), "is_hypothesis_test", False)
-    if not hypothesis_test or not hasattr(item.config, "workerinput"):
+    if not _is_property_test(item) or not hasattr(item.config, "workerinput"):
         yield
         return
     before = os.getpriority(os.PRIO_PROCESS, 0)
