@@ -37,8 +37,8 @@ COPY = Command.COPY.value
 # Events per REPLICATE message of a COPY (each message also stays under the peer's
 # MAXMSGSIZE: see _copy_messages).
 COPY_CHUNK = 1000
-# Keys a compiled snapshot lays out and sends per C call: the copy of their frames it makes
-# stays small (~1 MiB of 200-byte events), and the hub's other tasks run between runs.
+# Keys a compiled snapshot sends per C call (their frames' addresses and sizes in two arrays,
+# ~64 KiB; the bytes are the entries' own): the hub's other tasks run between runs.
 SNAPSHOT_RUN = 4096
 # Frames of each message of a snapshot after the ROUTER's identity (and the seed's SYNC).
 SYNC_FRAMES = 6
