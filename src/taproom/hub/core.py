@@ -315,12 +315,14 @@ class Hub:
         self._small_commit_s = 0.0  # recent write + fsync time of small groups (moving average)
         self._commit_stopping = False  # the stop sentinel was taken (survives a restart)
         m = self.metrics
-        self._m_commits = m.counter("hub", "commits", "calls", "Group commits (one write + fsync)")
-        self._m_inline = m.counter(
+        # Tallies (taproom.metrics): counted once a commit, by its committer, and commits never
+        # overlap (the loop commits inline only while the commit thread holds nothing).
+        self._m_commits = m.tally("hub", "commits", "calls", "Group commits (one write + fsync)")
+        self._m_inline = m.tally(
             "hub", "inline_commits", "calls", "Group commits the loop made itself (small, idle)"
         )
-        self._m_batches = m.counter("hub", "committed", "batches", "Batches committed")
-        self._m_latency = m.histogram(
+        self._m_batches = m.tally("hub", "committed", "batches", "Batches committed")
+        self._m_latency = m.tally_histogram(
             "hub", "commit_latency", "seconds", "Submit to durable, per batch", _LATENCY_BUCKETS
         )
         self._m_failures = m.counter(

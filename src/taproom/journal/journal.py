@@ -133,13 +133,14 @@ class Journal:
         self._m_quarantined = self.metrics.counter(
             "journal", "quarantined", "bytes", "Damaged segment bytes readers skip", ("reason",)
         )
-        self._m_appended = self.metrics.counter(
+        # Tallies (taproom.metrics): counted on the write side, one writer (commit, sync)
+        self._m_appended = self.metrics.tally(
             "journal", "appended", "events", "Events committed to the journal"
         )
-        self._m_bytes = self.metrics.counter(
+        self._m_bytes = self.metrics.tally(
             "journal", "appended", "bytes", "Bytes committed to the journal (frames included)"
         )
-        self._m_fsyncs = self.metrics.counter("journal", "fsync", "calls", "fsync calls made")
+        self._m_fsyncs = self.metrics.tally("journal", "fsync", "calls", "fsync calls made")
         self._m_deleted = self.metrics.counter(
             "journal", "retention_deleted", "segments", "Sealed segments deleted by retention"
         )
