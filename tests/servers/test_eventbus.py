@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -265,6 +266,39 @@ class TestCollector:
             # committed before it was broadcast
             stored = list(app.hub.journal.read(0))
             assert [(r.topic, r.seq, r.protocol) for r in stored] == [("/a/ok", 1, "eventbus")]
+
+    @pytest.mark.parametrize("inline", [True, False], ids=["inline", "thread"])
+    async def test_a_burst_is_applied_by_its_commits_own_delivery(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context, inline: bool
+    ) -> None:
+        """Issue 32: a committed burst goes into the hashmap and out as BROADCAST from the
+        commit's own delivery (Hub.submit_callback), before the hub hands the batch to its
+        outputs, not a turn of the loop later (a task woken by a future). Commits made by the
+        loop itself and by the commit thread alike; in order, each update alone."""
+        hub_settings = {} if inline else {"inline_commit_max_bytes": 0}
+        async with running_app(tmp_path, enable=["eventbus"], hub=hub_settings) as app:
+            bus = app.services["eventbus"]
+            seen: list[tuple[int, bool]] = []
+
+            def consume(batch: Any) -> None:  # the output the hub feeds after the acks
+                seq = batch.records()[-1].seq
+                seen.append((seq, bus.last_seq == seq))
+
+            output = app.hub.subscribe("probe")
+            output.consume_directly(consume)
+            parked = asyncio.create_task(anext(output))  # caught up: batches come directly
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + app.addresses["eventbus_collector"])
+            try:
+                for i in range(1, 6):
+                    await dealer.send_multipart(_pub(f"/one/{i}", {"i": i}))
+                    await _until(lambda i=i: len(seen) == i, 10, f"update {i} committed")
+                assert seen == [(seq, True) for seq in range(1, 6)]
+                assert set(bus.hashmap) == {f"/one/{i}".encode() for i in range(1, 6)}
+            finally:
+                parked.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await parked
 
     async def test_fuzzed_bursts_keep_exactly_what_parse_pub_accepts(
         self, tmp_path: Path, ctx: zmq.asyncio.Context

@@ -23,7 +23,7 @@ from taproom.clients.eventbus import EventBusClient
 from taproom.journal import JournalReader
 from tests.servers.clone_peer import CloneClient
 from tests.servers.test_eventbus import start_pair
-from tests.support import HubProcess, running_app, slow_commits, write_config
+from tests.support import HubProcess, running_app, write_config
 
 SEQ = struct.Struct(">q")
 StartClone = Callable[..., Awaitable[CloneClient]]
@@ -32,6 +32,19 @@ StartClone = Callable[..., Awaitable[CloneClient]]
 def _group(addresses: dict[str, str], name: str = "eventbus_chp_snapshot") -> tuple[str, int]:
     host, port = addresses[name].rsplit(":", 1)
     return host, int(port)
+
+
+def _slow_commits(hub: Any, delay: float) -> None:
+    """A slow disk for the bus: every burst is reported durable ``delay`` s after it really
+    is. The bus submits through Hub.submit_callback, which tests.support.slow_commits (futures
+    of Hub.submit) does not slow."""
+    real = hub.submit_callback
+
+    def slow(batch: Any, callback: Any, **kw: Any) -> None:
+        loop = asyncio.get_running_loop()
+        real(batch, lambda commit, error: loop.call_later(delay, callback, commit, error), **kw)
+
+    hub.submit_callback = slow
 
 
 def _metric(app: object, name: str, labels: dict[str, str] | None = None) -> float:
@@ -137,7 +150,7 @@ class TestCloneFlows:
         async with running_app(tmp_path, enable=["eventbus"], eventbus=_chp("pull")) as app:
             chp = _group(app.addresses)
             writer = await start_clone([chp], model=5)
-            slow_commits(app.hub, 1.0)  # a commit takes a second to be reported durable
+            _slow_commits(app.hub, 1.0)  # a commit takes a second to be reported durable
             await writer.set(b"/s/1", b"one")
             accepted = {"protocol": "eventbus"}
             await _until(
@@ -160,7 +173,7 @@ class TestCloneFlows:
         async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
             chp = _group(app.addresses)
             writer = await start_clone([chp], model=5)
-            slow_commits(app.hub, 6.0)  # far longer than the snapshot waits
+            _slow_commits(app.hub, 6.0)  # far longer than the snapshot waits
             await writer.set(b"/s/1", b"one")
             accepted = {"protocol": "eventbus"}
             await _until(

@@ -105,11 +105,13 @@ class Acceptor(BusBase):
     ) -> None:
         """Journal a burst and queue it for the broadcaster (after replicating it); ``wire``
         (and ``kv_wire``): its BROADCASTs (and kvmsgs) as a collector's kernel laid them out."""
-        future = self.hub.submit(batch)
+        burst = Burst(entries, False, None, wire, kv_wire)
+        self._journal_burst(batch, burst)
         self.assigned_seq = entries[-1].seq
         self.hub.metrics.accepted(PROTOCOL, len(entries), len(batch.body))
-        needs_ack = self._replicate(events) if events else False
-        self._queue_burst(Burst(future, entries, needs_ack, None, wire, kv_wire))
+        # after the submit, as before: the commit's callback comes at the earliest at the end
+        # of this turn of the loop, so the burst waits for the peer's ack if it needs one
+        burst.needs_peer_ack = self._replicate(events) if events else False
 
     def _replicate(self, events: list[Event]) -> bool:
         """Send a burst to the passive peer; True when the broadcast must wait for its ack.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,8 @@ from ...eventtime import EventTimes
 from ...hub import Hub
 from ...hub.core import Commit
 from ...protocols.eventbus import BinaryStar, Event
+from ...records import EncodedBatch
+from ...supervise import Guard
 from ...zmqaccess import ZmqAccess
 from ..zmtp import ZmtpPublisher, ZmtpSocket
 from .config import EventBusConfig
@@ -27,7 +30,6 @@ log = logging.getLogger("taproom.eventbus")
 class Burst:
     """Events submitted as one journal batch, waiting to be applied (and broadcast)."""
 
-    future: asyncio.Future[Commit]
     entries: list[Entry]
     needs_peer_ack: bool = False
     reply_to: bytes | None = None  # mirror bursts: the active peer's identity, to REPLICATED
@@ -36,6 +38,10 @@ class Burst:
     wire: tuple[Any, Any, Any, int] | None = None
     # ... and their kvmsgs for the CHP publisher (the CHP collector's kernel), or None.
     kv_wire: tuple[Any, Any, Any, int] | None = None
+    # Set by the hub's commit callback: durable (its Commit) or refused (the error).
+    resolved: bool = False
+    commit: Commit | None = None
+    error: BaseException | None = None
 
 
 class Batch:
@@ -117,7 +123,13 @@ class BusBase:
         self._resync_buffer: list[tuple[bytes, list[Event]]] = []
         self._resync_buffered = 0
         self._resync_overflow = False
-        self._inflight: asyncio.Queue[Burst] = asyncio.Queue()
+        # Bursts submitted and not yet applied, in submission order (the journal's): applied
+        # from the front by the commit's own callback, or by the broadcaster task when the
+        # front one waits for the peer's ack (broadcast.py).
+        self._bursts: deque[Burst] = deque()
+        self._broadcast_wake: asyncio.Future[None] | None = None  # the task, parked
+        self._broadcast_busy = False  # the task is applying the front burst
+        self._broadcast_guard: Guard | None = None  # set once the broadcaster runs
         # Bursts submitted and not yet applied (queued or being applied): while there are none,
         # every bus record in the journal is applied (a checkpoint covers the journal's end).
         self._bursts_open = 0
@@ -203,11 +215,28 @@ class BusBase:
     def _state(self) -> float:
         return int(self.fsm.state)
 
-    def _queue_burst(self, burst: Burst) -> None:
-        """A journaled burst, for the broadcaster to apply once it is committed."""
+    def _journal_burst(self, batch: EncodedBatch, burst: Burst) -> None:
+        """Submit ``burst``'s journal batch; the broadcaster applies it once it is committed,
+        from the commit's own delivery (Hub.submit_callback: no future, no task woken for
+        one update in flight, issue 32)."""
+
+        def committed(commit: Commit | None, error: BaseException | None) -> None:
+            burst.commit, burst.error, burst.resolved = commit, error, True
+            self._pump_bursts()
+
+        self.hub.submit_callback(batch, committed)  # never calls back before it returns
         self._bursts_open += 1
         self._bursts_queued += 1
-        self._inflight.put_nowait(burst)
+        self._bursts.append(burst)
+
+    def _pump_bursts(self) -> None:  # broadcast.py
+        raise NotImplementedError
+
+    async def _drained(self) -> None:
+        """Until no burst is open (each applied or failed)."""
+        while self._bursts_open:
+            self._burst_done.clear()
+            await self._burst_done.wait()
 
     async def _settle(self, timeout: float) -> bool:
         """Wait until every burst queued before now is applied (or failed): then the hashmap

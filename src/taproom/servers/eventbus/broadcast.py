@@ -21,39 +21,84 @@ class Broadcaster(BinaryStarPeer):
     """Applies committed bursts in order and publishes them; sends HUGZ."""
 
     async def _broadcast_loop(self) -> None:
-        """Supervised as ``eventbus.broadcast``: a burst whose apply fails unexpectedly is
-        counted (``output="eventbus_broadcast"``) and logged; the admission table is counted
-        again from the hashmap, and the next burst goes on."""
-        pub = self._publisher
-        guard = self.hub.supervisor.guard("eventbus.broadcast", output="eventbus_broadcast")
+        """Supervised as ``eventbus.broadcast``. Committed bursts are applied, in order, by
+        the commit's own callback (:meth:`_pump_bursts`); this task takes the front burst
+        only while it waits for the peer's ack, and applies what the callbacks could not
+        (a burst committed before it ran)."""
+        self._broadcast_guard = self.hub.supervisor.guard(
+            "eventbus.broadcast", output="eventbus_broadcast"
+        )
+        loop = asyncio.get_running_loop()
+        bursts = self._bursts
         while True:
-            burst = await self._inflight.get()
+            self._pump_bursts()
+            if not bursts or not bursts[0].resolved:
+                self._broadcast_wake = loop.create_future()
+                try:
+                    await self._broadcast_wake  # a burst committed that the callback left here
+                finally:
+                    self._broadcast_wake = None
+                continue
+            burst = bursts[0]  # committed, waiting for the peer to confirm it
+            self._broadcast_busy = True
             try:
-                await self._apply(burst, pub)
-            except Exception as exc:
-                guard.failed(exc, "committed burst", len(burst.entries))
-                self._install(self.hashmap)
-                # The hashmap may lack this burst: no checkpoint may cover it (a restart then
-                # reads it from the journal again).
-                self._cover_limit = min(self._cover_limit, self._applied_offset)
+                confirmed = await self._wait_peer_ack(burst.entries[-1].seq)
             finally:
-                self._bursts_open -= 1
-                self._bursts_done += 1
-                self._burst_done.set()
-                self._inflight.task_done()
+                self._broadcast_busy = False
+            bursts.popleft()
+            self._apply_guarded(burst, confirmed)
 
-    async def _apply(self, burst: Burst, pub: ZmtpPublisher) -> None:
-        """Once ``burst`` is durable (and confirmed by the peer): hashmap, BROADCAST, ack."""
+    def _pump_bursts(self) -> None:
+        """Apply the committed bursts at the front, in order, on the spot; the first that
+        must wait for the peer's ack goes to the broadcaster task (and those behind it wait)."""
+        guard = self._broadcast_guard
+        if guard is None or self._broadcast_busy:
+            return  # the task is not running yet, or holds the front burst: it goes on after
+        bursts = self._bursts
+        while bursts and bursts[0].resolved:
+            burst = bursts[0]
+            if (
+                burst.needs_peer_ack
+                and burst.error is None
+                and self.peer_acked < burst.entries[-1].seq
+            ):
+                wake = self._broadcast_wake
+                if wake is not None and not wake.done():
+                    wake.set_result(None)
+                return
+            bursts.popleft()
+            self._apply_guarded(burst, burst.needs_peer_ack)
+
+    def _apply_guarded(self, burst: Burst, confirmed: bool) -> None:
+        """:meth:`_apply`; a burst whose apply fails unexpectedly is counted
+        (``output="eventbus_broadcast"``) and logged; the admission table is counted again
+        from the hashmap, and the next burst goes on."""
         try:
-            commit = await burst.future
-        except Exception as exc:  # the hub is stopping or the journal failed
-            log.error("eventbus: commit of %d events failed: %s", len(burst.entries), exc)
+            self._apply(burst, confirmed)
+        except Exception as exc:
+            assert self._broadcast_guard is not None
+            self._broadcast_guard.failed(exc, "committed burst", len(burst.entries))
+            self._install(self.hashmap)
+            # The hashmap may lack this burst: no checkpoint may cover it (a restart then
+            # reads it from the journal again).
+            self._cover_limit = min(self._cover_limit, self._applied_offset)
+        finally:
+            self._bursts_open -= 1
+            self._bursts_done += 1
+            self._burst_done.set()
+
+    def _apply(self, burst: Burst, confirmed: bool) -> None:
+        """Once ``burst`` is durable (and confirmed by the peer, if it needs that): hashmap,
+        BROADCAST, ack."""
+        commit = burst.commit
+        if commit is None:  # the hub is stopping or the journal failed
+            log.error("eventbus: commit of %d events failed: %s", len(burst.entries), burst.error)
             for entry in burst.entries:
                 self.dedup.forget(entry.frames[4].decode())
             # Their admission is void: count again from what is really in the hashmap.
             self._install(self.hashmap)
             return
-        confirmed = burst.needs_peer_ack and await self._wait_peer_ack(burst.entries[-1].seq)
+        pub = self._publisher
         hashmap = self.hashmap
         broadcast = self.fsm.active
         chp_pub = self._chp_publisher

@@ -117,8 +117,7 @@ class BinaryStarPeer(Acceptor):
             self.dedup.add(e.uuid, e.sequence)
         self.assigned_seq = fresh[-1].sequence
         self._m_replicated.inc(len(fresh))
-        future = self.hub.submit(builder.build())
-        self._queue_burst(Burst(future, entries, False, identity))
+        self._journal_burst(builder.build(), Burst(entries, False, identity))
 
     async def _resync(self) -> None:
         """Copy the active peer's whole state (COPY on its SNAPSHOT port) into the journal and

@@ -250,10 +250,11 @@ class EventBusService(SnapshotServer):
         broadcaster = self._broadcaster
         if broadcaster is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._inflight.join(), self.hub.config.hub.grace_period_s)
+                await asyncio.wait_for(self._drained(), self.hub.config.hub.grace_period_s)
             broadcaster.cancel()
             others.append(broadcaster)
             self._broadcaster = None
+            self._broadcast_guard = None  # commits delivered from now on are not applied
         for task in others:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
