@@ -879,3 +879,37 @@ def test_in_flight_batch_tells_each_waiter_once_in_order(caplog):
     refused.then(lambda c, e: told.append(("refused", c)))
     refused(None, RuntimeError("hub stopped"))
     assert told[-1] == ("refused", None)
+
+
+async def test_a_tcp_ack_leaves_in_the_commits_own_turn(tmp_path):
+    """Issue 32: a TCP connection's ack is handed to the transport by the commit's callback
+    itself when its sender holds nothing, not queued for the sender task a turn of the loop
+    later: by the time the hub feeds the batch to its outputs (after the acks), nothing is
+    left queued on the connection. Each entry alone; every ack arrives, in order."""
+    async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+        left_queued: list[bool] = []
+        sessions = app.services["logtk"].sessions
+
+        def consume(batch):  # the hub's output, fed after the commit's acks
+            if batch.records()[0].protocol == "logtk":
+                left_queued.append(any(s.conn.has_output for s in sessions))
+
+        output = app.hub.subscribe("probe")
+        output.consume_directly(consume)
+        parked = asyncio.create_task(anext(output))  # caught up: batches come directly
+        reader, writer = await asyncio.open_connection(*addr(app, "logtk_tcp"))
+        try:
+            writer.write(b"\x01\x01" + TOKEN + b"\x00" + INIT)
+            decoder, got = FrameDecoder(), []
+            while len(got) < 2:  # the auth status, the init answer
+                got += decoder.feed(await asyncio.wait_for(reader.read(1024), 10))
+            for idem in range(1, 6):
+                writer.write(encode_frame(Data(b'{"n": %d}' % idem, idem)))
+                ack = await asyncio.wait_for(reader.readexactly(7), 10)
+                assert ack == b"\x04\x01" + idem.to_bytes(4, "big") + b"\x00"
+            assert left_queued == [False] * 5
+        finally:
+            writer.close()
+            parked.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await parked

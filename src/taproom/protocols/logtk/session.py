@@ -190,6 +190,11 @@ class ServerConnection:
         return out
 
     @property
+    def has_output(self) -> bool:
+        """Whether :meth:`data_to_send` has anything (the glue wakes its writer only then)."""
+        return bool(self._out)
+
+    @property
     def buffered_bytes(self) -> int:
         """Received bytes held for an unfinished frame (what the glue reserves)."""
         return self._decoder.buffered
@@ -518,6 +523,11 @@ class ClientConnection:
         out = b"".join(self._out)
         self._out.clear()
         return out
+
+    @property
+    def has_output(self) -> bool:
+        """Whether :meth:`data_to_send` has anything (the glue wakes its writer only then)."""
+        return bool(self._out)
 
     @property
     def ready(self) -> bool:

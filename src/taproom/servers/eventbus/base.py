@@ -165,7 +165,8 @@ class BusBase:
             "eventbus.peer_hugz", protocol=PROTOCOL, logger=log
         )
         m = hub.metrics
-        self._m_broadcast = m.counter("eventbus", "broadcast", "events", "BROADCASTs sent")
+        # a tally (taproom.metrics): counted for every burst, on the loop
+        self._m_broadcast = m.tally("eventbus", "broadcast", "events", "BROADCASTs sent")
         self._m_duplicates = m.counter(
             "eventbus", "duplicates", "events", "PUBs dropped as repeats of a known event UUID"
         )

@@ -134,7 +134,10 @@ class PubOutput:
         self._m_published = m.counter(
             "logjam", "published", "messages", "Messages sent on the PUB output", ("kind",)
         )
-        self._m_pub_data = self._m_published.labels(kind="data")
+        # a tally (taproom.metrics): counted for every committed batch, on the loop
+        self._m_pub_data = m.tally(
+            "logjam", "published", "messages", "Messages sent on the PUB output", kind="data"
+        )
         self._m_pub_heartbeat = self._m_published.labels(kind="heartbeat")
         m.gauge_fn(
             "logjam", "pub_subscriptions", "count", "Live SUB prefixes", self.subscriber_count
@@ -417,6 +420,9 @@ class PubOutput:
         if count > size:  # only the last ``size`` fit in the ring
             k_first, offset, count = k_first + count - size, offset + count - size, size
         start = k_first % size
+        if count == 1:  # one request in flight: an arange costs more than the one store
+            index[start] = offset
+            return
         head = min(count, size - start)
         index[start : start + head] = np.arange(offset, offset + head, dtype=np.int64)
         if count > head:

@@ -348,7 +348,7 @@ class LogTKService:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-        session = Session(self, conn, send, "tcp", peer)
+        session = Session(self, conn, send, "tcp", peer, writer.transport)
         self.sessions.add(session)
         sender = self._spawn(session.sender(close))
         ticker = self._spawn(session.ticker())

@@ -76,10 +76,16 @@ class Session:
         send: Callable[[bytes], Awaitable[None]],
         transport: str,
         peer: str,
+        direct: asyncio.WriteTransport | None = None,
     ) -> None:
         self.service = service
         self.conn = conn
         self._send = send
+        # TCP: acks are written straight to the transport from the commit's callback while
+        # the sender is parked and the transport holds nothing unsent (issue 32: waking the
+        # sender task cost a turn of the loop per ack). WebSocket frames go through the sender.
+        self._direct = direct
+        self._parked = False  # the sender waits for its wake, holding nothing
         self.transport = transport
         self.peer = peer
         self.loop = asyncio.get_running_loop()
@@ -125,7 +131,8 @@ class Session:
             self._ingest(datas)
         if self.conn.unacked >= self.service.config.max_unacked:
             self.room.clear()
-        self.wake.set()
+        if self.conn.has_output or self.conn.closed:  # data alone answers nothing until acked
+            self.wake.set()
 
     def _ingest(self, datas: list[Data | OversizeData]) -> None:
         svc = self.service
@@ -275,6 +282,19 @@ class Session:
     def ack(self, idems: list[int]) -> None:
         self.conn.ack(idems)
         self.settle(len(idems))
+        transport = self._direct
+        if (
+            transport is not None
+            and self._parked
+            and not transport.is_closing()
+            and not transport.get_write_buffer_size()
+        ):
+            # the sender holds nothing and waits: what it would write next, in order, now
+            # (the write buffer is empty, so there is no backpressure to wait for)
+            out = self.conn.data_to_send()
+            if out:
+                transport.write(out)
+            return
         self.wake.set()
 
     def settle(self, count: int) -> None:
@@ -286,7 +306,11 @@ class Session:
         """Writes what the state machine queued; closes the transport once it is closed."""
         try:
             while True:
-                await self.wake.wait()
+                self._parked = True
+                try:
+                    await self.wake.wait()
+                finally:
+                    self._parked = False
                 self.wake.clear()
                 out = self.conn.data_to_send()
                 if out:

@@ -144,21 +144,22 @@ class ZmtpPublisher:
         self._rlog = RateLimitedLog()
         m = hub.metrics
         labels = {"output": self.output}
-        self._m_sent = m.counter(
+        # Tallies (taproom.metrics): counted on every publish, always on the loop
+        self._m_sent = m.tally(
             "output",
             "sent",
             "messages",
             "Messages offered to subscribers (one per subscriber whose filter takes it): "
             "delivered + dropped + queued",
-            ("output",),
-        ).labels(**labels)
-        self._m_delivered = m.counter(
+            **labels,
+        )
+        self._m_delivered = m.tally(
             "output",
             "delivered",
             "messages",
             "Messages handed to the kernel for a subscriber",
-            ("output",),
-        ).labels(**labels)
+            **labels,
+        )
         self._m_dropped = m.counter(
             "output",
             "dropped",
