@@ -71,10 +71,25 @@ TEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
 # machines) nothing is cached, and every hub, CLI and Spark worker process a test starts compiled
 # taproom from source again (~0.5 CPU-s each; measured: docs/testing.md). A .pyc is checked
 # against its source's mtime, so an edited module is compiled again as usual.
+#
+# Spark's classes archived for the tests' JVMs (class-data sharing, tests/jvm_archive.py): half
+# the CPU of a short JVM's start. Written beside the suite's start when missing or older than
+# the venv; a JVM about to start waits for it (measured: docs/testing.md).
+JVM_ARCHIVE := build/jvm/spark.jsa
 unit: $(STAMP_ALL) $(PEERS) browser
 	$(BIN)/python -m compileall -q -j 0 -x node_modules src tests bench \
 	  || echo "some modules did not compile: Python compiles them when imported"
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
+	@mkdir -p $(dir $(JVM_ARCHIVE)); \
+	if [ ! -f $(JVM_ARCHIVE) ] || [ $(STAMP_ALL) -nt $(JVM_ARCHIVE) ]; then \
+	  rm -f $(JVM_ARCHIVE); \
+	  $(BIN)/python -m tests.jvm_archive $(JVM_ARCHIVE) >$(JVM_ARCHIVE).log 2>&1 & \
+	  echo $$! >$(JVM_ARCHIVE).writer; \
+	fi; \
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS); \
+	unit=$$?; wait; rm -f $(JVM_ARCHIVE).writer; \
+	[ -f $(JVM_ARCHIVE) ] || { echo "no class archive for the tests' JVMs (they ran without):"; \
+	  tail -5 $(JVM_ARCHIVE).log; }; \
+	exit $$unit
 
 # A wheel, built as pip builds one, must carry the compiled ZeroMQ burst module (setup.py).
 wheel: $(STAMP_ALL)

@@ -37,10 +37,12 @@ __all__ = [
     "SOAK",
     "HubProcess",
     "descendants",
+    "fast_jvm",
     "fill",
     "flip_byte",
     "free_port",
     "fuzz_examples",
+    "local_spark",
     "needs_mount",
     "queued_connects",
     "running_app",
@@ -60,6 +62,38 @@ SOAK = os.environ.get("TAPROOM_SOAK") == "1"
 # instead of 154) on a shared 2-core machine. Results are the same; a real deployment keeps the
 # JVM's defaults.
 FAST_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+
+def fast_jvm() -> str:
+    """FAST_JVM, and the class archive of Spark's jars once `make unit` has written it
+    (tests/jvm_archive.py): read when a JVM is about to start, as the archive appears while the
+    suite runs. The same classes from the same jars, for half of a short JVM's CPU."""
+    from tests.jvm_archive import archive_options
+
+    return f"{FAST_JVM} {archive_options()}".strip()
+
+
+def local_spark(app: str, java_options: str) -> Any:
+    """A local[2] SparkSession as the tests use one (2 shuffle partitions, no UI, taproom's
+    session settings and data sources), its Python workers on spark_worker_python()."""
+    os.environ["PYSPARK_PYTHON"] = spark_worker_python()
+    from pyspark.sql import SparkSession
+
+    from taproom.spark.jobs.session import SESSION_CONF, configure
+
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .appName(app)
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.level=ERROR {java_options}")
+    )
+    for key, value in SESSION_CONF.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    configure(session)
+    return session
 
 
 # Spark starts its Python workers (the executors' daemons, a stream source's planner) with its

@@ -6,7 +6,8 @@ One master and ``workers`` workers, each a JVM of its own (``spark-class ...Mast
 workers, each with its own Python workers. Everything binds 127.0.0.1 and lives in a work
 directory the test owns.
 
-The JVMs run with the client compiler only and the serial collector (``FAST_JVM``): on a small
+The JVMs run with the client compiler only and the serial collector, and map the class archive of
+Spark's jars once written (``fast_jvm``, tests/jvm_archive.py): on a small
 shared machine that halves their start-up time, which dominates jobs this short. A real cluster
 leaves both at their defaults.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pyspark
 
-from tests.support import FAST_JVM, descendants, free_port, spark_worker_python
+from tests.support import descendants, fast_jvm, free_port, spark_worker_python
 
 __all__ = ["SPARK_HOME", "SparkCluster", "descendants"]
 
@@ -91,7 +92,7 @@ class SparkCluster:
             "SPARK_LOCAL_IP": "127.0.0.1",
             "SPARK_LOG_DIR": str(work / "logs"),
             "SPARK_LOCAL_DIRS": str(work / "local"),
-            "SPARK_DAEMON_JAVA_OPTS": FAST_JVM,
+            "SPARK_DAEMON_JAVA_OPTS": fast_jvm(),
             "PYSPARK_PYTHON": spark_worker_python(),
         }
 
@@ -181,11 +182,11 @@ class SparkCluster:
             # Spark's pyspark.zip on its path as well.
             "spark.pyspark.python": spark_worker_python(),
             "spark.pyspark.driver.python": spark_worker_python(),
-            "spark.executor.extraJavaOptions": FAST_JVM,
+            "spark.executor.extraJavaOptions": fast_jvm(),
             "spark.sql.shuffle.partitions": "2",
         }
         command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", self.url]
-        command += ["--driver-java-options", FAST_JVM]
+        command += ["--driver-java-options", fast_jvm()]
         for key, value in conf.items():
             command += ["--conf", f"{key}={value}"]
         command += [driver.__file__, *args]

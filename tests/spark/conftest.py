@@ -14,7 +14,7 @@ pytest.importorskip(
     "pyspark", reason="the Spark tests need the spark extra (make test installs it)"
 )
 
-from tests.support import FAST_JVM, spark_worker_python
+from tests.support import fast_jvm, local_spark
 
 from .generate import GeneratedEvent, generate_events, write_journal
 
@@ -22,27 +22,11 @@ from .generate import GeneratedEvent, generate_events, write_journal
 @pytest.fixture(scope="session")
 def spark() -> Iterator[Any]:
     # Python workers must run this interpreter so they can import taproom (and import pyspark
-    # from the installed package: spark_worker_python).
-    os.environ["PYSPARK_PYTHON"] = spark_worker_python()
+    # from the installed package: spark_worker_python, set by local_spark).
     # collect() turns timestamps into naive datetimes in the local zone: make that UTC.
     os.environ["TZ"] = "UTC"
     time.tzset()
-    from pyspark.sql import SparkSession
-
-    from taproom.spark.jobs.session import SESSION_CONF, configure
-
-    builder = (
-        SparkSession.builder.master("local[2]")
-        .appName("taproom-tests")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.ui.enabled", "false")
-        .config("spark.driver.extraJavaOptions", f"-Dlog4j2.level=ERROR {FAST_JVM}")
-    )
-    for key, value in SESSION_CONF.items():
-        builder = builder.config(key, value)
-    session = builder.getOrCreate()
-    session.sparkContext.setLogLevel("ERROR")
-    configure(session)
+    session = local_spark("taproom-tests", fast_jvm())
     yield session
     session.stop()
 

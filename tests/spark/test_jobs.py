@@ -22,7 +22,7 @@ from taproom.spark.jobs.report import report_text
 from taproom.spark.jobs.rollup import day_range, run_rollup
 from taproom.spark.jobs.stream import run_stream
 from taproom.web.tables import TableFiles
-from tests.support import FAST_JVM, descendants, spark_worker_python
+from tests.support import descendants, fast_jvm, spark_worker_python
 
 from .generate import (
     BASE_NS,
@@ -216,8 +216,8 @@ def _stream(
         os.environ,
         PYSPARK_PYTHON=python or spark_worker_python(),
         TZ="UTC",
-        # The driver's JVM, started by pyspark for the CLI's session: see FAST_JVM.
-        PYSPARK_SUBMIT_ARGS=f"--driver-java-options '{FAST_JVM}' pyspark-shell",
+        # The driver's JVM, started by pyspark for the CLI's session: see fast_jvm.
+        PYSPARK_SUBMIT_ARGS=f"--driver-java-options '{fast_jvm()}' pyspark-shell",
     )
     log = open(checkpoint.parent / "stream.log", "ab")  # noqa: SIM115 (the child owns it)
     return subprocess.Popen(
