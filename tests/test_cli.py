@@ -60,6 +60,31 @@ def test_validate_warns_about_a_retired_key_and_exits_0(tmp_path):
     )
 
 
+@pytest.mark.parametrize("command", [["validate"], ["config", "defaults"], ["serve", "--help"]])
+def test_core_commands_import_no_plugin(command):
+    """`taproom serve` (every hub's start), validate, config and journal parse without the
+    plugins' commands; every other command, and `taproom --help`, still sees them all."""
+    from taproom.cli import CLI_PLUGINS
+
+    code = (
+        "import sys, taproom.cli as c\n"
+        "try:\n"
+        f"    c.main({command!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        # zmqaccess is a plugin (its keygen command) and the hub's own access check as well.
+        "print(sorted(m for m in sys.modules if m in c.CLI_PLUGINS and m != 'taproom.zmqaccess'),"
+        " file=sys.stderr)"
+    )
+    core = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert core.stderr.strip().splitlines()[-1] == "[]", core.stderr
+    every = run("--help")
+    assert every.returncode == 0
+    for name in ("send", "tail", "spark", "top"):
+        assert name in every.stdout, every.stdout
+    assert "taproom.clients.logjam" in CLI_PLUGINS
+
+
 def test_validate_missing_file(tmp_path):
     result = run("validate", "--config", str(tmp_path / "nope.toml"))
     assert result.returncode == 78 and "cannot read" in result.stderr
