@@ -12,6 +12,7 @@ import atexit
 import contextlib
 import functools
 import os
+import random
 import selectors
 import shlex
 import shutil
@@ -41,6 +42,7 @@ __all__ = [
     "fill",
     "flip_byte",
     "free_port",
+    "free_ports",
     "fuzz_examples",
     "local_spark",
     "needs_mount",
@@ -160,12 +162,44 @@ def fill(path: Path) -> Path:
     return filler
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 now, for servers that must keep their
+    ports across restarts (port 0 would give them new ones each time).
+
+    Taken below the kernel's ephemeral range, never from it: while such a server is down (a
+    SIGKILL, a restart), any connect() on the machine may take a port of that range as its
+    local port, a client retrying against the stopped server even connecting to itself on it,
+    and the restart's bind then fails with "address already in use" (seen once in a clean-clone
+    run: the Lumberjack client's resend test, reconnecting every 0.1 s while its hub was down).
+    A port below the range is only ever taken by a bind that names it."""
+    low = _ephemeral_low()
+    pool = range(10_000, low) if low > 11_000 else range(1024, 10_000)
+    rng = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < count:
+        port = rng.choice(pool)
+        if port in ports:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (another test's server, or anything else listening)
+        ports.append(port)
+    return ports
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a server that must keep its port across
-    restarts (port 0 would give it a new one each time)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """One of :func:`free_ports`."""
+    return free_ports(1)[0]
 
 
 def flip_byte(path: Path | str, position: int, mask: int = 0x40) -> None:

@@ -19,7 +19,7 @@ from taproom.journal.reader import JournalReader
 from taproom.payloads import decode_payload
 from taproom.protocols.logtk import Data, ServerConnection, ServerSettings
 from taproom.servers.logtk import hash_token
-from tests.support import HubProcess, fuzz_examples, running_app, write_config
+from tests.support import HubProcess, free_ports, fuzz_examples, running_app, write_config
 
 TOKEN = bytes(range(100, 164))
 APPS = {"apps": {"myapp": {"token_sha256": hash_token(TOKEN)}}}
@@ -192,23 +192,11 @@ async def test_cli_send(tmp_path, capsys):
         assert await asyncio.to_thread(cli_main, argv) == 1
 
 
-def _free_ports(n):
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.mark.parametrize("transport", ["tcp", "ws"])
 async def test_exactly_once_across_two_sigkills(tmp_path, transport):
     """10,000 events; the hub is SIGKILLed and restarted twice mid-stream (same ports); the
     journal holds every event exactly once."""
-    ws_port, tcp_port = _free_ports(2)
+    ws_port, tcp_port = free_ports(2)
     config = write_config(
         tmp_path,
         enable=["logtk"],

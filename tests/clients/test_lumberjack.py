@@ -4,7 +4,6 @@ pipelining and backpressure, sequence roll-over, and resend after the hub is kil
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from taproom.app import App
 from taproom.clients.lumberjack import AsyncLumberjackClient, LumberjackClient, client_ssl_context
 from taproom.journal import JournalReader
-from tests.support import HubProcess, running_app, write_config
+from tests.support import HubProcess, free_port, running_app, write_config
 from tests.tlsutil import make_tls
 
 
@@ -111,15 +110,9 @@ class TestAsyncClient:
             assert len(payloads(app)) == 95
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class TestResend:
     def test_resend_unacked_windows_after_hub_is_killed(self, tmp_path: Path) -> None:
-        port = _free_port()
+        port = free_port()
         path = write_config(tmp_path, enable=["lumberjack"], lumberjack={"port": port})
         client = LumberjackClient(
             "127.0.0.1", port, window_size=250, reconnect_delay=0.1, reconnect_attempts=300

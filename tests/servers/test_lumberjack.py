@@ -35,7 +35,7 @@ from taproom.protocols.lumberjack import (
     Version,
     WindowSizeFrame,
 )
-from tests.support import HubProcess, load, running_app, slow_commits, write_config
+from tests.support import HubProcess, free_port, load, running_app, slow_commits, write_config
 from tests.tlsutil import make_tls
 
 PEERS = Path(__file__).resolve().parents[1] / "peers"
@@ -687,12 +687,6 @@ def vm_kib(pid: int, field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise AssertionError(field)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class TestZlibBomb:
