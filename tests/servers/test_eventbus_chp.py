@@ -23,6 +23,7 @@ from taproom.clients.eventbus import EventBusClient
 from taproom.journal import JournalReader
 from tests.servers.clone_peer import CloneClient
 from tests.servers.test_eventbus import start_pair
+from tests.slowcommits import slow_commits
 from tests.support import HubProcess, running_app, write_config
 
 SEQ = struct.Struct(">q")
@@ -32,19 +33,6 @@ StartClone = Callable[..., Awaitable[CloneClient]]
 def _group(addresses: dict[str, str], name: str = "eventbus_chp_snapshot") -> tuple[str, int]:
     host, port = addresses[name].rsplit(":", 1)
     return host, int(port)
-
-
-def _slow_commits(hub: Any, delay: float) -> None:
-    """A slow disk for the bus: every burst is reported durable ``delay`` s after it really
-    is. The bus submits through Hub.submit_callback, which tests.support.slow_commits (futures
-    of Hub.submit) does not slow."""
-    real = hub.submit_callback
-
-    def slow(batch: Any, callback: Any, **kw: Any) -> None:
-        loop = asyncio.get_running_loop()
-        real(batch, lambda commit, error: loop.call_later(delay, callback, commit, error), **kw)
-
-    hub.submit_callback = slow
 
 
 def _metric(app: object, name: str, labels: dict[str, str] | None = None) -> float:
@@ -150,7 +138,7 @@ class TestCloneFlows:
         async with running_app(tmp_path, enable=["eventbus"], eventbus=_chp("pull")) as app:
             chp = _group(app.addresses)
             writer = await start_clone([chp], model=5)
-            _slow_commits(app.hub, 1.0)  # a commit takes a second to be reported durable
+            slow_commits(app.hub, 1.0)  # a commit takes a second to be reported durable
             await writer.set(b"/s/1", b"one")
             accepted = {"protocol": "eventbus"}
             await _until(
@@ -173,7 +161,7 @@ class TestCloneFlows:
         async with running_app(tmp_path, enable=["eventbus"], eventbus=settings) as app:
             chp = _group(app.addresses)
             writer = await start_clone([chp], model=5)
-            _slow_commits(app.hub, 6.0)  # far longer than the snapshot waits
+            slow_commits(app.hub, 6.0)  # far longer than the snapshot waits
             await writer.set(b"/s/1", b"one")
             accepted = {"protocol": "eventbus"}
             await _until(
