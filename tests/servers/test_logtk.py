@@ -28,6 +28,7 @@ from taproom.protocols.logtk import (
 from taproom.servers.logtk import DedupIndex, hash_token
 from taproom.servers.logtk.dedup import read_checkpoint, write_checkpoint
 from tests.protocols.test_logtk import logtkjs_bson
+from tests.slowcommits import slow_commits
 from tests.support import HubProcess, fuzz_examples, queued_connects, running_app, write_config
 
 TOKEN = bytes(range(64))
@@ -913,3 +914,78 @@ async def test_a_tcp_ack_leaves_in_the_commits_own_turn(tmp_path):
             parked.cancel()
             with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
                 await parked
+
+
+async def _tcp_session(app):
+    """A TCP connection past auth and init: (reader, writer)."""
+    reader, writer = await asyncio.open_connection(*addr(app, "logtk_tcp"))
+    writer.write(b"\x01\x01" + TOKEN + b"\x00" + INIT)
+    decoder, got = FrameDecoder(), []
+    while len(got) < 2:  # the auth status, the init answer
+        got += decoder.feed(await asyncio.wait_for(reader.read(1024), 10))
+    return reader, writer
+
+
+def _ack(idem):
+    return b"\x04\x01" + idem.to_bytes(4, "big") + b"\x00"
+
+
+async def test_a_tcp_read_is_submitted_where_it_arrives(tmp_path):
+    """Issue 32: over TCP the entries of a read are submitted to the hub by the transport's
+    own callback (an asyncio Protocol), not by a reader task woken a turn of the loop later
+    (asyncio streams). Each entry alone; every ack arrives, in order."""
+    async with running_app(tmp_path, enable=["logtk"], logtk=APPS) as app:
+        submitted_from: list[object] = []
+        real = app.hub.submit_callback
+
+        def probe(batch, callback, **kw):
+            submitted_from.append(asyncio.current_task())
+            real(batch, callback, **kw)
+
+        app.hub.submit_callback = probe
+        reader, writer = await _tcp_session(app)
+        try:
+            for idem in range(1, 6):
+                writer.write(encode_frame(Data(b'{"n": %d}' % idem, idem)))
+                assert await asyncio.wait_for(reader.readexactly(7), 10) == _ack(idem)
+            assert submitted_from == [None] * 5  # no task: the read's own callback
+            assert [r.seq for r in records(app)] == [1, 2, 3, 4, 5]
+        finally:
+            writer.close()
+
+
+async def test_a_full_unacked_window_stops_reading_a_tcp_connection_until_acks(tmp_path):
+    """``max_unacked`` over TCP: once a connection has that many entries read and not acked,
+    its socket is no longer read (the transport pauses, the entries wait in the kernel); the
+    acks resume it and what waited is stored and acked. The commits are slowed so the window
+    stays full long enough to be seen."""
+    settings = {**APPS, "max_unacked": 2}
+    async with running_app(tmp_path, enable=["logtk"], logtk=settings) as app:
+        accepted = {"protocol": "logtk"}
+
+        def stored():
+            value = app.hub.metrics.registry.get_sample_value(
+                "taproom_ingest_accepted_events_total", accepted
+            )
+            return value or 0
+
+        reader, writer = await _tcp_session(app)
+        try:
+            (session,) = app.services["logtk"].sessions
+            transport = session._direct
+            slow_commits(app.hub, 1.0)
+            writer.write(encode_frame(Data(b'{"n": 1}', 1)) + encode_frame(Data(b'{"n": 2}', 2)))
+            deadline = time.monotonic() + 10
+            while stored() < 2:
+                assert time.monotonic() < deadline, "the first two entries were not read"
+                await asyncio.sleep(0.01)
+            # the window is full and nothing is acked yet: the socket is not read
+            assert not transport.is_reading()
+            writer.write(encode_frame(Data(b'{"n": 3}', 3)))
+            await writer.drain()
+            assert await asyncio.wait_for(reader.readexactly(14), 20) == _ack(1) + _ack(2)
+            assert await asyncio.wait_for(reader.readexactly(7), 20) == _ack(3)
+            assert transport.is_reading()
+            assert [r.seq for r in records(app)] == [1, 2, 3]
+        finally:
+            writer.close()

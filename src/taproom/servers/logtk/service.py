@@ -22,7 +22,6 @@ from websockets.exceptions import ConnectionClosed, InvalidHeader, PayloadTooBig
 from websockets.headers import parse_subprotocol
 
 from ...access import ConnectionGate, access_for
-from ...budget import CONNECTION_BUFFERS
 from ...checkpoint import CheckpointSchedule
 from ...hub import Hub
 from ...protocols.logtk import CloseCode, ServerConnection
@@ -30,12 +29,11 @@ from .. import ACCEPT_BATCH, deepen_accept_queue
 from .config import APP_NAME, LogTKConfig
 from .dedup import DedupIndex, rebuild, write_checkpoint
 from .session import InFlight, Session
+from .tcp import tcp_connections
 
 __all__ = ["AuthLimiter", "LogTKService", "create_service"]
 
 log = logging.getLogger("taproom.logtk")
-# An unfinished frame up to this size is held without a reservation (less than one read).
-_UNRESERVED_BYTES = 64 * 1024
 
 
 class AuthLimiter:
@@ -93,6 +91,7 @@ class LogTKService:
         self._tcp_server: asyncio.Server | None = None
         self._ws_server: Any = None
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._finishing: set[asyncio.Task[Any]] = set()  # TCP connections' ends (tcp.py)
         # One connection gate per listener (allowlist, max_connections, per peer: count and
         # rate), applied at TCP accept, before a byte is read.
         self.gates = {
@@ -192,14 +191,11 @@ class LogTKService:
 
         c = self.config
         loop = asyncio.get_running_loop()
-        gate = self.gates["logtk_tcp"]
-
-        def tcp_connection() -> asyncio.Protocol:
-            reader = asyncio.StreamReader(limit=c.max_frame_bytes, loop=loop)
-            return _GatedStream(gate, reader, self._on_tcp)
-
         self._tcp_server = await loop.create_server(
-            tcp_connection, c.host, c.tcp_port, backlog=ACCEPT_BATCH
+            tcp_connections(self, self.gates["logtk_tcp"]),
+            c.host,
+            c.tcp_port,
+            backlog=ACCEPT_BATCH,
         )
         if logging.getLogger("websockets.server").level == logging.NOTSET:
             # It logs INFO per connection opened and closed; taproom logs what matters.
@@ -311,88 +307,6 @@ class LogTKService:
 
     def _leave(self, listener: str) -> None:
         self._gauges[listener].dec()
-
-    # --- TCP ------------------------------------------------------------------------------
-
-    async def _on_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        raw = writer.get_extra_info("peername")
-        peername = raw or ("?", 0)
-        peer = f"{peername[0]}:{peername[1]}"
-        self._enter("logtk_tcp")
-        try:
-            await self._serve_tcp(reader, writer, peername, peer)
-        finally:
-            self._leave("logtk_tcp")
-            self.gates["logtk_tcp"].leave(raw[0] if raw else "")  # _GatedStream let it in
-
-    async def _serve_tcp(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        peername: tuple[str, int],
-        peer: str,
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        conn = ServerConnection(
-            self.settings,
-            now=loop.time(),
-            authenticate=lambda token: self.authenticate(token, peername[0]),
-        )
-
-        async def send(data: bytes) -> None:
-            writer.write(data)
-            await writer.drain()
-
-        async def close() -> None:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-        session = Session(self, conn, send, "tcp", peer, writer.transport)
-        self.sessions.add(session)
-        sender = self._spawn(session.sender(close))
-        ticker = self._spawn(session.ticker())
-        # An unfinished frame past a small allowance is held with room from the process
-        # budget's connection_buffers (shared with every listener); without room, this
-        # connection is not read until there is (taproom.budget).
-        buffers = self.hub.budget.holder(CONNECTION_BUFFERS)
-        held = 0
-        try:
-            while not conn.closed:
-                await session.wait_room()
-                if conn.closed:
-                    break
-                try:
-                    data = await reader.read(256 * 1024)
-                except (ConnectionError, OSError):
-                    break
-                if not data:
-                    break
-                session.handle(conn.receive_data(data, loop.time()))
-                buffered = conn.buffered_bytes
-                target = buffered if buffered > _UNRESERVED_BYTES else 0
-                if target > held:
-                    if not buffers.try_reserve(target - held):
-                        await buffers.reserve(target - held, holding=held)
-                    held = target
-                elif target < held:
-                    buffers.release(held - target)
-                    held = target
-        except Exception as exc:
-            self.guards["tcp"].failed(exc, f"read from {peer}")
-            conn.close(CloseCode.INTERNAL_ERROR, "internal error")
-        finally:
-            buffers.release(held)
-            session.wake.set()
-            if not conn.closed:
-                conn.close(CloseCode.NO_ACK, None)  # the peer is gone: stop the sender
-                conn.data_to_send()
-                session.wake.set()
-            ticker.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(sender), timeout=5)
-            self.sessions.discard(session)
-            session.finish()
 
     # --- WebSocket ------------------------------------------------------------------------
 
@@ -529,35 +443,6 @@ _GATE_RESPONSES = {
         ("peer_connection_rate", http.HTTPStatus.TOO_MANY_REQUESTS, "too many connections\n"),
     )
 }
-
-
-class _GatedStream(asyncio.StreamReaderProtocol):
-    """LogTK over TCP: the connection gate at accept; a refused connection is closed before
-    any stream, task or read is spent on it (the handler leaves the gate when it ends)."""
-
-    def __init__(self, gate: ConnectionGate, reader: asyncio.StreamReader, handler: Any) -> None:
-        super().__init__(reader, handler)
-        self._gate = gate
-        self._refused = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        peer = transport.get_extra_info("peername")
-        if self._gate.admit(peer[0] if peer else "", peer[1] if peer else None):
-            self._refused = True
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        super().connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if not self._refused:
-            super().data_received(data)
-
-    def eof_received(self) -> bool:
-        return False if self._refused else bool(super().eof_received())
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self._refused:
-            super().connection_lost(exc)
 
 
 class _WSConnection(WSServerConnection):
