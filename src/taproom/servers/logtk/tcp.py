@@ -110,6 +110,8 @@ class TcpConnection(asyncio.Protocol):
             self._waiter = self._loop.create_task(self._resume_when_room(need))
 
     def eof_received(self) -> bool:
+        if self._refused:
+            return False
         # Half-closed: the sender may still close the connection with its frames queued.
         self._end()
         return True
