@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import zmq
@@ -43,10 +44,10 @@ TS = b"2026-11-22T08:00:00.000000+00:00"
 DATA = msgpack.packb({"host": "web-1", "metric": "latency", "value": 12.5, "pad": "x" * 150})
 
 
-def _serve(root: Path) -> HubProcess:
+def _serve(root: Path, fsync: str = "always") -> HubProcess:
     cfg = root / "taproom.toml"
     cfg.write_text(
-        f'[journal]\ndir = "{root / "journal"}"\nfsync = "always"\n'
+        f'[journal]\ndir = "{root / "journal"}"\nfsync = "{fsync}"\n'
         '[web]\nport = 0\n[hub]\nlog_level = "WARNING"\n'
         "[lumberjack]\nenabled = false\n[lager]\nenabled = false\n"
         "[logjam]\nrouter_port = 0\npull_port = 0\npub_port = 0\nreplay_port = 0\n"
@@ -195,4 +196,25 @@ def run(quick: bool) -> list[Figure]:
             )
         finally:
             hub.stop()
+        figures += _without_waits(root / "nofsync", n, paths)
+    return figures
+
+
+def _without_waits(root: Path, n: int, paths: list[tuple[str, Any]]) -> list[Figure]:
+    """The same requests to a hub with ``fsync = "off"``: the hub's own work a request, with no
+    wait. With fsync on, each request's wait hands the cores to other processes and the loop
+    comes back to cold caches: on a busy machine that costs more CPU than the work (issue 32:
+    replacing fsync by a sleep of 0.5 or 3 ms raised a LogTK entry's user CPU from ~80 to 168
+    and 298 us), so this line says what the hub itself spends."""
+    root.mkdir()
+    hub = _serve(root, fsync="off")
+    figures = []
+    try:
+        for name, fn in paths:
+            _rate, cpu, _commits = _measure(hub, name, lambda k, fn=fn: fn(hub, k), n)
+            figures.append(
+                Figure(f"{name.split(',')[0]}, fsync off: hub CPU per request", cpu * 1e6, "us")
+            )
+    finally:
+        hub.stop()
     return figures
