@@ -810,6 +810,17 @@ class ScaledOutcome:
     errors: list[str]
     holder_peaks: dict[str, float] = field(default_factory=dict)  # the budget's, per holder
     holder_bounds: dict[str, float] = field(default_factory=dict)
+    # the hub's memory at the end (/proc status, MiB) and the load then: what an overrun
+    # of the goal was made of (anonymous or file-backed, still resident or freed since)
+    memory_at_end: dict[str, float] = field(default_factory=dict)
+
+    def explain(self) -> str:
+        """The figures a failed check prints."""
+        mib = {name: round(peak / MiB, 1) for name, peak in self.holder_peaks.items()}
+        return (
+            f"peak RSS {self.peak_mib:.1f} MiB (goal {goal_mib():.1f}); holders' peaks MiB {mib}; "
+            f"at the end {self.memory_at_end}"
+        )
 
     @property
     def holder_peaks_within_bounds(self) -> bool:
@@ -905,6 +916,11 @@ def run_scaled(
         peak = hub.status_kib("VmHWM") / 1024 if alive else float("nan")
         peaks = _by_holder(addresses, "taproom_budget_peak_bytes") if alive else {}
         bounds = _by_holder(addresses, "taproom_budget_bound_bytes") if alive else {}
+        memory = {
+            name: round(hub.status_kib(name) / 1024, 1) if alive else float("nan")
+            for name in ("VmRSS", "RssAnon", "RssFile")
+        }
+        memory["load_1min"] = os.getloadavg()[0]
         return ScaledOutcome(
             peak,
             health.slowest,
@@ -915,6 +931,7 @@ def run_scaled(
             honest.errors,
             peaks,
             bounds,
+            memory,
         )
     finally:
         hub.stop()

@@ -36,7 +36,7 @@ def check(outcome: ScaledOutcome) -> None:
     uncounted = [name for name, n in outcome.refused.items() if n <= 0]
     assert outcome.refused and not uncounted, uncounted
     assert outcome.holder_peaks_within_bounds, outcome.holder_peaks
-    assert outcome.peak_mib <= goal_mib(), f"peak RSS {outcome.peak_mib:.0f} MiB"
+    assert outcome.peak_mib <= goal_mib(), outcome.explain()
 
 
 def row(name: str):

@@ -772,7 +772,8 @@ def test_a_bomb_event_costs_its_frame_and_one_copy_not_four(decoder_path: str) -
     # Issue 26: a C frame announcing a 12 MiB J event of zeros (a zlib bomb's) was held as
     # the bytearray it grew in, the bytes copied from it, the payload sliced from those and
     # orjson's copy while it failed: 4.0 x the event (50 MB) where the inflate holder counts
-    # one; now the frame and one copy at a time (2.0 x).
+    # one; now the frame (a bytearray of its size, filled in place and parsed as it is) and
+    # orjson's error document, a str of the payload it builds as it fails (2.0 x).
     size = 12 << 20
     reason, peak = subprocess.run(
         [sys.executable, "-c", _BOMB_PROBE, str(size)],

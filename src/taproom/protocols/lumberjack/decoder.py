@@ -38,6 +38,7 @@ module then handles as without it (issue 32).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 import orjson
 
@@ -190,7 +191,7 @@ class ServerConnection(OpenBatch):
         levels = self._levels
         if not levels:
             return 0
-        return sum(len(level.tail) for level in levels) + sum(lv.pending for lv in levels[1:])
+        return sum(level.held() for level in levels) + sum(lv.pending for lv in levels[1:])
 
     @property
     def inflate_needed(self) -> int:
@@ -199,8 +200,8 @@ class ServerConnection(OpenBatch):
         reserved for it between steps; ``inflated_bytes`` when there is no such frame."""
         held = self.inflated_bytes
         levels = self._levels
-        if levels and levels[-1].tail and self._need > len(levels[-1].tail):
-            return held + self._need - len(levels[-1].tail)
+        if levels and levels[-1].tail and self._need > levels[-1].held():
+            return held + self._need - levels[-1].held()
         return held
 
     @property
@@ -342,15 +343,20 @@ class ServerConnection(OpenBatch):
                     return
                 continue
             top = levels[-1]
-            if top.tail and len(top.tail) >= self._need:
-                # A large frame grown a step at a time (a bytearray) is whole now: one copy,
-                # and the bytearray let go before parsing (a zlib bomb's 12 MiB event held
-                # twice, by every connection completing one, was outside the inflate budget).
+            if top.tail and top.held() >= self._need:
+                # A large frame inflated a step at a time (a bytearray of its size) is whole
+                # now. A large J frame is parsed from the bytearray itself: _parse reads its
+                # payload through a view and copies it to bytes once it is a JSON object (a
+                # zlib bomb's 12 MiB event is refused with no copy of ours beside the frame;
+                # orjson's error makes one). Any other frame, sliced as it is parsed, is
+                # copied to bytes once and the bytearray let go before parsing.
                 tail = top.tail
-                if type(tail) is not bytes:
+                if type(tail) is not bytes and (
+                    tail[1] != _T_J or self._matching or len(tail) - 10 < _LARGE_PAYLOAD
+                ):
                     top.tail = tail = bytes(tail)
                 self._pushed = False
-                pos = self._parse(tail, 0, len(tail), len(levels))
+                pos = self._parse(cast(bytes, tail), 0, len(tail), len(levels))
                 if pos:
                     top.tail = tail[pos:] if pos < len(tail) else b""
                 del tail
@@ -401,7 +407,7 @@ class ServerConnection(OpenBatch):
             below.tail = below.tail[n:]
             level.remaining -= n
         top = index == len(levels) - 1
-        tail_len = len(level.tail)
+        tail_len = level.held()
         rest = self._need - tail_len if top and tail_len else 0
         free = self.inflate_room - self.inflated_bytes
         if rest > 0:
@@ -435,10 +441,18 @@ class ServerConnection(OpenBatch):
             if not tail_len:
                 level.tail = piece
             elif type(level.tail) is bytearray:
-                level.tail += piece
-            elif rest > len(piece):  # a large frame: grown in place, copied once complete
-                grown = bytearray(level.tail)
-                grown += piece
+                end = tail_len + len(piece)  # at most the frame's size: want <= rest
+                level.tail[tail_len:end] = piece
+                level.fill = end
+            elif rest > len(piece):
+                # A large frame: a bytearray of its whole size, filled in place step by step.
+                # Grown instead, each resize could copy it (the old and the new block held at
+                # once) and leave freed blocks of every size in malloc's heap.
+                grown = bytearray(self._need)
+                grown[:tail_len] = level.tail
+                end = tail_len + len(piece)
+                grown[tail_len:end] = piece
+                level.fill = end
                 level.tail = grown
             else:
                 level.tail = level.tail + piece
@@ -571,7 +585,7 @@ class ServerConnection(OpenBatch):
                         "J payload is not valid JSON", reason="bad_json"
                     ) from None
                 if not payload:  # large (an empty payload was refused above)
-                    payload = view[pos + 10 : fend]
+                    payload = bytes(text)  # bytes, also when ``view`` is a frame's bytearray
                 if type(obj) is not dict:
                     raise LumberjackError(
                         "J payload is not a JSON object", reason="json_not_object"

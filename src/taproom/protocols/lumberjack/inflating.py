@@ -34,7 +34,7 @@ class Level:
     """One ``C`` frame: its zlib state, compressed bytes still to come from the level below
     (``remaining``), taken but not consumed (``inbuf``), and inflated but unparsed (``tail``)."""
 
-    __slots__ = ("decomp", "inbuf", "inpos", "remaining", "tail")
+    __slots__ = ("decomp", "fill", "inbuf", "inpos", "remaining", "tail")
 
     @property
     def pending(self) -> int:
@@ -46,5 +46,12 @@ class Level:
         self.remaining = length
         self.inbuf: bytes | bytearray = b""
         self.inpos = 0  # how much of inbuf zlib has consumed
-        # bytes; a bytearray while a large frame grows a step at a time (copied once whole)
+        # bytes; or, while a large frame is inflated a step at a time, a bytearray of the whole
+        # frame's size, allocated once and filled up to ``fill``
         self.tail: bytes | bytearray = b""
+        self.fill = 0
+
+    def held(self) -> int:
+        """Inflated bytes in ``tail``."""
+        tail = self.tail
+        return self.fill if type(tail) is bytearray else len(tail)
