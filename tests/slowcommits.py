@@ -1,6 +1,6 @@
 """A slow disk for tests: a hub's commits are reported durable some time after they are.
 
-``tests.support.slow_commits`` slows the futures of ``Hub.submit`` only. The servers on the
+Every test that needs a slow disk uses this (``tests.support`` re-exports it). The servers on the
 one-request path (issue 32: logjam's 202s, LogTK's acks, the Event BUS's bursts) commit through
 ``Hub.submit_callback``, whose callback runs from the commit's own delivery: this helper slows
 both, so a test holds any server's acknowledgements back whichever way it submits.

@@ -7,7 +7,6 @@ test stops what it starts.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import functools
@@ -32,6 +31,7 @@ from taproom.app import App
 from taproom.config import Config, known_sections, load_config
 from taproom.servers import SERVICE_MODULES
 from tests.hubprocess import HubProcess
+from tests.slowcommits import slow_commits  # one slow disk for every test (both submit paths)
 
 __all__ = [
     "FAST_JVM",
@@ -295,20 +295,6 @@ async def running_app(
         yield app
     finally:
         await app.stop()
-
-
-def slow_commits(hub: Any, delay: float) -> None:
-    """A slow disk: every commit is reported durable ``delay`` s after it really is."""
-    real_submit = hub.submit
-
-    def slow_submit(batch: Any, **kw: Any) -> asyncio.Future[Any]:
-        loop = asyncio.get_running_loop()
-        delayed: asyncio.Future[Any] = loop.create_future()
-        real = real_submit(batch, **kw)
-        real.add_done_callback(lambda f: loop.call_later(delay, delayed.set_result, f.result()))
-        return delayed
-
-    hub.submit = slow_submit
 
 
 def queued_connects(address: tuple[str, int], count: int, wait: float = 0.5) -> int:
