@@ -331,19 +331,24 @@ def pub_subscriber(address: tuple[str, int], prefix: bytes = b"") -> socket.sock
     no 3.1 SUBSCRIBE command, so this is the same attack on libzmq's publisher and taproom's."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(10)
+    sock.settimeout(30)
     sock.connect(address)
     greeting = b"\xff" + bytes(8) + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + bytes(32)
     ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 3) + b"SUB"
     _send_quietly(sock, greeting + bytes([0x04, len(ready)]) + ready)
     got = b""
-    with contextlib.suppress(OSError):
-        # the publisher's greeting (64 bytes) and its READY command (a short frame)
+    # the publisher's greeting (64 bytes) and its READY command (a short frame): a subscription
+    # sent before them would be ignored and the attack would test nothing, so no READY in 30 s
+    # (or a closed connection) is the attack's error, not a subscriber that silently is not one
+    try:
         while len(got) < 66 or len(got) < 66 + got[65]:
             chunk = sock.recv(4096)
             if not chunk:
-                break
+                raise ConnectionError(f"the publisher closed after {len(got)} bytes")
             got += chunk
+    except OSError as exc:
+        sock.close()
+        raise ConnectionError(f"no greeting and READY from the publisher: {exc!r}") from exc
     subscribe = b"\x01" + prefix
     _send_quietly(sock, bytes([0x00, len(subscribe)]) + subscribe)
     return sock
@@ -534,6 +539,8 @@ class ScaledAttack:
     refusals: tuple[tuple[str, str | tuple[str, ...]], ...] = ()
     # every attacking connection is counted: the sum grew by at least their number
     per_connection: bool = False
+    # metrics whose growth a failed check prints beside the refusals (what the hub did)
+    watched: tuple[tuple[str, str], ...] = ()
 
 
 LOGTK_TOKEN = bytes(range(1, 65))
@@ -645,8 +652,23 @@ SCALED: list[ScaledAttack] = [
         (
             (
                 "taproom_output_dropped_messages_total",
-                'output="logjam_pub",reason="subscriber_bytes"',
+                # what a subscriber that never reads cannot take is dropped and counted by
+                # the bound it met first: its own bytes, its message count, or the output
+                # queues' share of the process budget (all at once, the other attacks
+                # hold the rest of the budget: one quiet run of the suite counted only
+                # output_budget drops); not "disconnected", counted when it goes anyway
+                tuple(
+                    f'output="logjam_pub",reason="{reason}"'
+                    for reason in ("subscriber_bytes", "hwm", "output_budget")
+                ),
             ),
+        ),
+        watched=(
+            ("taproom_output_subscribers_count", 'output="logjam_pub"'),
+            ("taproom_output_sent_messages_total", 'output="logjam_pub"'),
+            ("taproom_output_delivered_messages_total", 'output="logjam_pub"'),
+            ("taproom_output_dropped_messages_total", 'reason="disconnected"'),
+            ("taproom_logjam_published_messages_total", 'kind="data"'),
         ),
     ),
     ScaledAttack(
@@ -813,13 +835,17 @@ class ScaledOutcome:
     # the hub's memory at the end (/proc status, MiB) and the load then: what an overrun
     # of the goal was made of (anonymous or file-backed, still resident or freed since)
     memory_at_end: dict[str, float] = field(default_factory=dict)
+    # the growth of each alternative of a row's refusal labels apart (which bound a refusal
+    # met) and of each row's watched metrics
+    growth: dict[str, float] = field(default_factory=dict)
 
     def explain(self) -> str:
         """The figures a failed check prints."""
         mib = {name: round(peak / MiB, 1) for name, peak in self.holder_peaks.items()}
         return (
             f"peak RSS {self.peak_mib:.1f} MiB (goal {goal_mib():.1f}); holders' peaks MiB {mib}; "
-            f"at the end {self.memory_at_end}"
+            f"at the end {self.memory_at_end}; refusals counted {self.refused}; "
+            f"each refusal by its labels and what was watched {self.growth}"
         )
 
     @property
@@ -887,12 +913,24 @@ def run_scaled(
         addresses = hub.addresses
         counted = [(row, name, label) for row in rows for name, label in row.refusals]
         before = [_metric_sum(addresses, name, label) for _row, name, label in counted]
+        alternatives = [
+            (name, one)
+            for _row, name, label in counted
+            if not isinstance(label, str)
+            for one in label
+        ] + [watch for row in rows for watch in row.watched]
+        before_each = [_metric_sum(addresses, name, one) for name, one in alternatives]
         with HonestLoad(addresses) as honest, HealthWatch(addresses["web"]) as health:
             mark = dict(honest.acked)
-            attackers = [
-                threading.Thread(target=row.attack, args=(addresses, connections, full))
-                for row in rows
-            ]
+            failed: list[str] = []
+
+            def attack(row: ScaledAttack) -> None:
+                try:
+                    row.attack(addresses, connections, full)
+                except Exception as exc:  # the check fails on it, with its row named
+                    failed.append(f"attack {row.name!r}: {exc!r}")
+
+            attackers = [threading.Thread(target=attack, args=(row,)) for row in rows]
             for thread in attackers:
                 thread.start()
             for thread in attackers:
@@ -913,6 +951,11 @@ def run_scaled(
                 time.sleep(0.2)
             if refused[key] < want:
                 refused[key] = 0  # not every connection counted: the check fails on it
+        growth = {
+            f"{name}{{{one}}}": _metric_sum(addresses, name, one) - value
+            for (name, one), value in zip(alternatives, before_each, strict=True)
+            if alive
+        }
         peak = hub.status_kib("VmHWM") / 1024 if alive else float("nan")
         peaks = _by_holder(addresses, "taproom_budget_peak_bytes") if alive else {}
         bounds = _by_holder(addresses, "taproom_budget_bound_bytes") if alive else {}
@@ -928,10 +971,11 @@ def run_scaled(
             during,
             refused,
             alive,
-            honest.errors,
+            [*failed, *honest.errors],
             peaks,
             bounds,
             memory,
+            growth,
         )
     finally:
         hub.stop()

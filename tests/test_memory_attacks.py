@@ -30,12 +30,13 @@ from tests.support import SOAK
 
 
 def check(outcome: ScaledOutcome) -> None:
+    print(outcome.explain())  # a failure's captured output says what each bound met
     assert outcome.hub_alive and not outcome.errors, outcome.errors
     assert outcome.health_failures == [], outcome.health_failures
     assert all(n > 0 for n in outcome.honest_during.values()), outcome.honest_during
     uncounted = [name for name, n in outcome.refused.items() if n <= 0]
-    assert outcome.refused and not uncounted, uncounted
-    assert outcome.holder_peaks_within_bounds, outcome.holder_peaks
+    assert outcome.refused and not uncounted, (uncounted, outcome.explain())
+    assert outcome.holder_peaks_within_bounds, outcome.explain()
     assert outcome.peak_mib <= goal_mib(), outcome.explain()
 
 
