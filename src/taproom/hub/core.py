@@ -271,7 +271,11 @@ class Hub:
         self.metrics = metrics or Metrics()
         jc = self.config.journal
         self.journal = Journal(
-            jc.dir, fsync=jc.fsync, segment_bytes=jc.segment_bytes, metrics=self.metrics
+            jc.dir,
+            fsync=jc.fsync,
+            segment_bytes=jc.segment_bytes,
+            cache_keep_bytes=jc.cache_keep_bytes,
+            metrics=self.metrics,
         )
         self.cursors = CursorStore(jc.dir)
         # The process-wide memory budget (taproom.budget); what is admitted to the commit queue
