@@ -256,6 +256,7 @@ def test_burst_reader_sorts_as_the_message_reader(use_rows: bool) -> None:
     same messages, return the same frames (recv_frames) or rows (recv_rows) and count the same
     rows received and lost, per tap. recv_rows also matches parse_data_message's reading. The
     compiled Mug keeps its path when zmqburst's selection changes after it was made."""
+    lost = 0
     for seed in range(fuzz_examples(3, 40)):
         fwd = FakeForwarder()
         try:
@@ -290,8 +291,11 @@ def test_burst_reader_sorts_as_the_message_reader(use_rows: bool) -> None:
                 py.lost,
                 py.lost_by_tap,
             ), seed
-            assert ext.lost > 0, seed  # the script's marks did show missed rows
+            lost += ext.lost
             for mug in mugs.values():
                 mug.close()
         finally:
             fwd.close()
+    # the scripts' marks did show missed rows (not every seed's: a mark may add no miss, as
+    # seed 18 of make soak's 40 does)
+    assert lost > 0
