@@ -517,6 +517,34 @@ class TestStreaming:
         assert (rest.batch.count, rest.ack_seq, rest.done) == (2, 3, True)
         assert conn.room == 10 * one - len(rest.batch.body)
 
+    def test_a_read_completing_a_j_frame_is_parsed_where_it_is(self) -> None:
+        # A read mostly ends inside a J frame: the next completes that frame from its head and
+        # parses the rest of itself in place (not copied behind the frame's start). At every
+        # cut inside the second frame, with room for all and with room that runs out at the
+        # completed frame (it waits, the rest held with it), the windows are those of one read.
+        frames = [J(i + 1, {"message": "m" * (20 + i), "fields": {"app": "a"}}) for i in range(6)]
+        data = W(6) + b"".join(frames)
+        expected = summary(feed(ServerConnection("p"), data))
+        second = len(W(6)) + len(frames[0])
+        for cut in range(second + 1, second + len(frames[1])):
+            assert summary(feed(ServerConnection("p"), data, [cut])) == expected, cut
+            if cut - second < 10:
+                continue  # its header is not whole yet: the frame's size is not known
+            conn = ServerConnection("p")
+            conn.room = 0
+            got = conn.receive_data(data[:cut], 1)
+            assert conn.stalled == STALL_ROOM
+            conn.room = conn.room_wanted  # the first event's record, no more
+            got += conn.receive_data(b"", 1)
+            assert conn.room == 0 and conn.incomplete_frame_bytes == len(frames[1])
+            got += conn.receive_data(data[cut:], 1)
+            assert conn.stalled == STALL_ROOM, cut
+            assert conn.buffered_bytes == len(data) - second, cut
+            conn.room = 1 << 20
+            got += receive_all(conn, b"")
+            assert summary(got) == expected, cut
+            assert conn.buffered_bytes == 0
+
     def test_no_inflate_room_waits_before_inflating(self) -> None:
         conn = ServerConnection("p")
         conn.inflate_room = 0

@@ -96,6 +96,8 @@ class ServerConnection(OpenBatch):
         "_inflated",
         "_kernel",
         "_kernel_tail",
+        "_next",
+        "_next_at",
         "_pushed",
         "_stream_paths",
         "_topic_paths",
@@ -121,6 +123,10 @@ class ServerConnection(OpenBatch):
         # Raw bytes not in a C frame (an incomplete frame, or after one): a read's bytes as they
         # came (parsed in place), or a bytearray while a large frame grows.
         self._buf: bytes | bytearray = b""
+        # A read whose head completed the J frame in _buf: parsed from _next_at where it is,
+        # once that frame is (see _take); None between calls.
+        self._next: bytes | None = None
+        self._next_at = 0
         self._need = 0  # bytes the incomplete frame at the top needs, as far as known
         self._more = False  # complete frames (or inflatable bytes) left for the next call
         self._pushed = False  # _parse stopped at a C frame's header: parse inside it
@@ -251,10 +257,14 @@ class ServerConnection(OpenBatch):
                 self._close_window("refused")
             exc.windows = events
             self._buf = b""
+            self._next = None
             self._levels = []
             raise
         finally:
             self._events = []  # the caller owns the windows now: hold no batch past the call
+            if self._next is not None:  # an error before the read's rest was parsed: kept
+                self._buf = self._buf + self._next[self._next_at :]
+                self._next = None
         return events
 
     def hand_over(self) -> Window | None:
@@ -312,6 +322,22 @@ class ServerConnection(OpenBatch):
         buf = self._buf
         if not buf:
             self._buf = data if type(data) is bytes else bytes(data)  # parsed where it is
+        elif (
+            not levels
+            and type(buf) is bytes
+            and type(data) is bytes
+            and len(buf) >= 10
+            and buf[1] == _T_J
+            and len(buf) < self._need <= len(buf) + len(data)
+            and len(buf) <= len(data)
+        ):
+            # The end of a J frame and the next frames, as a read of a stream of them mostly
+            # is: the frame is completed from the read's head (a copy of one event), the rest
+            # of the read parsed where it is (_run), not the whole read copied behind it.
+            at = self._need - len(buf)
+            self._buf = buf + data[:at]
+            self._next = data
+            self._next_at = at
         elif type(buf) is bytes and len(buf) <= len(data):
             # The start of a frame and a read at least as large: one copy (the buffer doubles
             # at least, so a frame arriving in pieces is copied a bounded number of times).
@@ -336,6 +362,17 @@ class ServerConnection(OpenBatch):
                 data = buf if type(buf) is bytes else bytes(buf)
                 self._pushed = False
                 pos = self._parse(data, 0, len(data), 0)
+                following = self._next
+                if following is not None:
+                    # _buf was a J frame completed from the head of this read (_take)
+                    self._next = None
+                    at = self._next_at
+                    if pos == len(data) and not self.stalled:
+                        data = following  # the frame is stored: the read from where it was
+                        pos = self._parse(data, at, len(data), 0)
+                    else:
+                        data = data[pos:] + following[at:]  # it waits (room): held as one
+                        pos = 0
                 self._buf = data[pos:] if pos < len(data) else b""
                 if not self._pushed:
                     if not self._buf:
