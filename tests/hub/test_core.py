@@ -244,6 +244,67 @@ class TestInlineCommits:
             assert _sample(hub, "taproom_hub_commits_calls_total") == 5
 
 
+class TestCommitNow:
+    """Issue 32: a server with nothing more to submit has its lone inline group committed in
+    its own turn of the loop (``Hub.commit_now``), not a turn later; a group that others in
+    the same turn may still join is left to batch."""
+
+    async def test_a_lone_group_is_committed_in_the_submitters_turn(self, tmp_path):
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+            got = []
+            for i in range(3):
+                await asyncio.sleep(0)  # this turn: this test alone
+                hub.submit_callback(_batch(1, tag=f"n{i}-"), lambda c, e: got.append((c, e)))
+                assert len(got) == i  # never before the commit
+                assert hub.commit_now() is True
+                # durable and acked before this turn ends, after its own fsync
+                assert [c.first_offset for c, _ in got] == [0, 1, 2][: i + 1]
+                assert _sample(hub, "taproom_journal_fsync_calls_total") == i + 1
+            assert hub.commit_now() is False  # nothing waits
+            # a batch of more than one event (not one request) is left to its turn's end
+            hub.submit_callback(_batch(2, tag="m"), lambda c, e: got.append((c, e)))
+            assert hub.commit_now() is False and len(got) == 3
+            deadline = time.monotonic() + 30
+            while len(got) < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)  # committed at its turn's end, as before
+            assert [c.first_offset for c, _ in got] == [0, 1, 2, 3]
+            assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 4
+        assert scan_segment(str(tmp_path / "j" / segment_name(0))).next_offset == 5
+
+    async def test_a_group_others_may_join_still_batches(self, tmp_path):
+        """Two servers' reads in the same turn: the first one's commit_now leaves the group
+        (the second is still to run), the second's too (two requests: a group); both are
+        committed as one group at the turn's end, as before."""
+        async with Hub(_config(tmp_path, inline_commit_max_ms=1000)) as hub:
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            acks, now = [], []
+
+            def server(k: int) -> None:
+                def on_commit(commit, error):
+                    acks.append((k, commit.first_offset))
+                    if len(acks) == 2:
+                        done.set_result(None)
+
+                hub.submit_callback(_batch(1, tag=f"s{k}"), on_commit)
+                now.append(hub.commit_now())
+
+            loop.call_soon(server, 0)
+            loop.call_soon(server, 1)
+            await asyncio.wait_for(done, 30)
+            assert now == [False, False]
+            assert acks == [(0, 0), (1, 1)]
+            assert _sample(hub, "taproom_hub_commits_calls_total") == 1  # one group
+            assert _sample(hub, "taproom_journal_fsync_calls_total") == 1
+
+    async def test_a_group_for_the_commit_thread_is_left_to_it(self, tmp_path):
+        async with Hub(_config(tmp_path, inline_commit_max_bytes=0)) as hub:
+            future = hub.submit(_batch(1))
+            assert hub.commit_now() is False
+            assert (await asyncio.wait_for(future, 30)).first_offset == 0
+            assert _sample(hub, "taproom_hub_inline_commits_calls_total") == 0
+
+
 def _big(tag):  # 40 KiB: two of them do not fit max_pending_bytes = 64 KiB
     b = BatchBuilder()
     b.add("test", tag.encode() * (40960 // len(tag)), stream="s", seq=0)

@@ -42,6 +42,8 @@ class ChpDialect(Collector):
                 self._drain_chp_collector(reader)
             except HubStopped:
                 return
+            if not self._chp_collector.readable:
+                self.hub.commit_now()  # as the seed collector's loop (issue 32)
 
     def _drain_chp_collector(self, reader: zmqburst.Reader) -> None:
         """One journal batch of kvmsg updates, bounded as the seed's PUBs are

@@ -36,6 +36,11 @@ class Collector(Broadcaster):
                 self._drain_collector(reader)
             except HubStopped:
                 return
+            if not self._collector.readable:
+                # Nothing more to read: the burst's commit (and its BROADCAST, by the
+                # commit's callback) needs no turn of its own when nothing else is ready to
+                # run (Hub.commit_now; issue 32).
+                self.hub.commit_now()
 
     def _drain_collector(self, reader: zmqburst.Reader) -> None:
         """The seed's hot path: the frames received are the BROADCAST's frames but for the

@@ -178,6 +178,10 @@ class Ingest:
                 # out, /metrics answers. Otherwise waiting for the socket yields anyway, and
                 # an extra turn of the loop per request is what one request in flight pays.
                 await asyncio.sleep(0)
+            else:
+                # Nothing more to read: this batch's commit needs no turn of its own when
+                # nothing else is ready to run (Hub.commit_now; issue 32).
+                hub.commit_now()
 
     def _pull_message(
         self, sock: ZmtpSocket, push: Pusher, count: int, frames: list[bytes], _acks: Acks

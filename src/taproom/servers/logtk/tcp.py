@@ -108,6 +108,9 @@ class TcpConnection(asyncio.Protocol):
         elif need or not (self._hub.has_capacity and self._session.room.is_set()):
             self._transport.pause_reading()
             self._waiter = self._loop.create_task(self._resume_when_room(need))
+        # This read's entries need no turn of the loop of their own to be committed (and
+        # acked, by the commit's callback) when nothing else is ready to run (issue 32).
+        self._hub.commit_now()
 
     def eof_received(self) -> bool:
         if self._refused:
