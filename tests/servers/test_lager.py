@@ -128,14 +128,21 @@ class Peer:
 
 
 async def register(peer: Peer, key: str, u: bytes, xml: str = XML) -> list[bytes]:
-    """Send until the registrar publishes it (the first PUB send may precede the connection)."""
+    """Send until the registrar publishes it (the first PUB send may precede the connection).
+
+    Only an update of ``key`` confirms it: a resent earlier registration may be published
+    late, and taking that for this one let a test go on (and SIGKILL the hub) before this
+    one was durable."""
     for _ in range(50):
         await peer.collector.send_multipart(registration_frames(key, u, xml))
-        try:
-            frames = await peer.next_update(timeout=0.2)
-        except TimeoutError:
-            continue
-        return frames
+        deadline = asyncio.get_running_loop().time() + 0.2
+        while (left := deadline - asyncio.get_running_loop().time()) > 0:
+            try:
+                frames = await peer.next_update(timeout=left)
+            except TimeoutError:
+                break
+            if frames[0] == key.encode():
+                return frames
     raise AssertionError("registration never published")
 
 
