@@ -37,8 +37,6 @@ class PyReader:
         self.max_frames = max_frames
 
     def recv(self, max_messages: int, max_bytes: int) -> zmqburst.Burst:
-        if not self.sock._ready:  # zmqburst.bursts asks once more after each burst
-            return zmqburst._PyBurst([], 0)
         messages: list[tuple[int, list[bytes]]] = []
         size = 0
         for conn in _ready_connections(self.sock):
@@ -85,10 +83,6 @@ class ExtReader:
             self._cap = cap
 
     def recv(self, max_messages: int, max_bytes: int) -> zmqburst.Burst:
-        if not self.sock._ready:
-            # Nothing whole is ready: zmqburst.bursts asks once more after each burst, and a
-            # lone request paid the whole set-up below for it (issue 32).
-            return zmqburst._ExtBurst(self, 0, 0, 0)  # type: ignore[arg-type]
         base = max(min(max_bytes, 1 << 24), 1 << 20)
         frames = min(max_messages * self.max_frames, 8 * max_messages + self.max_frames)
         self._size(max_messages, base if self._cap > 2 * base or self._cap < base else self._cap,
