@@ -489,10 +489,7 @@ class Journal:
             self._fail(f"fsync failed: {exc.strerror}")
             raise JournalFailed(f"fsync failed: {exc.strerror}") from exc
         if self.fsync_policy == "always":
-            self._durable_pos = pos
-            self._synced_offset = offset
-            if pos - self._dropped_pos > self._drop_at:
-                self._drop_behind(self._fd, pos - self.cache_keep_bytes)
+            self._durable_to(pos, offset)
         self._next_offset = offset
         with self._lock:
             active.size = pos
@@ -604,10 +601,16 @@ class Journal:
                 raise JournalFailed(f"fsync failed: {exc.strerror}") from exc
             self._m_fsyncs.inc()
             self._unsynced = False
-            self._durable_pos = self._written_pos
-            self._synced_offset = self._next_offset
-            if self._durable_pos - self._dropped_pos > self._drop_at:
-                self._drop_behind(self._fd, self._durable_pos - self.cache_keep_bytes)
+            self._durable_to(self._written_pos, self._next_offset)
+
+    def _durable_to(self, pos: int, offset: int) -> None:
+        """After a good fsync: the active segment is durable up to byte ``pos`` (offsets below
+        ``offset``), and its page cache is dropped behind that once it is a step past
+        cache_keep_bytes (one place for the commit path and :meth:`sync`)."""
+        self._durable_pos = pos
+        self._synced_offset = offset
+        if pos - self._dropped_pos > self._drop_at:
+            self._drop_behind(self._fd, pos - self.cache_keep_bytes)
 
     def enforce_retention(
         self,
