@@ -158,27 +158,41 @@ class TestIngest:
             assert sample(app, "taproom_ingest_accepted_events_total", protocol="logjam") == 4
 
     async def test_a_lone_requests_202_leaves_in_the_turn_that_read_it(self, tmp_path):
-        """Issue 32: one request in flight is committed and answered by the router task in
-        the turn that read it (Hub.commit_now), not by a commit scheduled a turn later. A
-        timer of the hub's other loops due in the same turn leaves that request's commit to
-        the next turn, as before (it may batch): most, not all, must be answered in place.
+        """Issue 32: one request in flight is read, committed and answered in the read
+        callback of its connection (the router task parked, ``wait_readable(direct=)``; then
+        Hub.commit_now), not by a task woken a turn later nor by a commit scheduled a turn
+        after that. A timer of the hub's other loops due in the same turn leaves that
+        request's commit to the next turn, as before (it may batch): most, not all, must be
+        answered in place; each 202 still after its commit (the journal holds it).
         (Inline commits stay on whatever a loaded machine's fsync averages.)"""
         hub_settings = {"inline_commit_max_ms": 1000}
         async with running_app(tmp_path, enable=["logjam"], logjam=QUIET, hub=hub_settings) as app:
             hub = app.hub
             in_place: list[bool] = []
+            in_callback: list[bool] = []
             real = hub.submit_callback
 
+            # turns of the loop, counted at its select (a callback scheduled to tell would
+            # itself keep commit_now from committing in place)
+            selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+            turns = [0]
+            select = selector.select
+
+            def counting_select(timeout=None):
+                turns[0] += 1
+                return select(timeout)
+
             def probe(batch, callback, **kw):
-                task = asyncio.current_task()
+                turn = turns[0]
+                in_callback.append(asyncio.current_task() is None)
+                end = hub.journal.end_offset + batch.count
 
                 def on_commit(commit, error):
-                    in_place.append(asyncio.current_task() is task)
+                    in_place.append(turns[0] == turn)
+                    assert hub.journal.end_offset >= end  # durable before the 202 is sent
                     callback(commit, error)
 
                 real(batch, on_commit, **kw)
-
-            hub.submit_callback = probe
 
             def work():
                 with LogjamAgent(
@@ -186,8 +200,15 @@ class TestIngest:
                 ) as agent:
                     return [agent.send({"i": i}) for i in range(20)]
 
-            assert await asyncio.to_thread(work) == [b"202 Accepted"] * 20
+            selector.select = counting_select
+            hub.submit_callback = probe
+
+            try:
+                assert await asyncio.to_thread(work) == [b"202 Accepted"] * 20
+            finally:
+                del selector.select
             assert len(in_place) == 20 and in_place.count(True) >= 15, in_place
+            assert in_callback.count(True) >= 15, in_callback
             assert [r.payload for r in hub.journal.read(0)] == [b'{"i":%d}' % i for i in range(20)]
 
     async def test_push_and_async_dealer_store_without_replies(self, tmp_path):

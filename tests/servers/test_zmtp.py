@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import socket
 import time
+import types
 
 import pytest
 import zmq
@@ -35,6 +36,11 @@ class Hub:
         self.metrics = Metrics()
         self.budget = MemoryBudget(self.config, self.metrics)
         self.supervisor = Supervisor(self.config.hub, self.metrics)
+        self.commits_now = 0
+
+    def commit_now(self) -> bool:  # a read callback that served everything asks for it
+        self.commits_now += 1
+        return False
 
     def rejected(self, reason: str, protocol: str = "test") -> float:
         value = self.metrics.registry.get_sample_value(
@@ -305,6 +311,112 @@ class TestAccess:
             assert not sock.readable
             for s in (known, stranger, null):
                 s.close(0)
+
+
+class TestServedInTheReadCallback:
+    """``wait_readable(direct=...)`` (issue 32): while the service is parked, messages made
+    ready by a connection's read are served at the end of that read callback, with no task
+    woken; when ``direct`` declines or raises, the parked task wakes as without it."""
+
+    async def test_each_message_is_served_in_the_callback_and_the_task_stays_parked(self, ctx):
+        async with bound("PULL") as (sock, hub):
+            reader = sock.reader(16)
+            served: list[tuple[list[bytes], bool]] = []
+
+            def direct() -> bool:
+                for _, frames in reader.recv(1000, 1 << 30).messages():
+                    served.append((frames, asyncio.current_task() is None))
+                return True
+
+            woke = 0
+
+            async def service() -> None:
+                nonlocal woke
+                while True:
+                    await sock.wait_readable(direct=direct)
+                    woke += 1
+                    reader.recv(1000, 1 << 30)
+
+            task = asyncio.create_task(service())
+            push = peer(ctx, zmq.PUSH, sock.address)
+            try:
+                for i in range(5):
+                    push.send_multipart([b"m", b"%d" % i])
+                    await until(lambda i=i: len(served) == i + 1, what=f"message {i} served")
+                assert served == [([b"m", b"%d" % i], True) for i in range(5)]
+                assert woke == 0 and not sock.readable
+                assert hub.commits_now == 5  # what was submitted is committed in place
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    @pytest.mark.parametrize("alone", [True, False], ids=["alone", "with_others"])
+    async def test_served_in_place_only_as_the_turns_last_callback(self, alone):
+        """Served in place only as the turn's last callback: other reads ready in the same
+        turn (many peers) are left to the task, which takes them in one burst, as before.
+        (A connection's read, played by hand so that the turn's queue is known.)"""
+        async with bound("PULL") as (sock, hub):
+            calls = 0
+
+            def direct() -> bool:
+                nonlocal calls
+                calls += 1
+                sock._ready.clear()  # took it
+                return True
+
+            loop = asyncio.get_running_loop()
+            waiting = asyncio.create_task(sock.wait_readable(direct=direct))
+            await asyncio.sleep(0)  # parked
+
+            read_done = loop.create_future()
+
+            def read() -> None:  # what Connection.buffer_updated does around its bookkeeping
+                sock._reading = True
+                sock._mark_ready(types.SimpleNamespace(ready=False, _free=lambda: None))
+                sock._reading = False
+                sock._serve_deferred()
+                read_done.set_result(None)
+
+            loop.call_soon(read)
+            if not alone:
+                loop.call_soon(lambda: None)  # another read of this turn, say
+            await read_done  # (this task is not in the turn's queue meanwhile)
+            await asyncio.sleep(0)
+            assert calls == alone and hub.commits_now == alone
+            assert waiting.done() is not alone
+            waiting.cancel()
+
+    @pytest.mark.parametrize("outcome", ["declines", "raises"])
+    async def test_the_task_wakes_when_direct_does_not_take_everything(self, ctx, outcome):
+        """``direct`` declining (e.g. the hub is full) wakes the task; ``direct`` raising (a
+        bug) raises in the task, as if it had run the code (a supervised loop dies and is
+        restarted); either way the message is still there for it."""
+        async with bound("PULL") as (sock, hub):
+            calls = 0
+
+            def direct() -> bool:
+                nonlocal calls
+                calls += 1
+                if outcome == "raises":
+                    raise RuntimeError("a bug in the service")
+                return False
+
+            waiting = asyncio.create_task(sock.wait_readable(direct=direct))
+            await asyncio.sleep(0)  # parked
+            push = peer(ctx, zmq.PUSH, sock.address)
+            push.send_multipart([b"left", b"for the task"])
+            if outcome == "raises":
+                with pytest.raises(RuntimeError, match="a bug in the service"):
+                    await asyncio.wait_for(waiting, 10)
+            else:
+                assert await asyncio.wait_for(waiting, 10) is True
+            assert calls == 1
+            assert list(sock.reader(16).recv(10, 1 << 20).messages()) == [
+                (2, [b"left", b"for the task"])
+            ]
+            assert hub.rejected("internal_error") == 0  # not a connection's: the service's
+            assert hub.commits_now == 0
 
 
 class TestRefusals:

@@ -29,8 +29,27 @@ class Collector(Broadcaster):
         reader = self._collector.reader(MAX_FRAMES)
         cfg = self.config
         self._kernel = SeedKernel.create(self.limits, cfg.max_burst, cfg.max_burst_bytes)
+        stopped = False
+
+        def direct() -> bool:
+            # Served in the read callback while this task is parked on the socket (no task
+            # wake-up before the work; issue 32); the task takes over when the hub is full,
+            # more is ready, or the hub is stopping.
+            nonlocal stopped
+            if not self.hub.has_capacity:
+                return False
+            try:
+                self._drain_collector(reader)
+            except HubStopped:
+                stopped = True
+                return False
+            # True: the socket commits what was submitted now (Hub.commit_now)
+            return not self._collector.readable
+
         while True:
-            await self._collector.wait_readable()
+            await self._collector.wait_readable(direct=direct)
+            if stopped:
+                return
             await self.hub.wait_capacity()
             try:
                 self._drain_collector(reader)

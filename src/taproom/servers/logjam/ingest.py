@@ -139,40 +139,30 @@ class Ingest:
     async def _loop(self, sock: ZmtpSocket, *, router: bool) -> None:
         """Read a burst (taproom.zmqburst: compiled or pure Python), make its records, hand
         them to the hub as one batch. A burst whose bodies reach ``burst_bytes`` before its
-        end is finished in the next batch, after the hub has room again."""
+        end is finished in the next batch, after the hub has room again.
+
+        While this task waits for the socket, a burst that becomes ready in a connection's
+        read callback is served there (:meth:`_Reading.direct`, ``wait_readable(direct=)``):
+        no task wake-up before the work, and a lone request's commit and 202 in that same
+        callback (issue 32)."""
         hub = self.hub
-        parser = self._parser()
-        one = functools.partial(
-            self._router_message if router else self._pull_message, sock, parser.pusher()
-        )
-        take = _compiled_take(parser, sock, router, one) or _python_take(one)
-        reader = sock.reader(MAX_FRAMES)
-        burst_messages, burst_bytes = self.config.burst_messages, self.config.burst_bytes
-        # What one burst may inflate (its records, and the body being inflated) comes from the
-        # process budget's inflate holder, shared with Lumberjack: reserved before the burst is
-        # decoded, given back once its batch is handed to the hub.
-        inflate = hub.budget.holder("inflate")
-        inflate_need = min(burst_bytes + self.config.max_decompressed_bytes, inflate.bound)
-        burst: zmqburst.Burst | None = None
-        start = 0
+        reading = _Reading(self, sock, router)
+        direct = reading.direct
         while True:
             await hub.wait_capacity()
-            if burst is None or start >= burst.n:
-                await sock.wait_readable()
-                burst, start = reader.recv(burst_messages, burst_bytes), 0
-            await inflate.reserve(inflate_need)
-            try:
-                parser.start_batch(time.time_ns(), burst_bytes)
-                not_json = parser.not_json
-                acks: Acks = []
-                start = take(burst, start, acks)
-            finally:
-                inflate.release(inflate_need)
-            if parser.pending() and not self._submit(parser, not_json, sock, acks):
+            if reading.needs_burst():
+                await sock.wait_readable(direct=direct)
+                if reading.stopped:
+                    return
+                if not reading.needs_burst() or not sock.readable:
+                    continue  # served in the read callback meanwhile
+                reading.recv()
+            await reading.inflate.reserve(reading.inflate_need)
+            if not reading.step():
                 return
             # 202s go out only once the batch is durable; reading the next burst overlaps with
             # this commit's fsync (hub.wait_capacity bounds what is in flight).
-            if burst.n > start or sock.readable:
+            if not reading.needs_burst() or sock.readable:
                 # The next wait above will not suspend (agents keep the socket full, or this
                 # burst has more): yield once so commits resolve, 202s and the PUB output go
                 # out, /metrics answers. Otherwise waiting for the socket yields anyway, and
@@ -290,6 +280,72 @@ class Ingest:
                 self._accepted.clear()
             reply = self._accepted[app_env] = encode_message((app_env, lj.ACCEPTED))
         return reply
+
+
+class _Reading:
+    """One ingest loop's state between bursts: the parser, the burst being taken and where,
+    shared by the loop's task and the read callback that serves a burst directly."""
+
+    def __init__(self, ingest: Ingest, sock: ZmtpSocket, router: bool) -> None:
+        self.ingest = ingest
+        self.hub = ingest.hub
+        self.sock = sock
+        cfg = ingest.config
+        self.parser = parser = ingest._parser()
+        one = functools.partial(
+            ingest._router_message if router else ingest._pull_message, sock, parser.pusher()
+        )
+        self.take = _compiled_take(parser, sock, router, one) or _python_take(one)
+        self.reader = sock.reader(MAX_FRAMES)
+        self.burst_messages, self.burst_bytes = cfg.burst_messages, cfg.burst_bytes
+        # What one burst may inflate (its records, and the body being inflated) comes from
+        # the process budget's inflate holder, shared with Lumberjack: reserved before the
+        # burst is decoded, given back once its batch is handed to the hub.
+        self.inflate = self.hub.budget.holder("inflate")
+        self.inflate_need = min(self.burst_bytes + cfg.max_decompressed_bytes, self.inflate.bound)
+        self.burst: zmqburst.Burst | None = None
+        self.start = 0
+        self.stopped = False  # the hub refused a batch: it is stopping
+
+    def needs_burst(self) -> bool:
+        return self.burst is None or self.start >= self.burst.n
+
+    def recv(self) -> None:
+        self.burst, self.start = self.reader.recv(self.burst_messages, self.burst_bytes), 0
+
+    def step(self) -> bool:
+        """Take what the burst's byte budget allows into one batch and submit it, with the
+        inflate room already reserved (given back here); False if the hub is stopping."""
+        parser, burst = self.parser, self.burst
+        assert burst is not None
+        try:
+            parser.start_batch(time.time_ns(), self.burst_bytes)
+            not_json = parser.not_json
+            acks: Acks = []
+            self.start = self.take(burst, self.start, acks)
+        finally:
+            self.inflate.release(self.inflate_need)
+        if parser.pending() and not self.ingest._submit(parser, not_json, self.sock, acks):
+            self.stopped = True
+            return False
+        return True
+
+    def direct(self) -> bool:
+        """Served in the read callback (the task parked on the socket): a whole burst taken and
+        submitted. False leaves the rest to the task: no room in the hub or the inflate
+        budget, a burst past its byte budget, more ready to read, or the hub stopping."""
+        hub = self.hub
+        if not hub.has_capacity or not self.needs_burst():
+            return False
+        if not self.inflate.try_reserve(self.inflate_need):
+            return False
+        try:
+            self.recv()
+        except BaseException:
+            self.inflate.release(self.inflate_need)
+            raise
+        # True: the socket commits what was submitted now (Hub.commit_now)
+        return self.step() and self.needs_burst() and not self.sock.readable
 
 
 # One message, handled in Python: (count, kept frames, acks) -> the burst is full.

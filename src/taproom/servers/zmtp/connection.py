@@ -115,10 +115,16 @@ class Connection(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.closed:
             return
+        sock = self.sock
+        sock._reading = True
         try:
             self._received(nbytes)
         except Exception as exc:  # a bug, met by what this peer sent: this connection only
-            self.sock._failed(exc, self)
+            sock._failed(exc, self)
+        finally:
+            sock._reading = False
+        if sock._deferred:
+            sock._serve_deferred()
 
     def _received(self, nbytes: int) -> None:
         self.active = True

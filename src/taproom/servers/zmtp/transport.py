@@ -31,6 +31,7 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ... import zmqburst
@@ -91,6 +92,11 @@ class ZmtpSocket:
         self._connections: set[Connection] = set()
         self._ready: deque[Connection] = deque()
         self._readable = asyncio.Event()
+        # wait_readable's ``direct``: set while the service is parked in it (see there)
+        self._direct: Callable[[], bool] | None = None
+        self._reading = False  # inside a connection's buffer_updated
+        self._deferred = False  # a connection became ready there: served at its end
+        self._direct_failure: Exception | None = None  # what direct() raised, for the task
         self._routes: dict[bytes, Connection] = {}
         self._next_id = itertools.count(random.getrandbits(31))
         self._rlog = RateLimitedLog()
@@ -154,14 +160,37 @@ class ZmtpSocket:
     def readable(self) -> bool:
         return bool(self._ready)
 
-    async def wait_readable(self, timeout: float | None = None) -> bool:
+    async def wait_readable(
+        self, timeout: float | None = None, *, direct: Callable[[], bool] | None = None
+    ) -> bool:
         """Until a whole message is ready (True), or ``timeout`` seconds passed (False). No
         ``asyncio.wait_for``: on Python 3.11 it can swallow a cancellation that races its
-        timeout, and a loop that ignores its cancel hangs the service's stop."""
+        timeout, and a loop that ignores its cancel hangs the service's stop.
+
+        ``direct`` (no timeout): while the caller is parked here, a message that becomes
+        ready in a connection's read callback is served by ``direct()`` at the end of that
+        callback, in that turn of the loop, instead of waking the caller's task in the next
+        one (issue 32: one request in flight paid that hop, a future and a task step before
+        any work). ``direct()`` returns True when it took everything ready and needs the
+        task for nothing (then :meth:`Hub.commit_now`: what it submitted is committed in
+        this callback when it is a lone request and nothing else is ready); otherwise (no
+        room in the hub, more to read) the caller wakes as without it. What ``direct()``
+        raises is raised here, in the caller's task, as if the task had run it (a supervised
+        loop dies and is restarted as before). ``direct`` runs on the loop, outside any
+        connection's own bookkeeping, and only while the caller is parked, so the caller's
+        state is its own."""
         if timeout is None:
             while not self._ready:
                 self._readable.clear()
-                await self._readable.wait()
+                self._direct = direct
+                try:
+                    await self._readable.wait()
+                finally:
+                    self._direct = None
+                failure = self._direct_failure
+                if failure is not None:
+                    self._direct_failure = None
+                    raise failure
             return True
         if not self._ready:
             self._readable.clear()
@@ -264,6 +293,34 @@ class ZmtpSocket:
     def _mark_ready(self, conn: Connection) -> None:
         conn.ready = True
         self._ready.append(conn)
+        if self._reading and self._direct is not None:
+            self._deferred = True  # served at the end of this read (_serve_deferred)
+        else:
+            self._readable.set()
+
+    def _serve_deferred(self) -> None:
+        """At the end of a connection's read callback that made messages ready while the
+        service was parked in ``wait_readable(direct=...)``: serve them here when nothing else
+        is ready to run in this turn of the loop, or wake it."""
+        self._deferred = False
+        direct = self._direct
+        # Only as the turn's last callback: when other reads are ready in this turn (a busy
+        # socket, many peers), the task takes them all in one burst next turn, as before,
+        # rather than a batch per connection. asyncio's own ready queue (as Hub.commit_now);
+        # on a loop without one the task is woken.
+        pending = getattr(asyncio.get_running_loop(), "_ready", None)
+        alone = isinstance(pending, deque) and not pending
+        if direct is not None and alone and self._ready and not self._readable.is_set():
+            try:
+                if direct() and not self._ready:
+                    # nothing more to read: a lone request's commit (the burst's, if it is
+                    # one event) is made now, not in a turn of its own (Hub.commit_now)
+                    self.hub.commit_now()
+                    return
+            except Exception as exc:
+                # a bug in the service's own code: raised in its task, as if the task had
+                # run it (the supervisor counts the loop's death and restarts it)
+                self._direct_failure = exc
         self._readable.set()
 
     def _unmark_ready(self, conn: Connection) -> None:
