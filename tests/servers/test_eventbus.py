@@ -38,6 +38,7 @@ from taproom.protocols.eventbus import (
     parse_snapshot_reply,
     syncstart_frames,
 )
+from taproom.servers.eventbus.checkpoint import read_checkpoint
 from taproom.zmqaccess import curve_client
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
@@ -849,7 +850,14 @@ class TestRestart:
         try:
             async with EventBusClient([_url(hub.addresses)]) as client:
                 await _publish_all(client, [(f"/c/{i % 50}", i) for i in range(500)])
-                await asyncio.sleep(0.8)  # a checkpoint now covers these
+                # A checkpoint now covers these (every 0.2 s: waited for, not slept on).
+                saved = tmp_path / "journal" / "eventbus" / "checkpoint"
+
+                def covered() -> bool:
+                    state = read_checkpoint(str(saved)) if saved.exists() else None
+                    return state is not None and state.sequence >= 500
+
+                await _until(covered, 30, "a checkpoint of the first 500 updates")
                 await _publish_all(client, [(f"/c/{i % 70}", -i) for i in range(300)])
             before, cut = await _snapshot(_url(hub.addresses))
             hub.restart()  # SIGKILL: the newest events may be only in the journal's tail
