@@ -562,16 +562,27 @@ def test_send_routed_sends_a_run_whole_and_resumes_where_the_peer_was_full(ctx, 
 
 
 def test_send_routed_reports_a_peer_gone_and_refuses_ragged_messages(ctx):
-    router, _dealer = _routed_pair(ctx, "routed-gone")
+    """A ragged item stops the run before any of its frames goes: the messages before it
+    arrive whole, and nothing of it or after it."""
+    router, dealer = _routed_pair(ctx, "routed-gone")
     messages = [(b"a", b"b"), (b"c", b"d")]
     run = next(zmqburst.uniform_run(messages, 2, 16))
     assert zmqburst.send_routed(router, b"nobody", None, run) == errno.EHOSTUNREACH
     assert run.next == 0
-    for ragged in (
-        [(b"a", b"b"), (b"c",), (b"d", b"e", b"f")],  # as many frames in all
-        [(b"a", b"b"), (b"c", "d")],  # not bytes
-        [(b"a", b"b"), [b"c", b"d"]],  # not a tuple
-        ((b"a", b"b"),),  # not a list
+    for ragged, whole in (
+        ([(b"a", b"b"), (b"c",), (b"d", b"e", b"f")], 1),  # as many frames in all
+        ([(b"a", b"b"), (b"c", "d")], 1),  # not bytes
+        ([(b"a", b"b"), [b"c", b"d"]], 1),  # not a tuple
+        (((b"a", b"b"),), 0),  # not a list
     ):
+        run = next(zmqburst.uniform_run(ragged, 2, 16))  # type: ignore[arg-type]
         with pytest.raises(ValueError):
-            list(zmqburst.uniform_run(ragged, 2, 16))
+            zmqburst.send_routed(router, b"peer", None, run)
+        assert run.next == whole
+        # then a marker: the next thing the peer gets (a half message would come first)
+        marker = next(zmqburst.uniform_run([(b"end", b"mark")], 2, 16))
+        assert zmqburst.send_routed(router, b"peer", None, marker) == 0
+        expected = [[b"a", b"b"]] * whole + [[b"end", b"mark"]]
+        for message in expected:
+            assert dealer.poll(10_000)
+            assert dealer.recv_multipart() == message

@@ -198,70 +198,69 @@ def send_prepared(sock: zmq.Socket[bytes], buf: Any, frame_end: Any, counts: Any
 
 
 class Run:
-    """Messages ``lo``..``hi`` of a list of ``per``-frame tuples, ready for
-    :func:`send_routed`: where each frame's bytes are (the list keeps them alive: hold the
-    run no longer than the list), and how far sending has got."""
+    """Messages ``lo``..``lo + n`` of a list of ``per``-frame tuples, for :func:`send_routed`
+    (the list keeps the frames alive: hold the run no longer than the list), and how far
+    sending has got."""
 
-    __slots__ = ("messages", "n", "next", "per", "ptrs", "sizes")
+    __slots__ = ("lo", "messages", "n", "next", "per")
 
-    def __init__(
-        self, messages: Sequence[Sequence[bytes]], per: int, ptrs: Any, sizes: Any
-    ) -> None:
-        self.messages, self.per, self.ptrs, self.sizes = messages, per, ptrs, sizes
-        self.n = 0
-        self.next = 0  # the first message not sent yet
+    def __init__(self, messages: Sequence[Sequence[bytes]], per: int) -> None:
+        self.messages, self.per = messages, per
+        self.lo = self.n = 0
+        self.next = 0  # the first message not sent yet, from lo
 
 
-def _frames_fn() -> Any:
-    """``eb_snap_frames`` of the compiled module called through ctypes, which holds the GIL
-    (it reads the tuples with the C API, no Python object made a frame); cffi cannot pass a
-    Python object."""
+def _send_fn() -> Any:
+    """``eb_snap_send`` of the compiled module called through ctypes, which holds the GIL (it
+    reads the tuples with the C API as it sends, no Python object made a frame); cffi cannot
+    pass a Python object."""
     import ctypes
 
     from . import _burst  # type: ignore[attr-defined]
 
-    fn = ctypes.PyDLL(_burst.__file__).eb_snap_frames
+    fn = ctypes.PyDLL(_burst.__file__).eb_snap_send
     fn.restype = ctypes.c_long
-    fn.argtypes = [ctypes.py_object, ctypes.c_long, ctypes.c_long, ctypes.c_int,
-                   ctypes.c_void_p, ctypes.c_void_p]  # fmt: skip
-    return fn
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+                   ctypes.c_size_t, ctypes.py_object, ctypes.c_long, ctypes.c_long,
+                   ctypes.c_int, ctypes.POINTER(ctypes.c_int)]  # fmt: skip
+    return fn, ctypes.c_int, ctypes.byref
 
 
-_snap_frames: Any = None
+_snap_send: Any = None
 
 
 def uniform_run(messages: Sequence[Sequence[bytes]], per: int, run_size: int) -> Iterator[Run]:
     """``messages`` (a list of tuples of ``per`` bytes) ``run_size`` at a time, for
-    :func:`send_routed`: compiled path only (a ValueError if it is not such a list). Each run
-    reuses the last one's arrays: send it whole before taking the next."""
-    global _snap_frames
-    if _snap_frames is None:
-        _snap_frames = _frames_fn()
-    room = min(run_size, len(messages)) * per
-    ptrs, sizes = buffer("char *[]", room), buffer("size_t[]", room)
-    run = Run(messages, per, ptrs, sizes)
-    p, s = int(_FFI.cast("uintptr_t", ptrs)), int(_FFI.cast("uintptr_t", sizes))
+    :func:`send_routed`: compiled path only. Each run is the last one moved on: send it whole
+    before taking the next."""
+    run = Run(messages, per)
     for lo in range(0, len(messages), run_size):
-        hi = min(lo + run_size, len(messages))
-        if _snap_frames(messages, lo, hi, per, p, s) < 0:
-            raise ValueError(f"every message must be a tuple of {per} bytes")
-        run.n, run.next = hi - lo, 0
+        run.lo, run.n, run.next = lo, min(run_size, len(messages) - lo), 0
         yield run
 
 
 def send_routed(sock: zmq.Socket[bytes], identity: bytes, head: bytes | None, run: Run) -> int:
     """The rest of ``run`` out of a ROUTER to the peer ``identity``, each message with ``head``
-    before its frames, in one C call (``eb_snap_send``): compiled path only. Returns 0 when
-    all of it is sent, else the errno that stopped it (EAGAIN: the peer's pipe is full, under
-    ``ROUTER_MANDATORY``; ``run.next`` is where to go on)."""
+    before its frames, in one C call (``eb_snap_send``, GIL held: bound the run): compiled
+    path only. Returns 0 when all of it is sent, else the errno that stopped it (EAGAIN: the
+    peer's pipe is full, under ``ROUTER_MANDATORY``; ``run.next`` is where to go on); a
+    ValueError (the messages before it sent) at an item that is not a tuple of ``per`` bytes."""
+    global _snap_send
+    if _snap_send is None:
+        _snap_send = _send_fn()
     if sock.closed:
         return int(zmq.ENOTSOCK)
-    error = _FFI.new("int *")
-    run.next = _LIB.eb_snap_send(
-        handle(sock), identity, len(identity), _FFI.NULL if head is None else head,
-        0 if head is None else len(head), run.ptrs, run.sizes, run.per, run.next, run.n, error,
-    )  # fmt: skip
-    return int(error[0])
+    fn, c_int, byref = _snap_send
+    error = c_int(0)
+    lo = run.lo
+    run.next = fn(
+        int(_FFI.cast("uintptr_t", handle(sock))), identity, len(identity), head,
+        0 if head is None else len(head), run.messages, lo + run.next, lo + run.n, run.per,
+        byref(error),
+    ) - lo  # fmt: skip
+    if error.value == -1:
+        raise ValueError(f"every message must be a tuple of {run.per} bytes")
+    return int(error.value)
 
 
 def zmtp_wire(messages: Sequence[Sequence[bytes]]) -> tuple[bytearray, array[int]]:

@@ -96,9 +96,6 @@ void eb_kv_emit(const char *buf, const size_t *frame_end, const size_t *first_fr
                 size_t received_len, int64_t received_ns, char *out, size_t out_cap, char *bc,
                 size_t bc_cap, size_t *bc_end, size_t bc_end_cap, char *kv, size_t kv_cap,
                 size_t *kv_end, size_t kv_end_cap, eb_kv_emitted *res);
-int eb_snap_send(void *sock, const char *identity, size_t identity_len, const char *head,
-                 size_t head_len, const char *const *ptrs, const size_t *lens, int per,
-                 int start, int n, int *error);
 
 typedef struct lw_paths lw_paths;
 lw_paths *lw_paths_new(int nstream, int ntopic, const int *parts, const char *text,
