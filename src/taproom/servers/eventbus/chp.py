@@ -13,6 +13,7 @@ import asyncio
 import heapq
 import time
 import uuid as uuid_mod
+from functools import partial
 from typing import Any
 
 from ... import zmqburst
@@ -24,6 +25,9 @@ from .collector import Collector
 from .kernel import ChpKernel
 from .state import CHP_KIND, PROTOCOL, Entry, chp_event
 from .wire import MAX_FRAMES, now_iso
+
+# An Entry from its five fields in one C call (Entry._make is a Python classmethod).
+_new_entry = partial(tuple.__new__, Entry)
 
 
 class ChpDialect(Collector):
@@ -93,14 +97,16 @@ class ChpDialect(Collector):
         and numbered here and recorded by the kernel; an update it leaves goes to
         :meth:`_chp_one` (parse_update's refusal and reason, or a form the kernel does not
         take), then the kernel goes on after it. Returns the updates given a uuid here."""
-        known = self.dedup.seqs
+        dedup = self.dedup
+        known, window, remembered = dedup.seqs, dedup.window, dedup.order
+        remember, forget_oldest = remembered.append, remembered.popleft
         admit = self._admit
-        add = self.dedup.add
-        new_entry = Entry._make
+        new_entry = _new_entry
         paired = self.config.role != "standalone"
         guard = self._chp_collector_guard
         data = zmqburst.buffer_bytes(burst)
         entries, events = batch.entries, batch.events
+        append_entry = entries.append
         no_uuid = 0
         start, n = 0, burst.n
         while start < n:
@@ -108,11 +114,12 @@ class ChpDialect(Collector):
             scanned, nxt, slow = res.scanned, res.next, res.slow
             if scanned:
                 uuids = kernel.ffi.buffer(kernel.uuids, 36 * scanned)[:]
-                kv_items = kernel.items
+                sizes, ttl_lens, expiries = kernel.item_fields(scanned)
                 firsts: list[int] = []
                 seqs: list[int] = []
                 items: list[int] = []
-                kept: list[tuple[bytes, bytes]] = []
+                topics: list[bytes] = []
+                uuid_frames: list[bytes] = []
                 seq = batch.seq
                 for k in range(scanned):
                     # as _accept_one: an unexpected error refuses this update alone, and
@@ -125,17 +132,22 @@ class ChpDialect(Collector):
                             self._duplicate(key)
                             continue
                         topic = data[ends[f] : ends[f + 1]]
-                        if not admit(topic, seq + 1, kv_items[k].entry):
+                        if not admit(topic, seq + 1, sizes[k]):
                             continue
                     except Exception as exc:
                         guard.failed(exc, "CHP update")
                         continue
                     seq += 1
-                    add(key, seq)
+                    if window:  # Dedup.add, inline: the key is not known (checked above)
+                        known[key] = seq
+                        remember(key)
+                        if len(remembered) > window:
+                            known.pop(forget_oldest(), None)
                     firsts.append(f)
                     seqs.append(seq)
                     items.append(k)
-                    kept.append((topic, uuid_b))
+                    topics.append(topic)
+                    uuid_frames.append(uuid_b)
                 if seqs:
                     records, bc, bc_ends, kv, kv_ends = kernel.emit(
                         burst, firsts, seqs, items, 2 * burst.size
@@ -147,20 +159,21 @@ class ChpDialect(Collector):
                     # kvmsgs just laid out (ends of frames from 0, 6 and 5 a message)
                     ts_ns = kernel.ts_ns
                     bcs, kvs = iter(bc_ends), iter(kv_ends)
-                    for (topic, uuid_b), number, k, (t, q, p, s, u, d), (_, _, w, r, b) in zip(
-                        kept, seqs, items, zip(bcs, bcs, bcs, bcs, bcs, bcs, strict=True),
+                    for topic, uuid_b, number, k, (t, q, p, s, u, d), (_, _, w, r, b) in zip(
+                        topics, uuid_frames, seqs, items,
+                        zip(bcs, bcs, bcs, bcs, bcs, bcs, strict=True),
                         zip(kvs, kvs, kvs, kvs, kvs, strict=True), strict=True,
                     ):  # fmt: skip
                         sequence, body = bc[t:q], kv[r:b]
                         frames = (topic, sequence, bc[q:p], bc[p:s], uuid_b, bc[u:d])
                         kv_msg = (topic, sequence, kv[w - 16 : w], kv[w:r], body)
-                        item = kv_items[k]
-                        if item.ttl_len:  # the ttl line ends the kvmsg's properties
-                            chp = (kv[r - 5 - item.ttl_len : r], body)
-                            expires_ms = item.expires_ms
+                        ttl_len = ttl_lens[k]
+                        if ttl_len:  # the ttl line ends the kvmsg's properties
+                            chp = (kv[r - 5 - ttl_len : r], body)
+                            expires_ms = expiries[k]
                         else:
                             chp, expires_ms = (b"", body), 0
-                        entries.append(new_entry((number, frames, chp, expires_ms, kv_msg)))
+                        append_entry(new_entry((number, frames, chp, expires_ms, kv_msg)))
                         if paired:
                             events.append(
                                 Event(

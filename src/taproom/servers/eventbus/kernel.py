@@ -190,6 +190,11 @@ class ChpKernel(_Kernel):
         self.bc_counts = ffi.new("int[]", [6] * max_burst)
         self.kv_counts = ffi.new("int[]", [5] * max_burst)
         self.scanned = ffi.new("eb_scanned *")
+        # the items as 8-byte words: every field of eb_kv_item is one (item_fields)
+        self._words = ffi.sizeof("eb_kv_item") // 8
+        self._fields = tuple(
+            ffi.offsetof("eb_kv_item", name) // 8 for name in ("entry", "ttl_len", "expires_ms")
+        )
 
     def _grow(self, size: int) -> None:
         """Room for ``size`` more bytes in each buffer (the batch's BROADCASTs and kvmsgs so
@@ -243,6 +248,15 @@ class ChpKernel(_Kernel):
             self.scanned,
         )
         return self.scanned
+
+    def item_fields(self, scanned: int) -> tuple[list[int], list[int], list[int]]:
+        """The entry size, ttl length and expiry (ms) of items 0..scanned-1, as three lists
+        read in one step (a cffi struct per item and field cost ~0.2 us each)."""
+        words = memoryview(self.ffi.buffer(self.items, 8 * self._words * scanned))
+        values = words.cast("q").tolist()
+        step = self._words
+        entry, ttl_len, expires_ms = self._fields
+        return values[entry::step], values[ttl_len::step], values[expires_ms::step]
 
     def emit(
         self, burst: Any, first_frames: list[int], seqs: list[int], items: list[int], size: int

@@ -100,8 +100,9 @@ class Dedup:
 
     def __init__(self, window: int) -> None:
         self.window = window
-        self._order: deque[str] = deque()
-        self.seqs: dict[str, int] = {}  # read directly by the collector's hot loop
+        # read (and written, as add() does) directly by the CHP collector's hot loop
+        self.order: deque[str] = deque()
+        self.seqs: dict[str, int] = {}
 
     def __contains__(self, key: str) -> bool:
         return key in self.seqs
@@ -113,16 +114,16 @@ class Dedup:
         if not self.window or key in self.seqs:
             return
         self.seqs[key] = seq
-        self._order.append(key)
-        if len(self._order) > self.window:
-            self.seqs.pop(self._order.popleft(), None)
+        self.order.append(key)
+        if len(self.order) > self.window:
+            self.seqs.pop(self.order.popleft(), None)
 
     def forget(self, key: str) -> None:
         self.seqs.pop(key, None)
 
     def recent(self) -> list[tuple[str, int]]:
         seqs = self.seqs
-        return [(key, seqs[key]) for key in self._order if key in seqs]
+        return [(key, seqs[key]) for key in self.order if key in seqs]
 
 
 def stream_of(topic: str) -> str:
