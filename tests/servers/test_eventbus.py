@@ -686,6 +686,14 @@ class TestSnapshot:
                 t: s for t, s in seqs.items() if s > 27 and t.startswith(("/a/", "/b/1"))
             }
             assert everything["/a/0"].data == msgpack.packb(20)
+            # without subtrees: a floor below every key's sequence takes them all (read in one
+            # step), one among them only the newer keys (read entry by entry)
+            below, _ = await _snapshot(url, floor=20)
+            assert {t: e.sequence for t, e in below.items()} == seqs
+            newest, _ = await _snapshot(url, floor=27)
+            assert {t: e.sequence for t, e in newest.items()} == {
+                t: s for t, s in seqs.items() if s > 27
+            }
 
     async def test_a_client_that_does_not_read_holds_up_only_itself(
         self, tmp_path: Path, ctx: zmq.asyncio.Context
