@@ -21,12 +21,14 @@ import zmq
 import zmq.asyncio
 from bench.bench_attack import ATTACKS, goal_mib, run_attack
 
+from taproom.checkpoint import load_checkpoint
 from taproom.clients.eventbus import EventBusClient
 from taproom.config import load_config
 from taproom.errors import ConfigError, StartupError
 from taproom.eventtime import EventTimes
 from taproom.journal import JournalReader
 from taproom.protocols.eventbus import (
+    SEQUENCE,
     BStarState,
     Event,
     EventBusError,
@@ -38,7 +40,9 @@ from taproom.protocols.eventbus import (
     parse_snapshot_reply,
     syncstart_frames,
 )
+from taproom.servers.eventbus import checkpoint as bus_checkpoint
 from taproom.servers.eventbus.checkpoint import read_checkpoint
+from taproom.servers.eventbus.state import BusState, Entry
 from taproom.zmqaccess import curve_client
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
@@ -785,6 +789,31 @@ class TestManyClients:
             snapshot, cut = await _snapshot(url)
             assert cut == top
             assert {t: msgpack.unpackb(e.data) for t, e in snapshot.items()} == reference
+
+
+@pytest.mark.parametrize("keys", [0, 1, 15, 16, 2047, 2048, 2049, 5000])
+def test_a_checkpoint_packed_in_runs_is_the_one_packed_whole(tmp_path: Path, keys: int) -> None:
+    """The hashmap is packed PACK_RUN entries a call (the GIL held for one run, not for the
+    whole map): the file holds the same bytes as one msgpack call over the whole state, at
+    every run boundary and array header size, and reads back as the state written."""
+    state = BusState(sequence=keys + 7, offset=1234, recent_uuids=[("u-1", 3), ("u-2", keys)])
+    for i in range(keys):
+        topic = f"/k/{i}".encode()
+        frames = (topic, SEQUENCE.pack(i + 1), b"p", b"2026-11-27T00:00:00Z", b"u", b"x" * (i % 9))
+        chp = (b"ttl=5", b"body") if i % 3 == 0 else None
+        state.hashmap[topic] = Entry(i + 1, frames, chp, i % 2)
+    path = str(tmp_path / "checkpoint")
+    bus_checkpoint.write_checkpoint(path, state)
+    body = load_checkpoint(path, bus_checkpoint._CHECKPOINT_MAGIC)
+    assert body is not None and bytes(body) == bus_checkpoint.packed_whole(state)
+    loaded = read_checkpoint(path)
+    assert loaded is not None
+    assert (loaded.sequence, loaded.offset, loaded.recent_uuids) == (
+        state.sequence,
+        state.offset,
+        state.recent_uuids,
+    )
+    assert loaded.hashmap == state.hashmap
 
 
 class TestRestart:
