@@ -272,6 +272,44 @@ class TestCollector:
             stored = list(app.hub.journal.read(0))
             assert [(r.topic, r.seq, r.protocol) for r in stored] == [("/a/ok", 1, "eventbus")]
 
+    async def test_a_prefix_filter_takes_its_part_of_a_mixed_burst(
+        self, tmp_path: Path, ctx: zmq.asyncio.Context
+    ) -> None:
+        """Updates of two topic trees sent back to back (read in bursts that mix them): a
+        subscriber to "/a" gets exactly the "/a" BROADCASTs, in sequence order, one to "/"
+        every one (the burst's topics go with its wire bytes on the compiled path)."""
+        async with running_app(tmp_path, enable=["eventbus"]) as app:
+            subs = []
+            for prefix in (b"/a", b"/"):
+                sub = ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.SUBSCRIBE, prefix)
+                sub.connect("tcp://" + app.addresses["eventbus_publisher"])
+                subs.append(sub)
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect("tcp://" + app.addresses["eventbus_collector"])
+            await asyncio.sleep(0.2)  # let the SUBs' subscriptions reach the PUB
+            topics = [f"/{'ab'[i % 2]}/{i}" for i in range(60)]
+            for topic in topics:
+                await dealer.send_multipart(_pub(topic, 1))
+
+            async def received(sub: zmq.asyncio.Socket, n: int) -> list[tuple[str, int]]:
+                got = []
+                for _ in range(n):
+                    assert await sub.poll(5000)
+                    event = parse_broadcast(await sub.recv_multipart())
+                    assert isinstance(event, Event)
+                    got.append((event.topic, event.sequence))
+                return got
+
+            every = [(topic, i + 1) for i, topic in enumerate(topics)]
+            assert await received(subs[1], 60) == every
+            assert await received(subs[0], 30) == every[0::2]
+            # the server's own filter (a libzmq SUB filters again): 60 offered to "/", 30 to
+            # "/a", every one delivered
+            labels = {"output": "eventbus_publisher"}
+            assert _metric(app, "taproom_output_sent_messages_total", labels) == 90
+            assert _metric(app, "taproom_output_delivered_messages_total", labels) == 90
+
     @pytest.mark.parametrize("inline", [True, False], ids=["inline", "thread"])
     async def test_a_burst_is_applied_by_its_commits_own_delivery(
         self, tmp_path: Path, ctx: zmq.asyncio.Context, inline: bool

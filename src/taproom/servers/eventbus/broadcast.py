@@ -114,10 +114,13 @@ class Broadcaster(BinaryStarPeer):
         ):
             # a collector's kernel laid the BROADCASTs (and kvmsgs) out as one burst: the
             # hashmap here, their wire bytes in one C call, written to every subscriber (an
-            # empty data frame is a deletion; a kvmsg's ttl is a deadline on the heap)
+            # empty data frame is a deletion; a kvmsg's ttl is a deadline on the heap); their
+            # topics go with the wire bytes, so no subscriber's filter parses a frame
+            runs: list[tuple[bytes, int]] = []
             for entry in burst.entries:
                 frames = entry[1]
                 topic = frames[0]
+                runs.append((topic, 1))
                 current = hashmap.get(topic)
                 if current is None or current[0] < entry[0]:
                     if frames[5]:
@@ -126,7 +129,8 @@ class Broadcaster(BinaryStarPeer):
                         hashmap.pop(topic, None)
                 if entry[3]:
                     heapq.heappush(self._expiry, (entry[3], topic, entry[0]))
-            pub.publish_prepared(*burst.wire)
+            # (one BROADCAST an entry: the kernel laid out those it was given, in order)
+            pub.publish_prepared(*burst.wire, runs if len(runs) == burst.wire[3] else None)
             if chp_pub is not None and burst.kv_wire is not None:
                 chp_pub.publish_prepared(*burst.kv_wire)
             sent = len(burst.entries)

@@ -77,6 +77,7 @@ class Collector(Broadcaster):
         if kernel is not None:
             kernel.start_batch()
         one = self._collect_one
+        collector = self._collector
         for burst in zmqburst.bursts(
             reader, cfg.max_burst, cfg.max_burst_bytes, cfg.burst_read_ms / 1000
         ):
@@ -88,13 +89,20 @@ class Collector(Broadcaster):
             else:
                 assert kernel is not None
                 self._collect_compiled(kernel, *compiled, batch)
+            if not collector.readable:
+                # nothing else is whole: the reader's next burst would be empty (a lone
+                # update's path pays for no read that finds nothing; issue 32)
+                break
         odd = self._times.take()
         if odd:
             self.hub.metrics.odd(PROTOCOL, TIME_OUT_OF_RANGE, odd)
         if batch.entries:
             wire = kernel.broadcasts() if kernel is not None and batch.wire else None
+            parts = batch.parts
             self._submit(
-                EncodedBatch(len(batch.entries), b"".join(batch.parts), SEED_KINDS),
+                EncodedBatch(
+                    len(batch.entries), parts[0] if len(parts) == 1 else b"".join(parts), SEED_KINDS
+                ),
                 batch.entries,
                 batch.events,
                 wire,

@@ -302,17 +302,25 @@ class ZmtpPublisher:
             for sub in list(group):
                 sub.offer(selected, shared)
 
-    def publish_prepared(self, buf: Any, frame_end: Any, counts: Any, n: int) -> None:
+    def publish_prepared(
+        self,
+        buf: Any,
+        frame_end: Any,
+        counts: Any,
+        n: int,
+        runs: list[tuple[bytes, int]] | None = None,
+    ) -> None:
         """Messages a protocol kernel laid out in C arrays (``tb_send``'s shape: the Event BUS
-        collector's BROADCASTs) as one burst, made wire bytes in C: compiled path only."""
+        collector's BROADCASTs) as one burst, made wire bytes in C: compiled path only.
+        ``runs``: their topics, when the caller knows them (:class:`Burst`'s ``runs``: a
+        filter then reads no message's frames)."""
         if not self._groups or not n:
             return
-        ffi, _lib = zmqburst.ffi_lib()
-        frames = sum(ffi.unpack(counts, n))
+        frames = counts[0] if n == 1 else sum(zmqburst.ffi_lib()[0].unpack(counts, n))
         wire, ends = zmqburst.zmtp_wire_prepared(
             buf, frame_end, counts, n, frames, frame_end[frames - 1]
         )
-        self.publish(Burst(wire, ends))
+        self.publish(Burst(wire, ends, runs))
 
     def send(self, messages: Sequence[Sequence[bytes]]) -> None:
         """Encode whole messages (lists of frames) once, in C where it is built, and publish
