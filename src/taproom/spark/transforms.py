@@ -45,7 +45,6 @@ from .schemas import (
 __all__ = [
     "BACKEND_APDEX_MS",
     "DEFAULT_ACTION",
-    "DRILLDOWN_COLUMNS",
     "FRONTEND_APDEX_MS",
     "PERCENTILE_FLOOR_MS",
     "PERCENTILE_RELATIVE_ERROR",
@@ -97,11 +96,6 @@ _SAMPLE_FIELDS = (
     "journal",
     "offset",
 )
-
-# What request_samples and request_index read of a request, besides the time resources
-# (``resources.<name>`` for LOGJAM_TIME_RESOURCES): the batch job persists just these for the
-# two tables (jobs/rollup.py).
-DRILLDOWN_COLUMNS = (*_DIMENSIONS, *[c for c in _SAMPLE_FIELDS if c != "times"])
 
 
 def _is_request_topic(topic: Column) -> Column:

@@ -10,9 +10,9 @@ are widened to whole UTC days and the job overwrites exactly the date partitions
 Sealed journal segments are parsed once and kept in the parsed-segment cache
 (:mod:`~taproom.spark.segcache`, default ``<out>/_cache``); later runs read them as Parquet
 and parse only the last segment of each journal. The parsed rows are read once per table;
-the live part is persisted for the run so its payloads are parsed once. ``request_samples``
-and ``request_ids``, written in one run, share one read: the requests' columns they need are
-persisted for the run (serialized, memory then disk), not the whole parsed request.
+the live part is persisted for the run so its payloads are parsed once. Nothing else is
+persisted: the drill-down tables' columns persisted for ``request_samples`` and
+``request_ids`` to share cost more than the second read they saved (docs/console.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .. import transforms as T
-from ..schemas import LOGJAM_TIME_RESOURCES
 from ..segcache import PARSE_COLUMNS, CacheStats, parsed_events
 from ..settings import SparkSettings
 from ..sources import SourceSpec
@@ -81,15 +80,9 @@ def rollup_tables(
     lo: dt.datetime | None = None,
     hi: dt.datetime | None = None,
     settings: SparkSettings | None = None,
-    persisted: list[Any] | None = None,
 ) -> dict[str, Any]:
     """The rollup DataFrames of :data:`TABLES` for ``events`` (raw or already parsed), limited
-    to minutes in ``[lo, hi)``; ``settings`` bound the drill-down tables.
-
-    ``persisted``: when given, the requests' columns that the two drill-down tables read are
-    persisted (serialized, memory then disk) and appended to it, so that ``request_samples``
-    and ``request_ids`` read the parsed rows once between them; the caller unpersists."""
-    from pyspark import StorageLevel
+    to minutes in ``[lo, hi)``; ``settings`` bound the drill-down tables."""
     from pyspark.sql import functions as F
 
     settings = settings or SparkSettings()
@@ -102,30 +95,22 @@ def rollup_tables(
         return df
 
     parsed = T.parsed_rows(events)
+    # Every table reads the parsed rows on its own (Parquet reads only its columns). Persisted
+    # for several tables, they cost more than the reads they saved: the whole parsed request
+    # filled the 1 GiB heap; every resource as a column of its own cost more; the drill-down's
+    # columns shared by request_samples and request_ids cost 3 to 5 CPU-s a run (of 33 to 38
+    # for all five tables at 1M requests) more than the second read (docs/console.md).
     requests = parsed.transform(T.logjam_requests).transform(in_range)
-    drilldown = requests
-    if persisted is not None:
-        # Only what request_samples and request_ids read (the time resources alone): the whole
-        # parsed request, persisted for every table, filled the 1 GiB heap; every resource as
-        # a column of its own, for the requests table too, cost more than the reads it saved,
-        # and exceptions reading this projection saved nothing measurable (docs/console.md).
-        drilldown = requests.select(
-            *T.DRILLDOWN_COLUMNS,
-            F.struct(*[F.col(f"resources.{n}").alias(n) for n in LOGJAM_TIME_RESOURCES]).alias(
-                "resources"
-            ),
-        ).persist(StorageLevel.MEMORY_AND_DISK)
-        persisted.append(drilldown)
     return {
         "requests": requests.transform(T.request_rollup),
         "exceptions": requests.transform(T.exception_rollup, samples=settings.exception_samples),
         "logs": parsed.transform(T.log_rollup).transform(in_range),
-        "request_samples": drilldown.transform(
+        "request_samples": requests.transform(
             T.request_samples,
             slow=settings.slow_requests_per_action,
             failed=settings.failed_requests_per_action,
         ),
-        "request_ids": drilldown.transform(T.request_index),
+        "request_ids": requests.transform(T.request_index),
     }
 
 
@@ -203,9 +188,7 @@ def run_rollup(
             current["table"] = "parsing the live segments"
             for frame in stats.persisted:
                 frame.count()  # once, before the tables' jobs all want it at the same time
-            # Both drill-down tables in this run: they read the requests once between them.
-            shared = {"request_samples", "request_ids"} <= set(tables)
-            frames = rollup_tables(parsed, lo, hi, settings, stats.persisted if shared else None)
+            frames = rollup_tables(parsed, lo, hi, settings)
             current["table"] = ", ".join(tables)
 
             def write(name: str) -> None:
