@@ -106,7 +106,11 @@ def request_journal(path: Path, events: int, segment_bytes: int) -> list[str]:
     return ids
 
 
-def rollup_figures(journal: Path, out: Path, events: int) -> list[Figure]:
+def rollup_figures(
+    journal: Path, out: Path, events: int, rounds: int = WARM_ROUNDS
+) -> list[Figure]:
+    """A cold run, then ``rounds`` warm rounds, each a run without and a run with the
+    drill-down tables; the goal's figure is the CPU of all warm runs (best-of figures beside)."""
     from taproom.spark.jobs.rollup import TABLES, run_rollup
     from taproom.spark.jobs.session import get_session
     from taproom.spark.settings import SparkSettings
@@ -125,7 +129,7 @@ def rollup_figures(journal: Path, out: Path, events: int) -> list[Figure]:
         cold = events / (time.monotonic() - started)
         rates: dict[str, list[float]] = {"without": [], "with": []}
         per_cpu: dict[str, list[float]] = {"without": [], "with": []}
-        for _ in range(WARM_ROUNDS):
+        for _ in range(rounds):
             for name, (tables, settings) in runs.items():
                 shutil.rmtree(out / "exceptions", ignore_errors=True)  # its schema differs
                 cpu = _tree_cpu_seconds(jvm)
@@ -141,6 +145,8 @@ def rollup_figures(journal: Path, out: Path, events: int) -> list[Figure]:
     best = {k: max(v) for k, v in rates.items()}
     mean = {k: sum(v) / len(v) for k, v in rates.items()}
     cpu_best = {k: max(v) for k, v in per_cpu.items()}
+    # events over all the CPU-seconds of a kind's warm runs (each run rolls up ``events``)
+    cpu_all = {k: len(v) / sum(1 / x for x in v) for k, v in per_cpu.items()}
     label = f"{events / 1e6:g}M requests"
     return [
         Figure(f"rollup, {label}, cold, with the drill-down tables", cold, "events/s"),
@@ -155,8 +161,11 @@ def rollup_figures(journal: Path, out: Path, events: int) -> list[Figure]:
         ),
         Figure("rollup events per CPU-second (JVM + workers), with", cpu_best["with"], "ev/cpu-s"),
         Figure(
-            "  per-CPU-second ratio (robust on a loaded machine)",
-            cpu_best["with"] / cpu_best["without"],
+            "  per-CPU-second ratio, best runs", cpu_best["with"] / cpu_best["without"], "ratio"
+        ),
+        Figure(
+            f"  per-CPU-second ratio, all {rounds} warm rounds",
+            cpu_all["with"] / cpu_all["without"],
             "ratio",
             ">= 0.8",
         ),
