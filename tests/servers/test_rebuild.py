@@ -263,7 +263,12 @@ def run(model: Model, steps: int, *, compare: bool) -> dict[str, int]:
     seen = {"damage": 0, "retention": 0, "lost_tail": 0, "restart": 0}
     for step in range(steps):
         roll = rng.random()
-        if roll < 0.05:
+        if step in (steps // 2, steps - 1):
+            # two restarts whatever the draws (at 2% a step, 0.6% of seeds drew none: 3 of the
+            # soak's 60 ran 250 steps without comparing once)
+            model.restart(compare=compare)
+            seen["restart"] += 1
+        elif roll < 0.05:
             model.checkpoint(rng.choice(["eventbus", "logtk", "lager"]))
         elif roll < 0.07:
             seen["damage"] += model.damage_after_checkpoints()
@@ -273,7 +278,7 @@ def run(model: Model, steps: int, *, compare: bool) -> dict[str, int]:
             seen["retention"] += step > steps // 2 and model.retention()
         elif roll < 0.11:
             seen["lost_tail"] += model.lose_tail(compare=compare)
-        elif roll < 0.13 or step == steps - 1:
+        elif roll < 0.13:
             model.restart(compare=compare)
             seen["restart"] += 1
         else:
@@ -286,7 +291,8 @@ def run(model: Model, steps: int, *, compare: bool) -> dict[str, int]:
 def test_checkpoint_plus_tail_is_a_full_read(tmp_path: Path, seed: int) -> None:
     model = Model(tmp_path, seed)
     try:
-        assert run(model, 250, compare=True)["restart"] >= 2
+        # every restart compares the rebuilt state with a full read (Model.restart asserts)
+        run(model, 250, compare=True)
     finally:
         for hub in (model.hub, model.ref):
             hub.journal.close()
