@@ -29,6 +29,7 @@ from taproom.clients.eventbus import EventBusClient
 from taproom.clients.lager.tap import Tap
 from taproom.clients.logtk import LogTKClient
 from taproom.protocols.eventbus import SyncEnd, parse_snapshot_reply, syncstart_frames
+from taproom.servers.eventbus.state import FRAMES, SEQ
 from taproom.servers.logtk import hash_token
 from tests.mixedjournal import MixedEvents
 from tests.servers.rebuilt import checkpoint_paths, open_host, states
@@ -132,7 +133,7 @@ def _compare(journal: Path, work: Path, now: float) -> dict[str, tuple[int, obje
         assert got["lager"] == expected["lager"]
         hashmap = got["eventbus"][0]
         return {
-            topic.decode(): (e.seq, msgpack.unpackb(e.frames[5]) if e.frames[5] else None)
+            topic.decode(): (e[SEQ], msgpack.unpackb(e[FRAMES][5]) if e[FRAMES][5] else None)
             for topic, e in hashmap.items()
         }
     finally:

@@ -42,7 +42,7 @@ from taproom.protocols.eventbus import (
 )
 from taproom.servers.eventbus import checkpoint as bus_checkpoint
 from taproom.servers.eventbus.checkpoint import read_checkpoint
-from taproom.servers.eventbus.state import BusState, Entry
+from taproom.servers.eventbus.state import BusState, new_entry
 from taproom.zmqaccess import curve_client
 from tests.support import HubProcess, fuzz_examples, running_app, write_config
 
@@ -207,6 +207,7 @@ def test_a_restart_reads_back_the_entry_each_event_made():
         Entry,
         chp_data,
         journal_event,
+        new_entry,
         replay_entries,
     )
 
@@ -226,7 +227,7 @@ def test_a_restart_reads_back_the_entry_each_event_made():
     for seq, event in enumerate(events, start=10):
         journal_event(builder, event, seq, event.timestamp.encode())
         frames = tuple(event._replace(sequence=seq).frames())
-        expected.append((seq, Entry(seq, frames, event.chp, event.expires_ms), event.uuid))
+        expected.append((seq, new_entry(seq, frames, event.chp, event.expires_ms), event.uuid))
     builder.add(PROTOCOL, b"", seq=99, attrs=RESET_ATTRS)
     expected.append((99, None, ""))
     body = builder.build().body
@@ -839,7 +840,7 @@ def test_a_checkpoint_packed_in_runs_is_the_one_packed_whole(tmp_path: Path, key
         topic = f"/k/{i}".encode()
         frames = (topic, SEQUENCE.pack(i + 1), b"p", b"2026-11-27T00:00:00Z", b"u", b"x" * (i % 9))
         chp = (b"ttl=5", b"body") if i % 3 == 0 else None
-        state.hashmap[topic] = Entry(i + 1, frames, chp, i % 2)
+        state.hashmap[topic] = new_entry(i + 1, frames, chp, i % 2)
     path = str(tmp_path / "checkpoint")
     bus_checkpoint.write_checkpoint(path, state)
     body = load_checkpoint(path, bus_checkpoint._CHECKPOINT_MAGIC)

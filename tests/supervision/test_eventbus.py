@@ -30,6 +30,7 @@ from taproom.servers.eventbus import accept, bstar, snapshot
 from taproom.servers.eventbus.broadcast import Broadcaster
 from taproom.servers.eventbus.chp import ChpDialect
 from taproom.servers.eventbus.collector import Collector
+from taproom.servers.eventbus.state import FRAMES, SEQ
 from tests.supervision.support import (
     assert_supervised,
     first_call,
@@ -188,7 +189,7 @@ class TestEventBusLoops:
             assert _topics(app) == ["/ok/a", "/ok/b"] and raised == [1]
             service = app.services["eventbus"]
             assert b"/poison/1" not in service._accepted  # type: ignore[attr-defined]
-            assert [e.seq for e in service.hashmap.values()] == [1, 2]  # type: ignore[attr-defined]
+            assert [e[SEQ] for e in service.hashmap.values()] == [1, 2]  # type: ignore[attr-defined]
             assert internal_errors(app, "eventbus") == 1
             assert_supervised(app, "eventbus.accept", caplog)
 
@@ -238,7 +239,7 @@ class TestEventBusLoops:
         caplog: pytest.LogCaptureFixture,
     ) -> None:
         def poisoned(_self: object, burst: object, *_: object) -> bool:
-            return any(e.frames[0] == b"/poison/1" for e in burst.entries)  # type: ignore[attr-defined]
+            return any(e[FRAMES][0] == b"/poison/1" for e in burst.entries)  # type: ignore[attr-defined]
 
         raised = inject(monkeypatch, Broadcaster, "_apply", poisoned)
         async with running_app(tmp_path, enable=["eventbus"]) as app:

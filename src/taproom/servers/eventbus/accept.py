@@ -18,7 +18,18 @@ import zmq
 from ...protocols.eventbus import SEQUENCE, Event, replicate_frames
 from ...records import BatchBuilder, EncodedBatch
 from .base import Batch, Burst, BusBase
-from .state import PROTOCOL, Entry, entry_bytes, journal_event, kv_frames
+from .state import (
+    CHP,
+    EXPIRES_MS,
+    FRAMES,
+    KV,
+    PROTOCOL,
+    SEQ,
+    Entry,
+    entry_bytes,
+    journal_event,
+    kv_frames,
+)
 from .wire import rearm
 
 log = logging.getLogger("taproom.eventbus")
@@ -48,16 +59,17 @@ class Acceptor(BusBase):
         the ttl heap and, with the CHP dialect on, every entry's kvmsg frames."""
         chp = self._chp_publisher is not None
         for topic, entry in hashmap.items():
-            if chp and entry.kv is None:
-                hashmap[topic] = entry._replace(kv=kv_frames(entry.frames, entry.chp))
+            if chp and entry[KV] is None:
+                seq, frames, event_chp, expires_ms, _ = entry
+                hashmap[topic] = (seq, frames, event_chp, expires_ms, kv_frames(frames, event_chp))
         self.hashmap = hashmap
-        self._accepted = {t: (e.seq, entry_bytes(e.frames, e.chp)) for t, e in hashmap.items()}
+        self._accepted = {t: (e[SEQ], entry_bytes(e[FRAMES], e[CHP])) for t, e in hashmap.items()}
         self._hashmap_holder.release(self._accepted_bytes)
         self._accepted_bytes = sum(size for _seq, size in self._accepted.values())
         # What the journal (or the peer's copy) holds is kept whatever the bound: it was
         # admitted under it (the bound lowered since is honoured by refusing what comes next).
         self._hashmap_holder.charge(self._accepted_bytes)
-        self._expiry = [(e.expires_ms, t, e.seq) for t, e in hashmap.items() if e.expires_ms]
+        self._expiry = [(e[EXPIRES_MS], t, e[SEQ]) for t, e in hashmap.items() if e[EXPIRES_MS]]
         heapq.heapify(self._expiry)
 
     def _admit(self, topic: bytes, seq: int, size: int) -> bool:
@@ -107,7 +119,7 @@ class Acceptor(BusBase):
         (and ``kv_wire``): its BROADCASTs (and kvmsgs) as a collector's kernel laid them out."""
         burst = Burst(entries, False, None, wire, kv_wire)
         self._journal_burst(batch, burst)
-        self.assigned_seq = entries[-1].seq
+        self.assigned_seq = entries[-1][SEQ]
         self.hub.metrics.accepted(PROTOCOL, len(entries), len(batch.body))
         # after the submit, as before: the commit's callback comes at the earliest at the end
         # of this turn of the loop, so the burst waits for the peer's ack if it needs one
@@ -184,7 +196,7 @@ class Acceptor(BusBase):
         if record.kinds:
             batch.kinds |= record.kinds
         self.dedup.add(event.uuid, seq)
-        batch.entries.append(Entry(seq, frames, event.chp, event.expires_ms))
+        batch.entries.append((seq, frames, event.chp, event.expires_ms, None))
         if self.config.role != "standalone":
             batch.events.append(event._replace(sequence=seq))
 

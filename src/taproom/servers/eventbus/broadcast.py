@@ -12,7 +12,7 @@ from ...protocols.eventbus import BStarState, replicated_frames
 from ..zmtp import ZmtpPublisher
 from .base import Burst
 from .bstar import BinaryStarPeer
-from .state import Entry, kv_frames
+from .state import EXPIRES_MS, FRAMES, SEQ, kv_frames
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -42,7 +42,7 @@ class Broadcaster(BinaryStarPeer):
             burst = bursts[0]  # committed, waiting for the peer to confirm it
             self._broadcast_busy = True
             try:
-                confirmed = await self._wait_peer_ack(burst.entries[-1].seq)
+                confirmed = await self._wait_peer_ack(burst.entries[-1][SEQ])
             finally:
                 self._broadcast_busy = False
             bursts.popleft()
@@ -60,7 +60,7 @@ class Broadcaster(BinaryStarPeer):
             if (
                 burst.needs_peer_ack
                 and burst.error is None
-                and self.peer_acked < burst.entries[-1].seq
+                and self.peer_acked < burst.entries[-1][SEQ]
             ):
                 wake = self._broadcast_wake
                 if wake is not None and not wake.done():
@@ -94,7 +94,7 @@ class Broadcaster(BinaryStarPeer):
         if commit is None:  # the hub is stopping or the journal failed
             log.error("eventbus: commit of %d events failed: %s", len(burst.entries), burst.error)
             for entry in burst.entries:
-                self.dedup.forget(entry.frames[4].decode())
+                self.dedup.forget(entry[FRAMES][4].decode())
             # Their admission is void: count again from what is really in the hashmap.
             self._install(self.hashmap)
             return
@@ -110,7 +110,7 @@ class Broadcaster(BinaryStarPeer):
             burst.wire is not None
             and broadcast
             and (chp_pub is None or burst.kv_wire is not None)
-            and burst.entries[0].seq > broadcast_seq
+            and burst.entries[0][SEQ] > broadcast_seq
         ):
             # a collector's kernel laid the BROADCASTs (and kvmsgs) out as one burst: the
             # hashmap here, their wire bytes in one C call, written to every subscriber (an
@@ -118,29 +118,29 @@ class Broadcaster(BinaryStarPeer):
             # topics go with the wire bytes, so no subscriber's filter parses a frame
             runs: list[tuple[bytes, int]] = []
             for entry in burst.entries:
-                frames = entry[1]
+                frames = entry[FRAMES]
                 topic = frames[0]
                 runs.append((topic, 1))
                 current = hashmap.get(topic)
-                if current is None or current[0] < entry[0]:
+                if current is None or current[SEQ] < entry[SEQ]:
                     if frames[5]:
                         hashmap[topic] = entry
                     else:
                         hashmap.pop(topic, None)
-                if entry[3]:
-                    heapq.heappush(self._expiry, (entry[3], topic, entry[0]))
+                if entry[EXPIRES_MS]:
+                    heapq.heappush(self._expiry, (entry[EXPIRES_MS], topic, entry[SEQ]))
             # (one BROADCAST an entry: the kernel laid out those it was given, in order)
             pub.publish_prepared(*burst.wire, runs if len(runs) == burst.wire[3] else None)
             if chp_pub is not None and burst.kv_wire is not None:
                 chp_pub.publish_prepared(*burst.kv_wire)
             sent = len(burst.entries)
-            broadcast_seq = burst.entries[-1].seq
+            broadcast_seq = burst.entries[-1][SEQ]
         else:
             sent, broadcast_seq = self._apply_entries(burst, pub, broadcast, broadcast_seq)
         self._broadcast_seq = broadcast_seq
         if sent:
             self._m_broadcast.inc(sent)
-        self.last_seq = max(self.last_seq, burst.entries[-1].seq)
+        self.last_seq = max(self.last_seq, burst.entries[-1][SEQ])
         self._applied_offset = max(self._applied_offset, commit.end_offset)
         if burst.reply_to is not None:  # dropped (and counted) if the peer went away
             self._collector.send([burst.reply_to, *replicated_frames(self.last_seq)])
@@ -153,7 +153,6 @@ class Broadcaster(BinaryStarPeer):
         hashmap = self.hashmap
         chp_pub = self._chp_publisher
         sent = 0
-        new_entry = Entry._make
         # BROADCASTs (and kvmsgs) go out as one burst per batch, built once for every
         # subscriber (servers.zmtp.ZmtpPublisher)
         out: list[tuple[bytes, ...]] = []
@@ -162,10 +161,10 @@ class Broadcaster(BinaryStarPeer):
             seq, frames, chp, expires_ms, kv = entry
             if chp_pub is not None and kv is None:
                 kv = kv_frames(frames, chp)
-                entry = new_entry((seq, frames, chp, expires_ms, kv))
+                entry = (seq, frames, chp, expires_ms, kv)
             topic = frames[0]
             current = hashmap.get(topic)
-            if current is None or current[0] < seq:
+            if current is None or current[SEQ] < seq:
                 if frames[5]:
                     hashmap[topic] = entry
                 else:  # a deletion

@@ -30,7 +30,7 @@ from ...records import BatchBuilder
 from ...zmqframes import recv_frames
 from .accept import Acceptor
 from .base import Burst
-from .state import PROTOCOL, RESET_ATTRS, Entry, entry_bytes, journal_event
+from .state import FRAMES, PROTOCOL, RESET_ATTRS, Entry, entry_bytes, journal_event, new_entry
 from .wire import MAX_FRAMES, endpoint, now_iso
 
 log = logging.getLogger("taproom.eventbus")
@@ -110,10 +110,10 @@ class BinaryStarPeer(Acceptor):
         entries: list[Entry] = []
         for e in fresh:
             journal_event(builder, e, e.sequence, e.timestamp.encode())
-            entry = Entry(e.sequence, tuple(e.frames()), e.chp, e.expires_ms)
+            entry = new_entry(e.sequence, tuple(e.frames()), e.chp, e.expires_ms)
             entries.append(entry)
-            size = entry_bytes(entry.frames, e.chp) if e.data else 0
-            self._track(entry.frames[0], e.sequence, size)
+            size = entry_bytes(entry[FRAMES], e.chp) if e.data else 0
+            self._track(entry[FRAMES][0], e.sequence, size)
             self.dedup.add(e.uuid, e.sequence)
         self.assigned_seq = fresh[-1].sequence
         self._m_replicated.inc(len(fresh))
@@ -166,8 +166,8 @@ class BinaryStarPeer(Acceptor):
             hashmap: dict[bytes, Entry] = {}
             for e in copied:
                 journal_event(builder, e, e.sequence, e.timestamp.encode())
-                entry = Entry(e.sequence, tuple(e.frames()), e.chp, e.expires_ms)
-                hashmap[entry.frames[0]] = entry
+                entry = new_entry(e.sequence, tuple(e.frames()), e.chp, e.expires_ms)
+                hashmap[entry[FRAMES][0]] = entry
                 if len(builder) >= 10_000:
                     futures.append(self.hub.submit(builder.build()))
             futures.append(self.hub.submit(builder.build()))

@@ -14,7 +14,7 @@ from ...checkpoint import discard_checkpoint, load_checkpoint, save_checkpoint
 from ...hub import Hub
 from ...journal.kinds import Kind
 from ...protocols.eventbus import SEQUENCE
-from .state import PROTOCOL, BusState, Entry, replay_entries
+from .state import CHP, EXPIRES_MS, FRAMES, PROTOCOL, SEQ, BusState, replay_entries
 
 log = logging.getLogger("taproom.eventbus")
 
@@ -47,7 +47,7 @@ def write_checkpoint(path: str, state: BusState) -> None:
     for start in range(0, len(entries), PACK_RUN):
         # each run's rows made and dropped in turn: 100,000 rows alive at once set off a full
         # collection of the cyclic GC (tens of ms, GIL held) in the middle of the checkpoint
-        run = [[*e.frames, e.chp, e.expires_ms] for e in entries[start : start + PACK_RUN]]
+        run = [[*e[FRAMES], e[CHP], e[EXPIRES_MS]] for e in entries[start : start + PACK_RUN]]
         # a run as an array, less its header: 1 byte up to 15 items, else 3 (PACK_RUN < 65536)
         body.append(memoryview(packer.pack(run))[1 if len(run) < 16 else 3 :])
     body.append(packer.pack(state.recent_uuids))
@@ -60,7 +60,7 @@ def packed_whole(state: BusState) -> bytes:
         [
             state.offset,
             state.sequence,
-            [[*e.frames, e.chp, e.expires_ms] for e in state.hashmap.values()],
+            [[*e[FRAMES], e[CHP], e[EXPIRES_MS]] for e in state.hashmap.values()],
             state.recent_uuids,
         ],
         use_bin_type=True,
@@ -79,7 +79,7 @@ def read_checkpoint(path: str) -> BusState | None:
         for row in rows:
             frames = tuple(row[:6])
             chp = (row[6][0], row[6][1]) if row[6] is not None else None
-            state.hashmap[row[0]] = Entry(SEQUENCE.unpack(row[1])[0], frames, chp, row[7])
+            state.hashmap[row[0]] = (SEQUENCE.unpack(row[1])[0], frames, chp, row[7], None)
     except (ValueError, TypeError, IndexError, struct.error) as exc:  # a bug (the CRC passed)
         log.warning("eventbus: %s unreadable (%s); scanning the journal", path, exc)
         return None
@@ -128,10 +128,10 @@ def rebuild_state(hub: Hub, dedup_window: int, path: str | None = None) -> BusSt
                 hashmap.clear()
                 sequence = seq
                 continue
-            topic = entry.frames[0]
+            topic = entry[FRAMES][0]
             current = hashmap.get(topic)
-            if current is None or current.seq < seq:
-                if entry.frames[5]:
+            if current is None or current[SEQ] < seq:
+                if entry[FRAMES][5]:
                     hashmap[topic] = entry
                 else:  # a deletion
                     hashmap.pop(topic, None)

@@ -13,7 +13,6 @@ import asyncio
 import heapq
 import time
 import uuid as uuid_mod
-from functools import partial
 from typing import Any
 
 from ... import zmqburst
@@ -23,11 +22,8 @@ from ...protocols.eventbus import Event, EventBusError, kvmsg
 from .base import Batch
 from .collector import Collector
 from .kernel import ChpKernel
-from .state import CHP_KIND, PROTOCOL, Entry, chp_event
+from .state import CHP_KIND, PROTOCOL, chp_event
 from .wire import MAX_FRAMES, now_iso
-
-# An Entry from its five fields in one C call (Entry._make is a Python classmethod).
-_new_entry = partial(tuple.__new__, Entry)
 
 
 class ChpDialect(Collector):
@@ -101,7 +97,6 @@ class ChpDialect(Collector):
         known, window, remembered = dedup.seqs, dedup.window, dedup.order
         remember, forget_oldest = remembered.append, remembered.popleft
         admit = self._admit
-        new_entry = _new_entry
         paired = self.config.role != "standalone"
         guard = self._chp_collector_guard
         data = zmqburst.buffer_bytes(burst)
@@ -173,7 +168,7 @@ class ChpDialect(Collector):
                             expires_ms = expiries[k]
                         else:
                             chp, expires_ms = (b"", body), 0
-                        append_entry(new_entry((number, frames, chp, expires_ms, kv_msg)))
+                        append_entry((number, frames, chp, expires_ms, kv_msg))
                         if paired:
                             events.append(
                                 Event(

@@ -13,7 +13,7 @@ from ...records import EncodedBatch
 from .base import Batch
 from .broadcast import Broadcaster
 from .kernel import SeedKernel
-from .state import ENTRY_OVERHEAD, PROTOCOL, SEED_KINDS, Entry, seed_record
+from .state import ENTRY_OVERHEAD, PROTOCOL, SEED_KINDS, seed_record
 from .wire import MAX_FRAMES
 
 
@@ -119,7 +119,6 @@ class Collector(Broadcaster):
         admit = self._admit
         add = self.dedup.add
         pack = SEQUENCE.pack
-        new_entry = Entry._make
         paired = self.config.role != "standalone"
         guard = self._collector_guard
         data = zmqburst.buffer_bytes(burst)
@@ -158,7 +157,7 @@ class Collector(Broadcaster):
                     seq += 1
                     add(key, seq)
                     frames = (topic, pack(seq), producer, timestamp, uuid_b, payload)
-                    entries.append(new_entry((seq, frames, None, 0, None)))
+                    entries.append((seq, frames, None, 0, None))
                     firsts.append(f)
                     seqs.append(seq)
                     items.append(k)
@@ -241,6 +240,6 @@ class Collector(Broadcaster):
         batch.seq = next_seq
         self.dedup.add(event.uuid, next_seq)
         batch.parts += record
-        batch.entries.append(Entry(next_seq, frames, None, 0, None))
+        batch.entries.append((next_seq, frames, None, 0, None))
         if self.config.role != "standalone":
             batch.events.append(event._replace(sequence=next_seq))

@@ -28,7 +28,7 @@ from ...protocols.eventbus import (
 )
 from ...zmqframes import recv_frames
 from .chp import ChpDialect
-from .state import PROTOCOL
+from .state import FRAMES, KV, PROTOCOL, SEQ
 from .wire import MAX_FRAMES, MORE, NOBLOCK, base_send, rearm, send_last
 
 log = logging.getLogger("taproom.eventbus")
@@ -36,7 +36,7 @@ log = logging.getLogger("taproom.eventbus")
 SYNC = Command.SYNC.value
 # Entry's fields read in C over a whole hashmap (a 100,000-key comprehension on the loop was
 # ~15 ms of a CHP snapshot's 66: A/B in the commit)
-_SEQ, _FRAMES, _KV = itemgetter(0), itemgetter(1), itemgetter(4)  # kv: a tuple of five, or None
+_SEQ, _FRAMES, _KV = itemgetter(SEQ), itemgetter(FRAMES), itemgetter(KV)  # kv: five, or None
 COPY = Command.COPY.value
 # Events per REPLICATE message of a COPY (each message also stays under the peer's
 # MAXMSGSIZE: see _copy_messages).
@@ -117,12 +117,12 @@ class SnapshotServer(ChpDialect):
         values = self.hashmap.values()
         if prefixes:
             frames = [
-                e.frames for e in values if e.seq > floor and e.frames[0].startswith(prefixes)
+                e[FRAMES] for e in values if e[SEQ] > floor and e[FRAMES][0].startswith(prefixes)
             ]
         elif values and min(map(_SEQ, values)) > floor:  # every key (a new client's sync)
             frames = list(map(_FRAMES, values))  # no Python per entry
         else:
-            frames = [e.frames for e in values if e.seq > floor]
+            frames = [e[FRAMES] for e in values if e[SEQ] > floor]
         end = syncend_frames(request.subtrees, self.last_seq)
         await self._start_snapshot(
             Reply(self._snapshot, raw, msg[0], frames, SYNC, end, SYNC_FRAMES)
@@ -151,7 +151,7 @@ class SnapshotServer(ChpDialect):
         await self._settle_for_snapshot()
         values = self.hashmap.values()
         if subtree:
-            entries = [e.kv for e in values if e.kv is not None and e.kv[0].startswith(subtree)]
+            entries = [e[KV] for e in values if e[KV] is not None and e[KV][0].startswith(subtree)]
         else:  # the whole map (the Guide's clients ask for it): no Python per entry
             entries = list(filter(None, map(_KV, values)))
         end = kvmsg.kthxbai_frames(self.last_seq, subtree)
@@ -162,8 +162,9 @@ class SnapshotServer(ChpDialect):
     def _copy_messages(self) -> list[list[bytes]]:
         """The whole state as REPLICATE messages, in sequence order, for the passive peer."""
         events = []
-        for e in sorted(self.hashmap.values(), key=lambda e: e.seq):
-            topic, _seq, producer, timestamp, uuid, data = e.frames
+        for e in sorted(self.hashmap.values(), key=_SEQ):
+            seq, frames, chp, expires_ms, _kv = e
+            topic, _seq, producer, timestamp, uuid, data = frames
             try:
                 ts_ns = parse_timestamp(timestamp.decode())
             except EventBusError:
@@ -171,14 +172,14 @@ class SnapshotServer(ChpDialect):
             events.append(
                 Event(
                     topic.decode(),
-                    e.seq,
+                    seq,
                     producer.decode(),
                     timestamp.decode(),
                     uuid.decode(),
                     data,
                     ts_ns,
-                    e.chp,
-                    e.expires_ms,
+                    chp,
+                    expires_ms,
                 )
             )
         budget = self._max_frame - 65536
