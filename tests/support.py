@@ -343,3 +343,44 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+@contextlib.contextmanager
+def lone_commit_probe(hub: Any, what: str) -> Iterator[tuple[list[bool], list[bool]]]:
+    """While in it, each batch ``hub`` is given is watched (issue 32's one request in flight):
+    yields ``(in_place, in_callback)``, one flag a batch: committed in the turn of the loop that
+    submitted it, and submitted outside any task (in a read callback). Turns are counted at the
+    loop's select (a callback scheduled to tell would itself keep ``Hub.commit_now`` from
+    committing in place). Each commit is checked durable before ``what`` (the ack) goes out."""
+    import asyncio
+
+    selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
+    select = selector.select
+    real = hub.submit_callback
+    turns = [0]
+    in_place: list[bool] = []
+    in_callback: list[bool] = []
+
+    def counting_select(timeout: float | None = None) -> Any:
+        turns[0] += 1
+        return select(timeout)
+
+    def probe(batch: Any, callback: Any, **kw: Any) -> None:
+        turn = turns[0]
+        in_callback.append(asyncio.current_task() is None)
+        end = hub.journal.end_offset + batch.count
+
+        def on_commit(commit: Any, error: Any) -> None:
+            in_place.append(turns[0] == turn)
+            assert hub.journal.end_offset >= end, f"not durable before the {what}"
+            callback(commit, error)
+
+        real(batch, on_commit, **kw)
+
+    selector.select = counting_select
+    hub.submit_callback = probe
+    try:
+        yield in_place, in_callback
+    finally:
+        del selector.select
+        hub.submit_callback = real

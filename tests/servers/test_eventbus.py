@@ -44,7 +44,13 @@ from taproom.servers.eventbus import checkpoint as bus_checkpoint
 from taproom.servers.eventbus.checkpoint import read_checkpoint
 from taproom.servers.eventbus.state import BusState, new_entry
 from taproom.zmqaccess import curve_client
-from tests.support import HubProcess, fuzz_examples, running_app, write_config
+from tests.support import (
+    HubProcess,
+    fuzz_examples,
+    lone_commit_probe,
+    running_app,
+    write_config,
+)
 
 TS = "2026-11-22T08:00:00+00:00"
 
@@ -356,30 +362,6 @@ class TestCollector:
         hub_settings = {"inline_commit_max_ms": 1000}
         async with running_app(tmp_path, enable=["eventbus"], hub=hub_settings) as app:
             hub = app.hub
-            in_place: list[bool] = []
-            in_callback: list[bool] = []
-            real = hub.submit_callback
-            # turns of the loop, counted at its select (a callback scheduled to tell would
-            # itself keep commit_now from committing in place)
-            selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
-            turns = [0]
-            select = selector.select
-
-            def counting_select(timeout: float | None = None) -> Any:
-                turns[0] += 1
-                return select(timeout)
-
-            def probe(batch: Any, callback: Any, **kw: Any) -> None:
-                turn = turns[0]
-                in_callback.append(asyncio.current_task() is None)
-                end = hub.journal.end_offset + batch.count
-
-                def on_commit(commit: Any, error: Any) -> None:
-                    in_place.append(turns[0] == turn)
-                    assert hub.journal.end_offset >= end  # durable before the BROADCAST
-                    callback(commit, error)
-
-                real(batch, on_commit, **kw)
 
             def work() -> list[int]:
                 context = zmq.Context()
@@ -401,12 +383,8 @@ class TestCollector:
                 finally:
                     context.destroy(0)
 
-            selector.select = counting_select
-            hub.submit_callback = probe  # type: ignore[method-assign]
-            try:
+            with lone_commit_probe(hub, "BROADCAST") as (in_place, in_callback):
                 assert await asyncio.to_thread(work) == list(range(1, 21))
-            finally:
-                del selector.select
             assert len(in_place) == 20 and in_place.count(True) >= 15, in_place
             assert in_callback.count(True) >= 15, in_callback
             assert [r.topic for r in hub.journal.read(0)] == [f"/lone/{i}" for i in range(20)]

@@ -17,7 +17,7 @@ from taproom.errors import ConfigError
 from taproom.protocols import logjam as lj
 from taproom.protocols.lumberjack import ClientSession
 from taproom.records import BatchBuilder
-from tests.support import HubProcess, running_app, write_config
+from tests.support import HubProcess, lone_commit_probe, running_app, write_config
 
 # Every test on taproom.zmqburst's compiled path and on its pure-Python twin.
 pytestmark = pytest.mark.usefixtures("zmq_path")
@@ -168,31 +168,6 @@ class TestIngest:
         hub_settings = {"inline_commit_max_ms": 1000}
         async with running_app(tmp_path, enable=["logjam"], logjam=QUIET, hub=hub_settings) as app:
             hub = app.hub
-            in_place: list[bool] = []
-            in_callback: list[bool] = []
-            real = hub.submit_callback
-
-            # turns of the loop, counted at its select (a callback scheduled to tell would
-            # itself keep commit_now from committing in place)
-            selector = asyncio.get_running_loop()._selector  # type: ignore[attr-defined]
-            turns = [0]
-            select = selector.select
-
-            def counting_select(timeout=None):
-                turns[0] += 1
-                return select(timeout)
-
-            def probe(batch, callback, **kw):
-                turn = turns[0]
-                in_callback.append(asyncio.current_task() is None)
-                end = hub.journal.end_offset + batch.count
-
-                def on_commit(commit, error):
-                    in_place.append(turns[0] == turn)
-                    assert hub.journal.end_offset >= end  # durable before the 202 is sent
-                    callback(commit, error)
-
-                real(batch, on_commit, **kw)
 
             def work():
                 with LogjamAgent(
@@ -200,13 +175,8 @@ class TestIngest:
                 ) as agent:
                     return [agent.send({"i": i}) for i in range(20)]
 
-            selector.select = counting_select
-            hub.submit_callback = probe
-
-            try:
+            with lone_commit_probe(hub, "202") as (in_place, in_callback):
                 assert await asyncio.to_thread(work) == [b"202 Accepted"] * 20
-            finally:
-                del selector.select
             assert len(in_place) == 20 and in_place.count(True) >= 15, in_place
             assert in_callback.count(True) >= 15, in_callback
             assert [r.payload for r in hub.journal.read(0)] == [b'{"i":%d}' % i for i in range(20)]
