@@ -354,25 +354,52 @@ def pub_subscriber(address: tuple[str, int], prefix: bytes = b"") -> socket.sock
     return sock
 
 
-def published(addresses: Addresses) -> float:
-    """Data messages the hub's logjam PUB output has numbered (sent or not)."""
-    return _metric_sum(addresses, "taproom_logjam_published_messages_total", 'kind="data"')
-
-
 def logjam_flood(addresses: Addresses, events: int, size: int, app_env: str = "flood-pub") -> None:
     """``events`` logjam events of ``size`` bytes through the PULL port (PUSH: as fast as the
-    hub takes them), then until the PUB output has handled them all (120 s at most)."""
+    hub takes them), then until they have all come out of the PUB output (120 s at most): a
+    small end marker is sent after them, again every 0.2 s, until a subscriber of ``app_env``
+    that reads sees one (the output keeps each sender's order; one marker may be dropped for
+    that subscriber while the flood's tail drains, the next is not). Not the output's
+    published count: it counts the honest senders' events too, and under their load it passed
+    ``events`` before the flood was through (a CI run closed the slow subscribers first, so
+    nothing was dropped)."""
     from taproom.clients.logjam import LogjamAgent
 
     host, port = addresses["logjam_pull"]
-    before = published(addresses)
     body = b'{"pad":"' + b"f" * max(0, size - 10) + b'"}'
-    with LogjamAgent(f"tcp://{host}:{port}", mode="push", app_env=app_env, timeout=120) as agent:
-        for _ in range(events):
-            agent.send(body, topic="logs")
-    deadline = time.monotonic() + 120
-    while published(addresses) - before < events and time.monotonic() < deadline:
-        time.sleep(0.1)
+    end = b'{"end":true}'
+    ctx = zmq.Context()
+    watcher = ctx.socket(zmq.SUB)
+    watcher.setsockopt(zmq.RCVHWM, 0)  # libzmq takes all it is sent: the hub's queue drains
+    watcher.setsockopt(zmq.SUBSCRIBE, app_env.encode())
+    try:
+        subscribed = _metric_sum(
+            addresses, "taproom_output_subscribers_count", 'output="logjam_pub"'
+        )
+        watcher.connect("tcp://{}:{}".format(*addresses["logjam_pub"]))
+        deadline = time.monotonic() + 30
+        while (
+            _metric_sum(addresses, "taproom_output_subscribers_count", 'output="logjam_pub"')
+            <= subscribed
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        with LogjamAgent(
+            f"tcp://{host}:{port}", mode="push", app_env=app_env, timeout=120
+        ) as agent:
+            for _ in range(events):
+                agent.send(body, topic="logs")
+            deadline = time.monotonic() + 120
+            seen = False
+            while not seen and time.monotonic() < deadline:
+                agent.send(end, topic="logs")
+                until = time.monotonic() + 0.2
+                while not seen and (left := until - time.monotonic()) > 0:
+                    if watcher.poll(max(1, int(left * 1000))):
+                        seen = watcher.recv_multipart()[2] == end
+    finally:
+        watcher.close(linger=0)
+        ctx.term()
 
 
 def slow_pub_subscribers(
