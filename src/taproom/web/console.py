@@ -128,7 +128,11 @@ class Console:
         if self._drilldown is None:
             from .drilldown import Drilldown
 
-            self._drilldown = Drilldown(self.tables)
+            # The bounds the rollup kept per group are those the drill-down merges parts to:
+            # the hub's configuration file is the one the jobs read ([spark]).
+            config = self.hub.config
+            spark = config.section("spark") if "spark" in config.names else None
+            self._drilldown = Drilldown(self.tables, spark)
         return self._drilldown
 
     @property

@@ -12,6 +12,17 @@ Every read pushes the date partition and app/env (and minute, action where given
 pyarrow, so a page reads one day of one app. Only committed files are read
 (:class:`~.tables.TableFiles`). Answers are bounded by the caller's ``limit``. Called in worker
 threads.
+
+A batch job with a parsed-segment cache writes ``request_samples`` a part per journal segment
+(:meth:`~.tables.TableFiles.parts`): each part's rows are those of its requests alone, so a
+group (minute, action, ...) whose requests fall in several parts has each part's slowest and
+failed ones. :func:`merge_parts` makes them the group's: the ``slow`` slowest of the union are
+among each part's slowest, the first ``failed`` failed ones among each part's first, and the
+group's ``failed_count`` is its parts' added up. Only groups that can span parts are merged:
+those of the minutes that several parts' ``minute`` ranges (Parquet statistics) cover, read a
+window of at most :data:`MERGE_WINDOW_MINUTES` at a time (a journal's segments follow each
+other in time, so mostly the minutes at a segment's boundary); the other rows stream through
+as before.
 """
 
 from __future__ import annotations
@@ -26,9 +37,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from ..spark.settings import SparkSettings
 from .tables import TableFiles
 
-__all__ = ["Drilldown", "split_stream"]
+__all__ = ["Drilldown", "merge_parts", "split_stream"]
 
 SAMPLES = "request_samples"
 EXCEPTIONS = "exceptions"
@@ -41,6 +53,18 @@ SCAN_BATCH_ROWS = 65_536  # rows a streaming read holds at once (a few MB)
 FACETS = 200  # actions, statuses and exception classes listed as filters of the Errors page
 SERIES = 10  # exception classes drawn per minute on the Exceptions page
 CACHED_ANSWERS = 32
+# Rows of a group, with app, env and the date (transforms._DIMENSIONS); the readers select one
+# app, env and date, the merge keys on every one present.
+GROUP_KEYS = ("date", "app", "env", "minute", "action", "module", "frontend")
+# What the merge orders and counts by.
+MERGE_COLUMNS = (
+    *GROUP_KEYS, "total_time", "journal", "offset", "started", "slow", "failed", "failed_count",
+)  # fmt: skip
+# Minutes of rows that may span parts read (and merged) at once: an hour of one app's drill-down
+# rows is at most 60 x actions x (slow + failed) rows, and mostly far fewer.
+MERGE_WINDOW_MINUTES = 60
+_MINUTE_US = 60_000_000
+_NULL_ORDER = np.iinfo(np.int64).min  # a null journal or offset orders first (as in Spark)
 
 
 def split_stream(stream: str) -> tuple[str, str]:
@@ -71,10 +95,15 @@ def _rows(table: pa.Table) -> list[dict[str, Any]]:
 class Drilldown:
     """Reads ``request_samples`` and ``exceptions`` under ``[console] rollups``."""
 
-    def __init__(self, tables: TableFiles) -> None:
+    def __init__(self, tables: TableFiles, spark: SparkSettings | None = None) -> None:
         self.tables = tables
+        spark = spark if spark is not None else SparkSettings()
+        # The bounds the rollup kept per group: the merge keeps as many over a group's parts.
+        self.slow = spark.slow_requests_per_action
+        self.failed = spark.failed_requests_per_action
         self._answers: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
+        self.windows_merged = 0  # windows of rows read and merged (tests look at it)
 
     def _read(self, table: str, date: str, where: Any, columns: list[str] | None) -> pa.Table:
         files = self.tables.files(table, date)
@@ -98,6 +127,82 @@ class Drilldown:
             columns=[c for c in columns if c in names], filter=where, batch_size=SCAN_BATCH_ROWS
         )
         yield from scanner.to_batches()
+
+    def _samples(
+        self,
+        date: str,
+        groups: Any,
+        rows: Any,
+        columns: list[str],
+        minute_us: int | None = None,
+    ) -> Iterator[pa.Table]:
+        """``request_samples``' rows of ``date`` in the groups ``groups`` selects (a filter on
+        app, env, minute, action: whole groups) that ``rows`` then selects (None: all), a
+        table at a time, each group's rows merged over its parts. ``minute_us``: the one
+        minute ``groups`` selects, if so (only the files that can hold it are read)."""
+        parts = self.tables.parts(SAMPLES, date)
+        both = groups if rows is None else groups & rows
+        if len(parts) <= 1:  # a flat table, or one part: its rows are whole
+            for batch in self._batches(SAMPLES, date, both, columns):
+                yield pa.Table.from_batches([batch])
+            return
+        ranges = {name: self.tables.minute_range(files) for name, files in parts.items()}
+        if minute_us is not None:
+            ranges = {
+                name: span
+                for name, span in ranges.items()
+                if span is None or span[0] <= minute_us <= span[1]
+            }
+        windows = _contested(list(ranges.values()))
+        files_of = {name: files for name, files in parts.items() if name in ranges}
+        # Rows of minutes a single part holds: whole already, streamed as they are.
+        alone = [path for name, files in files_of.items() for path in files]
+        if windows is not None and alone:
+            where = both
+            for lo, hi in windows:
+                where &= ~_between(lo, hi)
+            dataset = ds.dataset(alone, format="parquet")
+            names = set(dataset.schema.names)
+            wanted = [c for c in columns if c in names]
+            scanner = dataset.scanner(columns=wanted, filter=where, batch_size=SCAN_BATCH_ROWS)
+            for batch in scanner.to_batches():
+                yield pa.Table.from_batches([batch])
+        # None: a part's minutes are unknown, so the whole selection is merged at once.
+        for window in windows if windows is not None else [None]:
+            chosen = {
+                name: files
+                for name, files in files_of.items()
+                if window is None or _overlaps(ranges[name], *window)
+            }
+            merged = self._merged(chosen, groups if window is None else groups & _between(*window))
+            if merged is None:
+                continue
+            if rows is not None:
+                merged = merged.filter(rows)
+            if merged.num_rows:
+                yield merged.select([c for c in columns if c in merged.column_names])
+
+    def _merged(self, parts: dict[str, list[str]], where: Any) -> pa.Table | None:
+        """The rows of ``parts`` that ``where`` selects, merged per group (:func:`merge_parts`)."""
+        paths = [path for files in parts.values() for path in files]
+        if not paths:
+            return None
+        self.windows_merged += 1
+        part_of = {path: k for k, files in enumerate(parts.values()) for path in files}
+        dataset = ds.dataset(paths, format="parquet")
+        names = set(dataset.schema.names)
+        wanted = [c for c in dataset.schema.names if c in names]
+        scanner = dataset.scanner(columns=wanted, filter=where, batch_size=SCAN_BATCH_ROWS)
+        batches = []
+        tags = []
+        for tagged in scanner.scan_batches():
+            if tagged.record_batch.num_rows:
+                batches.append(tagged.record_batch)
+                tags.append(np.full(tagged.record_batch.num_rows, part_of[tagged.fragment.path]))
+        if not batches:
+            return None
+        table = pa.Table.from_batches(batches, schema=scanner.projected_schema)
+        return merge_parts(table, np.concatenate(tags), self.slow, self.failed)
 
     def _cached(self, key: tuple[Any, ...], table: str, date: str, build: Any) -> dict[str, Any]:
         """``build()``, kept while the table's files for ``date`` stay the same."""
@@ -128,7 +233,9 @@ class Drilldown:
         if action:
             where &= pc.field("action") == action
         columns = [*ROW_COLUMNS, "failed_count", "module", "frontend"]
-        table = self._read(SAMPLES, date, where, columns)
+        minute_us = None if minute_ms is None else minute_ms * 1000
+        read = list(self._samples(date, where, None, columns, minute_us))
+        table = pa.concat_tables(read) if read else pa.table({})
         result: dict[str, Any] = {
             "stream": stream,
             "date": date,
@@ -141,8 +248,12 @@ class Drilldown:
         }
         if table.num_rows == 0:
             return result
-        slow = table.filter(pc.field("slow")).sort_by([("total_time", "descending")])
-        failed = table.filter(pc.field("failed")).sort_by([("started", "ascending")])
+        slow = table.filter(pc.field("slow")).sort_by(
+            [("total_time", "descending"), ("journal", "descending"), ("offset", "descending")]
+        )
+        failed = table.filter(pc.field("failed")).sort_by(
+            [("started", "ascending"), ("journal", "ascending"), ("offset", "ascending")]
+        )
         result["slow"] = _rows(slow.slice(0, limit))
         result["failed"] = _rows(failed.slice(0, limit))
         result["failed_kept"] = failed.num_rows
@@ -163,7 +274,7 @@ class Drilldown:
         status code and exception class; with the day's facets (actions, statuses, exception
         classes and how many failed requests each has among those kept) and the overflow."""
         app, env = split_stream(stream)
-        day = (pc.field("app") == app) & (pc.field("env") == env) & pc.field("failed")
+        day = (pc.field("app") == app) & (pc.field("env") == env)
         result: dict[str, Any] = {
             "stream": stream,
             "date": date,
@@ -171,22 +282,24 @@ class Drilldown:
                 ("facets", stream, date), SAMPLES, date, lambda: self._facets(date, day)
             ),
         }
-        where = day
+        groups = day
         if action:
-            where &= pc.field("action") == action
+            groups &= pc.field("action") == action
+        rows = pc.field("failed")
         if status is not None:
-            where &= pc.field("code") == status
+            rows &= pc.field("code") == status
         # The newest `limit` of the matching rows, kept while the batches go by.
         newest: pa.Table | None = None
         matched = 0
-        for batch in self._batches(SAMPLES, date, where, list(ROW_COLUMNS)):
-            chosen = pa.Table.from_batches([batch])
+        for chosen in self._samples(date, groups, rows, list(ROW_COLUMNS)):
             if exception and chosen.num_rows:
                 chosen = chosen.filter(_raised(chosen.column("exceptions"), exception))
             matched += chosen.num_rows
             if chosen.num_rows:
                 merged = chosen if newest is None else pa.concat_tables([newest, chosen])
-                newest = merged.sort_by([("started", "descending")]).slice(0, limit)
+                newest = merged.sort_by(
+                    [("started", "descending"), ("journal", "descending"), ("offset", "descending")]
+                ).slice(0, limit)
         result["matched"] = matched
         result["requests"] = _rows(newest) if newest is not None else []
         return result
@@ -200,7 +313,7 @@ class Drilldown:
         exceptions: Counter[str] = Counter()
         groups: dict[tuple[Any, ...], int] = {}  # (minute, action, ...) -> its failed_count
         kept = 0
-        for batch in self._batches(SAMPLES, date, day, columns):
+        for batch in self._samples(date, day, pc.field("failed"), columns):
             kept += batch.num_rows
             for counter, values in (
                 (actions, batch.column("action")),
@@ -305,3 +418,129 @@ def _failed_total(table: pa.Table) -> int:
     present = [k for k in keys if k in table.column_names]
     grouped = table.group_by(present).aggregate([("failed_count", "max")])
     return int(pc.sum(grouped.column("failed_count_max")).as_py() or 0)
+
+
+def merge_parts(table: pa.Table, parts: np.ndarray, slow: int, failed: int) -> pa.Table:
+    """``request_samples`` rows of several parts (``parts[i]``: row i's part) as the rollup
+    would have written them for the union of the parts' requests: per group
+    (:data:`GROUP_KEYS`), ``slow`` is true for the ``slow`` greatest by (total_time, journal,
+    offset) of the rows a part kept as slow; a failed row is kept among the first ``failed``
+    by (started, journal, offset); a row is kept iff either; ``failed_count`` is the sum of
+    the group's parts' counts. Exact: the union's slowest are among its parts' slowest, its
+    first failed among its parts' first. A group of one part is left as it was."""
+    n = table.num_rows
+    if n == 0:
+        return table
+    group = _group_ids(table)
+    journal = _order_codes(table.column("journal"))
+    offset = table.column("offset").fill_null(_NULL_ORDER).to_numpy().astype(np.int64)
+    total = table.column("total_time").to_numpy(zero_copy_only=False).astype(np.float64)
+    started = pc.cast(table.column("started"), pa.int64()).to_numpy().astype(np.int64)
+    was_slow = table.column("slow").fill_null(False).to_numpy(zero_copy_only=False)
+    is_failed = table.column("failed").fill_null(False).to_numpy(zero_copy_only=False)
+
+    now_slow = np.zeros(n, dtype=bool)
+    chosen = np.flatnonzero(was_slow)
+    if chosen.size:
+        # Ascending (NaN last, as Spark orders it greatest), ranked from each group's end.
+        order = chosen[np.lexsort((offset[chosen], journal[chosen], total[chosen], group[chosen]))]
+        ranked = group[order]
+        from_end = np.searchsorted(ranked, ranked, side="right") - 1 - np.arange(order.size)
+        now_slow[order] = from_end < slow
+    kept_failed = np.zeros(n, dtype=bool)
+    chosen = np.flatnonzero(is_failed)
+    if chosen.size:
+        order = chosen[
+            np.lexsort((offset[chosen], journal[chosen], started[chosen], group[chosen]))
+        ]
+        ranked = group[order]
+        rank = np.arange(order.size) - np.searchsorted(ranked, ranked, side="left")
+        kept_failed[order] = rank < failed
+
+    # Every row of a (group, part) carries that part's count for the group: one each, added.
+    counts = table.column("failed_count").fill_null(0).to_numpy().astype(np.int64)
+    parts = np.asarray(parts, dtype=np.int64)
+    pair = group * (int(parts.max()) + 1) + parts
+    _, first = np.unique(pair, return_index=True)
+    summed = np.zeros(int(group.max()) + 1, dtype=np.int64)
+    np.add.at(summed, group[first], counts[first])
+
+    keep = now_slow | kept_failed
+    merged = table.set_column(
+        table.schema.get_field_index("slow"), table.schema.field("slow"), pa.array(now_slow)
+    )
+    merged = merged.set_column(
+        merged.schema.get_field_index("failed_count"),
+        merged.schema.field("failed_count"),
+        pa.array(summed[group], type=merged.schema.field("failed_count").type),
+    )
+    return merged.filter(pa.array(keep))
+
+
+def _group_ids(table: pa.Table) -> np.ndarray:
+    """A number per row, the same for the rows of a group (:data:`GROUP_KEYS` present)."""
+    codes = []
+    for name in GROUP_KEYS:
+        if name not in table.column_names:
+            continue
+        column = table.column(name).combine_chunks()
+        if pa.types.is_timestamp(column.type):
+            column = pc.cast(column, pa.int64())
+        if pa.types.is_integer(column.type) or pa.types.is_boolean(column.type):
+            values = pc.cast(column, pa.int64()).fill_null(_NULL_ORDER).to_numpy()
+        else:
+            encoded = pc.dictionary_encode(column)
+            values = encoded.indices.fill_null(-1).to_numpy()
+        codes.append(np.asarray(values, dtype=np.int64))
+    if not codes:
+        return np.zeros(table.num_rows, dtype=np.int64)
+    _, inverse = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)
+    return np.asarray(inverse, dtype=np.int64).reshape(-1)
+
+
+def _order_codes(column: pa.ChunkedArray) -> np.ndarray:
+    """Strings as numbers in the same order (byte order, as Spark compares them); null first."""
+    encoded = pc.dictionary_encode(column.combine_chunks())
+    rank = np.empty(len(encoded.dictionary), dtype=np.int64)
+    rank[pc.sort_indices(encoded.dictionary).to_numpy()] = np.arange(len(encoded.dictionary))
+    indices = encoded.indices.fill_null(-1).to_numpy().astype(np.int64)
+    return np.where(indices < 0, _NULL_ORDER, rank[np.maximum(indices, 0)])
+
+
+def _contested(ranges: list[tuple[int, int] | None]) -> list[tuple[int, int]] | None:
+    """The minutes (epoch microseconds, half-open windows of at most
+    :data:`MERGE_WINDOW_MINUTES`) that two parts or more may hold, from each part's ``minute``
+    range (inclusive); None when a part's range is unknown (every minute may be shared)."""
+    if any(span is None for span in ranges):
+        return None
+    edges: list[tuple[int, int]] = []
+    for lo, hi in ranges:  # type: ignore[misc]
+        if lo <= hi:
+            edges += [(lo, 1), (hi + _MINUTE_US, -1)]
+    edges.sort()
+    windows: list[tuple[int, int]] = []
+    depth = 0
+    start = 0
+    for at, step in edges:
+        if depth >= 2 and depth + step < 2 and at > start:
+            windows += _split(start, at)
+        elif depth < 2 <= depth + step:
+            start = at
+        depth += step
+    return windows
+
+
+def _split(lo: int, hi: int) -> list[tuple[int, int]]:
+    step = MERGE_WINDOW_MINUTES * _MINUTE_US
+    return [(at, min(at + step, hi)) for at in range(lo, hi, step)]
+
+
+def _between(lo: int, hi: int) -> Any:
+    minute = pc.field("minute")
+    return (minute >= pa.scalar(lo, pa.timestamp("us", "UTC"))) & (
+        minute < pa.scalar(hi, pa.timestamp("us", "UTC"))
+    )
+
+
+def _overlaps(span: tuple[int, int] | None, lo: int, hi: int) -> bool:
+    return span is None or (span[0] < hi and lo <= span[1])

@@ -6,15 +6,26 @@ micro-batch's files in ``<table>/_spark_metadata/`` (``N`` deltas, ``N.compact``
 batches). Files of a micro-batch that was killed half-way are in the directory but not in the
 log: Spark's own reader ignores them, and so does the console, or a drill-down table would
 show such requests twice. Listings are cached by the log's (or the partition's) file names,
-sizes and modification times. Called in worker threads.
+sizes and modification times.
+
+A batch job with a parsed-segment cache writes the drill-down tables a part per journal
+segment (docs/spark.md): ``date=D/part=P/*.parquet``, ``P`` naming a sealed segment
+(``s<journal>.<first>-<end>-<bytes>``, written once) or a journal's live segment
+(``s<journal>.live``, rewritten each run). :meth:`TableFiles.parts` lists them by part, for the
+readers that merge a group's rows over its parts (:mod:`.drilldown`). A date directory that
+has parts may still hold flat files of an earlier version's run over the same requests: those
+are not read, or a request would show twice. Called in worker threads.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import re
 import threading
+from collections import OrderedDict
+from collections.abc import Iterable
 from urllib.parse import unquote, urlsplit
 
 __all__ = ["TableFiles"]
@@ -22,8 +33,23 @@ __all__ = ["TableFiles"]
 _LOG = "_spark_metadata"
 _BATCH = re.compile(r"^(\d+)(\.compact)?$")
 _DATE_DIR = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
+_PART_DIR = "part="
 # Listings kept (tables x logs); each a few KB to a few MB for a long-running stream.
 _CACHED = 32
+# Files whose minute range is kept (a few dozen bytes each): a day has a part per segment.
+_CACHED_RANGES = 100_000
+
+
+def _parquet(names: list[str]) -> list[str]:
+    # Spark's committed files; "_"- and "."-names are its markers and checksums.
+    return [n for n in names if n.endswith(".parquet") and n[0] not in "._"]
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def _fingerprint(path: str) -> tuple[tuple[str, int, int], ...]:
@@ -46,6 +72,9 @@ class TableFiles:
         self.directory = directory
         self._lock = threading.Lock()
         self._logs: dict[str, tuple[object, dict[str, set[str]]]] = {}
+        self._ranges: OrderedDict[str, tuple[tuple[int, int], tuple[int, int] | None]] = (
+            OrderedDict()
+        )
 
     def table_dir(self, table: str) -> str:
         return os.path.join(self.directory, table)
@@ -64,24 +93,98 @@ class TableFiles:
 
     def files(self, table: str, date: str) -> list[str]:
         """Absolute paths of the committed Parquet files of ``table`` for ``date``."""
+        parts = self.parts(table, date)
+        if parts:
+            return sorted(path for files in parts.values() for path in files)
         part = os.path.join(self.table_dir(table), f"date={date}")
         if self.streamed(table):
             committed = self._committed(table).get(f"date={date}", set())
             return sorted(os.path.join(part, name) for name in committed)
-        try:
-            names = os.listdir(part)
-        except (FileNotFoundError, NotADirectoryError):
-            return []
-        # Spark's committed files; "_"- and "."-names are its markers and checksums.
-        return sorted(
-            os.path.join(part, n) for n in names if n.endswith(".parquet") and n[0] not in "._"
-        )
+        return sorted(os.path.join(part, n) for n in _parquet(_listdir(part)))
+
+    def parts(self, table: str, date: str) -> dict[str, list[str]]:
+        """part directory name (``part=P``) -> its Parquet files, for a table written a part
+        per journal segment; empty for a flat date directory (a stream's, an older job's).
+        A part's files appear by rename, so a listed part is whole."""
+        if self.streamed(table):
+            return {}
+        day = os.path.join(self.table_dir(table), f"date={date}")
+        found: dict[str, list[str]] = {}
+        for name in _listdir(day):
+            if name.startswith(_PART_DIR):
+                directory = os.path.join(day, name)
+                files = _parquet(_listdir(directory))
+                if files:
+                    found[name] = sorted(os.path.join(directory, n) for n in files)
+        return dict(sorted(found.items()))
 
     def fingerprint(self, table: str, date: str) -> tuple[object, ...]:
-        """Changes whenever the committed files of ``table`` for ``date`` may have changed."""
-        part = os.path.join(self.table_dir(table), f"date={date}")
+        """Changes whenever the committed files of ``table`` for ``date`` may have changed:
+        a file or a part directory appearing, changing or going."""
+        day = os.path.join(self.table_dir(table), f"date={date}")
         log = os.path.join(self.table_dir(table), _LOG)
-        return (_fingerprint(part), _fingerprint(log) if os.path.isdir(log) else ())
+        parts = tuple(
+            (name, _fingerprint(os.path.join(day, name)))
+            for name in sorted(_listdir(day))
+            if name.startswith(_PART_DIR)
+        )
+        return (_fingerprint(day), parts, _fingerprint(log) if os.path.isdir(log) else ())
+
+    def minute_range(self, files: Iterable[str]) -> tuple[int, int] | None:
+        """The least and greatest ``minute`` (epoch microseconds) of the rows of ``files``,
+        from their Parquet statistics (kept per file path, size and modification time); None
+        when a file has none (every minute may be in it). ``(1, 0)`` (empty) for no rows."""
+        least, greatest = 1, 0
+        for path in files:
+            span = self._file_range(path)
+            if span is None:
+                return None
+            if span[0] > span[1]:
+                continue
+            if least > greatest:
+                least, greatest = span
+            else:
+                least, greatest = min(least, span[0]), max(greatest, span[1])
+        return least, greatest
+
+    def _file_range(self, path: str) -> tuple[int, int] | None:
+        import pyarrow.parquet as pq  # the console loads pyarrow only for these pages
+
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return (1, 0)  # gone (a part replaced since the listing): no rows read from it
+        stamp = (st.st_size, st.st_mtime_ns)
+        with self._lock:
+            cached = self._ranges.get(path)
+            if cached is not None and cached[0] == stamp:
+                self._ranges.move_to_end(path)
+                return cached[1]
+        try:
+            metadata = pq.read_metadata(path)
+        except (OSError, ValueError):
+            return None
+        column = metadata.schema.to_arrow_schema().get_field_index("minute")
+        least, greatest = 1, 0
+        known = True
+        for i in range(metadata.num_row_groups):
+            group = metadata.row_group(i)
+            if group.num_rows == 0:
+                continue
+            stats = group.column(column).statistics if column >= 0 else None
+            if stats is None or not stats.has_min_max:
+                known = False
+                break
+            lo, hi = _micros(stats.min), _micros(stats.max)
+            if least <= greatest:
+                lo, hi = min(least, lo), max(greatest, hi)
+            least, greatest = lo, hi
+        span = (least, greatest) if known else None
+        with self._lock:
+            self._ranges[path] = (stamp, span)
+            while len(self._ranges) > _CACHED_RANGES:
+                self._ranges.popitem(last=False)
+        return span
 
     def _committed(self, table: str) -> dict[str, set[str]]:
         """partition directory name -> committed file names, from the sink's log."""
@@ -113,6 +216,17 @@ class TableFiles:
             while len(self._logs) > _CACHED:
                 self._logs.pop(next(iter(self._logs)))
         return files
+
+
+def _micros(value: object) -> int:
+    """A ``minute`` statistic (a datetime, naive meaning UTC, or microseconds) as epoch
+    microseconds."""
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        delta = value - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+        return (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return int(value)  # type: ignore[call-overload]
 
 
 def _entries(path: str) -> list[dict[str, object]]:

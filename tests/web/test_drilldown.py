@@ -1,0 +1,351 @@
+"""The drill-down read from ``request_samples`` written a part per journal segment
+(docs/spark.md's layout, written here with pyarrow): a group's rows merged over its parts are
+exactly those the rollup gives for the union of its requests, and a parted table answers as
+the flat table of the same requests does.
+
+The rows a part holds are computed here by a brute-force ranking (:func:`expected_rows`, the
+rules of ``transforms._ranked_samples``), the same one the merged rows are checked against.
+tests/spark checks the console against tables the real job wrote.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from taproom.spark.settings import SparkSettings
+from taproom.web.drilldown import Drilldown, merge_parts
+from taproom.web.tables import TableFiles
+
+DAY = dt.datetime(2026, 3, 4, tzinfo=dt.UTC)
+DATE = DAY.date().isoformat()
+STREAM = "shop-production"
+ACTIONS = ("Cart#show", "Orders#create", "Search#index")
+SLOW, FAILED = 3, 2  # small bounds: groups of a few requests overflow them
+
+SAMPLE_SCHEMA = pa.schema(
+    [
+        ("minute", pa.timestamp("us", "UTC")),
+        ("app", pa.string()),
+        ("env", pa.string()),
+        ("action", pa.string()),
+        ("module", pa.string()),
+        ("frontend", pa.bool_()),
+        ("failed_count", pa.int64()),
+        ("slow", pa.bool_()),
+        ("failed", pa.bool_()),
+        ("request_id", pa.string()),
+        ("started", pa.timestamp("us", "UTC")),
+        ("code", pa.int64()),
+        ("total_time", pa.float64()),
+        ("severity", pa.int64()),
+        ("exceptions", pa.list_(pa.string())),
+        ("host", pa.string()),
+        ("times", pa.struct([("db_time", pa.float64()), ("view_time", pa.float64())])),
+        ("journal", pa.string()),
+        ("offset", pa.int64()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    journal: str
+    offset: int
+    minute: int  # minutes into DAY
+    action: str
+    frontend: bool
+    total_time: float
+    started_us: int  # microseconds into the minute
+    code: int
+    exceptions: tuple[str, ...]
+
+    @property
+    def failed(self) -> bool:
+        return self.code >= 500 or bool(self.exceptions)
+
+    @property
+    def group(self) -> tuple[Any, ...]:
+        return (self.minute, self.action, self.frontend)
+
+
+def requests_of(seed: int, count: int, journals: int, minutes: int) -> list[Request]:
+    """Requests in journal order, their minutes mostly rising with the offset (a few late), with
+    few distinct times taken and starts, so ties are broken by (journal, offset)."""
+    rng = random.Random(seed)
+    out = []
+    for j in range(journals):
+        for offset in range(count):
+            minute = min(minutes - 1, offset * minutes // count + rng.choice((0, 0, 0, -1)))
+            code = rng.choice((200, 200, 200, 404, 500, 503))
+            out.append(
+                Request(
+                    journal=f"j{j}",
+                    offset=offset * 7 + rng.randrange(3),
+                    minute=max(0, minute),
+                    action=rng.choice(ACTIONS),
+                    frontend=rng.random() < 0.2,
+                    total_time=float(rng.choice((5, 10, 10, 20, 40, 80))),
+                    started_us=rng.choice((0, 1_000_000, 2_000_000)),
+                    code=code,
+                    exceptions=("Timeout",) if rng.random() < 0.15 else (),
+                )
+            )
+    return out
+
+
+def expected_rows(requests: list[Request], slow: int, failed: int) -> list[dict[str, Any]]:
+    """The drill-down rows of ``requests``, ranked one group at a time by sorting (as the
+    rollup's ``_ranked_samples`` does): the ``slow`` greatest by (total_time, journal,
+    offset), the first ``failed`` failed by (started, journal, offset)."""
+    groups: dict[tuple[Any, ...], list[Request]] = defaultdict(list)
+    for request in requests:
+        groups[request.group].append(request)
+    rows = []
+    for members in groups.values():
+        by_time = sorted(members, key=lambda r: (r.total_time, r.journal, r.offset), reverse=True)
+        slowest = set(by_time[:slow])
+        failures = sorted(
+            (r for r in members if r.failed), key=lambda r: (r.started_us, r.journal, r.offset)
+        )
+        first = set(failures[:failed])
+        for request in members:
+            if request in slowest or request in first:
+                rows.append(_row(request, request in slowest, len(failures)))
+    return rows
+
+
+def _row(request: Request, slow: bool, failed_count: int) -> dict[str, Any]:
+    minute = DAY + dt.timedelta(minutes=request.minute)
+    return {
+        "minute": minute,
+        "app": "shop",
+        "env": "production",
+        "action": request.action,
+        "module": request.action.split("#")[0],
+        "frontend": request.frontend,
+        "failed_count": failed_count,
+        "slow": slow,
+        "failed": request.failed,
+        "request_id": f"{request.journal}-{request.offset}",
+        "started": minute + dt.timedelta(microseconds=request.started_us),
+        "code": request.code,
+        "total_time": request.total_time,
+        "severity": 4 if request.exceptions else 1,
+        "exceptions": list(request.exceptions),
+        "host": "web-1",
+        "times": {"db_time": request.total_time / 2, "view_time": None},
+        "journal": request.journal,
+        "offset": request.offset,
+    }
+
+
+def segments_of(requests: list[Request], size: int) -> dict[str, list[Request]]:
+    """Parts as the job names them: ``size`` requests of a journal per sealed segment, the
+    journal's last segment live."""
+    by_journal: dict[str, list[Request]] = defaultdict(list)
+    for request in requests:
+        by_journal[request.journal].append(request)
+    parts: dict[str, list[Request]] = {}
+    for journal, members in by_journal.items():
+        members.sort(key=lambda r: r.offset)
+        chunks = [members[i : i + size] for i in range(0, len(members), size)]
+        for chunk in chunks[:-1]:
+            first, end = chunk[0].offset, chunk[-1].offset + 1
+            parts[f"s{journal}.{first}-{end}-{end * 100}"] = chunk
+        parts[f"s{journal}.live"] = chunks[-1]
+    return parts
+
+
+def write_part(root: Path, table: str, part: str | None, rows: pa.Table, **options: Any) -> Path:
+    directory = root / table / f"date={DATE}"
+    if part is not None:
+        directory = directory / f"part={part}"
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "part-00000-c000.snappy.parquet"
+    pq.write_table(rows, path, **options)
+    return path
+
+
+def write_flat(root: Path, requests: list[Request]) -> None:
+    rows = pa.Table.from_pylist(expected_rows(requests, SLOW, FAILED), schema=SAMPLE_SCHEMA)
+    write_part(root, "request_samples", None, rows)
+
+
+def write_parted(root: Path, parts: dict[str, list[Request]], **options: Any) -> None:
+    for name, members in parts.items():
+        rows = expected_rows(members, SLOW, FAILED)
+        write_part(root, "request_samples", name, pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), **options)  # fmt: skip
+        marker = root / "request_samples" / "_parts"
+        marker.mkdir(parents=True, exist_ok=True)
+        (marker / name).touch()
+
+
+def drilldown(root: Path) -> Drilldown:
+    bounds = SparkSettings(slow_requests_per_action=SLOW, failed_requests_per_action=FAILED)
+    return Drilldown(TableFiles(str(root)), bounds)
+
+
+def key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["journal"], row["offset"], row["slow"], row["failed"], row["failed_count"])
+
+
+# --- the merge itself -----------------------------------------------------------------------
+
+
+def check_merge(requests: list[Request], parts: dict[str, list[Request]]) -> None:
+    tables, tags = [], []
+    for k, members in enumerate(parts.values()):
+        rows = expected_rows(members, SLOW, FAILED)
+        tables.append(pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA))
+        tags.append(np.full(len(rows), k))
+    merged = merge_parts(pa.concat_tables(tables), np.concatenate(tags), SLOW, FAILED)
+    got = sorted(key(row) for row in merged.to_pylist())
+    assert got == sorted(key(row) for row in expected_rows(requests, SLOW, FAILED))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_merged_parts_are_the_rows_of_their_union(seed: int) -> None:
+    requests = requests_of(seed, count=300, journals=1 + seed % 3, minutes=20)
+    check_merge(requests, segments_of(requests, size=17 + seed * 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    count=st.integers(1, 60),
+    journals=st.integers(1, 3),
+    size=st.integers(1, 30),
+    minutes=st.integers(1, 4),
+)
+def test_merge_matches_a_brute_force_ranking(
+    seed: int, count: int, journals: int, size: int, minutes: int
+) -> None:
+    requests = requests_of(seed, count, journals, minutes)
+    check_merge(requests, segments_of(requests, size))
+
+
+def test_one_part_is_left_as_it_was() -> None:
+    requests = requests_of(1, count=200, journals=1, minutes=5)
+    rows = pa.Table.from_pylist(expected_rows(requests, SLOW, FAILED), schema=SAMPLE_SCHEMA)
+    merged = merge_parts(rows, np.zeros(rows.num_rows, dtype=np.int64), SLOW, FAILED)
+    assert merged.equals(rows)
+
+
+# --- answers: a parted table as the flat one --------------------------------------------------
+
+
+def answers(reader: Drilldown) -> list[Any]:
+    out: list[Any] = []
+    for minute in (0, 3, 7, 11, 19):
+        minute_ms = int((DAY + dt.timedelta(minutes=minute)).timestamp() * 1000)
+        out.append(reader.samples(STREAM, DATE, minute_ms, "", 100))
+        out.append(reader.samples(STREAM, DATE, minute_ms, ACTIONS[1], 100))
+    for action in ACTIONS:
+        out.append(reader.samples(STREAM, DATE, None, action, 1000))
+        out.append(reader.samples(STREAM, DATE, None, action, 3))
+    for action, status, exception in (
+        ("", None, ""),
+        (ACTIONS[0], None, ""),
+        ("", 503, ""),
+        ("", None, "Timeout"),
+        (ACTIONS[2], 500, "Timeout"),
+    ):
+        out.append(
+            reader.errors(
+                STREAM, DATE, action=action, status=status, exception=exception, limit=1000
+            )
+        )
+        out.append(
+            reader.errors(STREAM, DATE, action=action, status=status, exception=exception, limit=5)
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("journals", "size", "options"),
+    [
+        (1, 97, {}),  # one journal: the minutes at segment boundaries are merged
+        (3, 150, {}),  # three journals: every minute has several parts
+        (2, 61, {"write_statistics": False}),  # no minute ranges: the whole day merged at once
+    ],
+)
+def test_a_parted_table_answers_as_the_flat_one(
+    tmp_path: Path, journals: int, size: int, options: dict[str, Any]
+) -> None:
+    requests = requests_of(journals, count=1500 // journals, journals=journals, minutes=20)
+    write_flat(tmp_path / "flat", requests)
+    write_parted(tmp_path / "parted", segments_of(requests, size), **options)
+    flat, parted = drilldown(tmp_path / "flat"), drilldown(tmp_path / "parted")
+    expected = answers(flat)
+    assert expected[0]["slow"] and any(a.get("requests") for a in expected)  # not vacuous
+    assert answers(parted) == expected
+    assert flat.windows_merged == 0 and parted.windows_merged > 0
+
+
+def test_parts_of_separate_minutes_are_not_merged(tmp_path: Path) -> None:
+    requests = [r for r in requests_of(5, count=600, journals=1, minutes=20) if r.minute % 5]
+    parts: dict[str, list[Request]] = defaultdict(list)
+    for request in requests:
+        parts[f"sj0.{request.minute // 5}"].append(request)
+    write_flat(tmp_path / "flat", requests)
+    write_parted(tmp_path / "parted", parts)
+    flat, parted = drilldown(tmp_path / "flat"), drilldown(tmp_path / "parted")
+    assert answers(parted) == answers(flat)
+    assert parted.windows_merged == 0
+
+
+def test_flat_files_beside_parts_and_marker_names_are_not_read(tmp_path: Path) -> None:
+    requests = requests_of(2, count=400, journals=1, minutes=10)
+    parts = segments_of(requests, 90)
+    write_parted(tmp_path, parts)
+    old = pa.Table.from_pylist(expected_rows(requests[:50], SLOW, FAILED), schema=SAMPLE_SCHEMA)
+    write_part(tmp_path, "request_samples", None, old)  # an earlier version's flat file
+    day = tmp_path / "request_samples" / f"date={DATE}"
+    (day / "part=sj0.live" / "_SUCCESS").touch()
+    (day / "part=sj0.live" / ".part-00000-c000.snappy.parquet.crc").touch()
+    tables = TableFiles(str(tmp_path))
+    assert sorted(tables.parts("request_samples", DATE)) == sorted(f"part={p}" for p in parts)
+    assert len(tables.files("request_samples", DATE)) == len(parts)
+    assert tables.dates("request_samples") == [DATE]
+    write_flat(tmp_path / "flat", requests)
+    assert answers(drilldown(tmp_path)) == answers(drilldown(tmp_path / "flat"))
+
+
+def test_a_replaced_part_is_not_served_from_a_stale_listing(tmp_path: Path) -> None:
+    """The live part sealed (a new sealed part, the live one dropped) and a new live part:
+    the next answer reads the new parts, not a cached answer of the old ones."""
+    requests = requests_of(3, count=600, journals=1, minutes=20)
+    first = [r for r in requests if r.minute < 12]
+    before = segments_of(first, 200)
+    write_parted(tmp_path, before)
+    reader = drilldown(tmp_path)
+    errors_before = reader.errors(STREAM, DATE, action="", status=None, exception="", limit=10)
+    write_flat(tmp_path / "flat-before", first)
+    assert answers(reader) == answers(drilldown(tmp_path / "flat-before"))
+
+    # The job: write the sealed part that replaces the live one, drop the live one, then
+    # write the new live part.
+    after = segments_of(requests, 200)
+    sealed = [p for p in after if p not in before and not p.endswith(".live")]
+    write_parted(tmp_path, {p: after[p] for p in sealed})
+    shutil.rmtree(tmp_path / "request_samples" / f"date={DATE}" / "part=sj0.live")
+    write_parted(tmp_path, {"sj0.live": after["sj0.live"]})
+    for stale in set(before) - set(after):
+        shutil.rmtree(tmp_path / "request_samples" / f"date={DATE}" / f"part={stale}")
+    write_flat(tmp_path / "flat-after", requests)
+    errors_after = reader.errors(STREAM, DATE, action="", status=None, exception="", limit=10)
+    assert errors_after != errors_before
+    assert answers(reader) == answers(drilldown(tmp_path / "flat-after"))
