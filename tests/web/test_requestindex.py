@@ -95,3 +95,99 @@ def test_a_streamed_index_is_pruned_by_the_minute_of_a_v1_id(tmp_path: Path) -> 
     # without started_at has its minute from the hub's clock, not the agent's).
     assert index.find(v1(DAY + dt.timedelta(hours=9), 1)) is None
     assert index.find(v1(DAY, 123_456_789 % 2**48), date="2026-03-05") is None
+
+
+def _write_parted_day(
+    root: Path, journals: int, segments: int, per_segment: int
+) -> dict[str, tuple[str, int]]:
+    """``request_ids`` a part per journal segment, as the batch job with a segment cache
+    writes it: each part's requests contiguous in time (segment k of a journal holds the
+    minutes [k * 30, k * 30 + 30) of the day, a few late ones from the minute before), its file
+    sorted by id, row groups of 50 rows. Returns id -> (journal, offset)."""
+    rng = random.Random(9)
+    where: dict[str, tuple[str, int]] = {}
+    for j in range(journals):
+        for k in range(segments):
+            part = "live" if k == segments - 1 else f"{k * per_segment}-{(k + 1) * per_segment}-1"
+            rows = []
+            for i in range(per_segment):
+                minute = DAY + dt.timedelta(minutes=k * 30 + i * 30 // per_segment)
+                if i % 17 == 0 and minute > DAY:
+                    minute -= dt.timedelta(minutes=1)  # a request that reached the hub late
+                at = minute + dt.timedelta(seconds=rng.uniform(0, 59))
+                offset = k * per_segment + i
+                rid = v1(at, offset) if i % 10 else f"{rng.getrandbits(64):016x}"
+                where[rid] = (f"j-{j}", offset)
+                rows.append((rid, f"j-{j}", offset, minute))
+            rows.sort()
+            ids, journal, offsets, minutes = zip(*rows, strict=True)
+            table = pa.table(
+                {
+                    "request_id": list(ids),
+                    "journal": list(journal),
+                    "offset": list(offsets),
+                    "app": ["shop"] * per_segment,
+                    "env": ["production"] * per_segment,
+                    "minute": pa.array(minutes, pa.timestamp("us", "UTC")),
+                }
+            )
+            directory = (
+                root / "request_ids" / f"date={DAY.date().isoformat()}" / f"part=sj-{j}.{part}"
+            )
+            directory.mkdir(parents=True)
+            pq.write_table(table, directory / "part-00000.c000.parquet", row_group_size=50)
+    return where
+
+
+def test_a_parted_index_is_pruned_to_the_parts_of_a_v1_ids_time(tmp_path: Path) -> None:
+    """Many parts (2 journals x 24 segments of 30 minutes): a v1 id reads the row group that
+    holds its id in the one or two parts of its time; an id without a time reads one group
+    per part."""
+    where = _write_parted_day(tmp_path, journals=2, segments=24, per_segment=400)
+    index = RequestIndex(TableFiles(str(tmp_path)), find_dates=31)
+    timed = [r for r in where if uuid1_time(r) is not None]
+    plain = [r for r in where if uuid1_time(r) is None]
+    rng = random.Random(2)
+    for name, ids in (("v1", timed), ("plain", plain)):
+        reads = []
+        for rid in rng.sample(ids, 60):
+            before = index.groups_read
+            hit = index.find(rid)
+            assert hit is not None and (hit.journal, hit.offset) == where[rid]
+            reads.append(index.groups_read - before)
+        print(f"{name} ids: row groups read per lookup, 48 parts of 8 groups: "
+              f"mean {sum(reads) / len(reads):.1f}, max {max(reads)}")  # fmt: skip
+        if name == "v1":
+            # The parts whose minutes are within the id's time +- the clock slack (2 or 3 of
+            # each journal), one group each, the id's journal's holding it.
+            assert max(reads) <= 6
+        else:
+            assert max(reads) <= 48
+    assert index.find(v1(DAY + dt.timedelta(hours=3, seconds=5), 77_777)) is None
+    assert index.find("f" * 16) is None
+
+
+def test_a_sealed_part_replacing_the_live_one_is_searched(tmp_path: Path) -> None:
+    where = _write_parted_day(tmp_path, journals=1, segments=3, per_segment=100)
+    index = RequestIndex(TableFiles(str(tmp_path)), find_dates=31)
+    day = tmp_path / "request_ids" / f"date={DAY.date().isoformat()}"
+    late = [r for r, (_, offset) in where.items() if offset >= 200]
+    assert all(index.find(r) is not None for r in late)
+    # The job seals the live segment: the same rows under the sealed part's name, then the
+    # live part goes and the new live one (here: requests of later minutes) appears.
+    (day / "part=sj-0.200-300-1").mkdir()
+    (day / "part=sj-0.live" / "part-00000.c000.parquet").rename(
+        day / "part=sj-0.200-300-1" / "part-00000.c000.parquet"
+    )
+    (day / "part=sj-0.live").rmdir()
+    newer = v1(DAY + dt.timedelta(minutes=95, seconds=3), 301)
+    rows = {"request_id": [newer], "journal": ["j-0"], "offset": [301], "app": ["shop"],
+            "env": ["production"],
+            "minute": pa.array([DAY + dt.timedelta(minutes=95)], pa.timestamp("us", "UTC"))}  # fmt: skip
+    (day / "part=sj-0.live").mkdir()
+    pq.write_table(pa.table(rows), day / "part=sj-0.live" / "part-00000.c000.parquet")
+    for rid in late:
+        hit = index.find(rid)
+        assert hit is not None and (hit.journal, hit.offset) == where[rid]
+    hit = index.find(newer)
+    assert hit is not None and hit.offset == 301

@@ -9,7 +9,13 @@ never change once committed; an entry is keyed by path, size and modification ti
 * a streaming query cannot sort (Spark refuses to), so its files span every id; there the
   ``minute`` column's min/max does the work when the id carries its time: logjam_agent sends
   version 1 UUIDs (32 hex digits, no dashes), whose timestamp is the request's start. The id's
-  minute (within :data:`CLOCK_SLACK_MINUTES`) selects the few files of that time.
+  minute (within :data:`CLOCK_SLACK_MINUTES`) selects the few files of that time;
+* a batch job with a parsed-segment cache writes a part per journal segment
+  (``date=D/part=P/``, :meth:`~.tables.TableFiles.parts`), each file sorted by id: a segment is
+  contiguous in the journal, so a part's ``minute`` range is its segment's time and a v1 id
+  reads the one row group holding it in the one or two parts of its time (measured in
+  tests/web/test_requestindex.py: 1.7 row groups a lookup on a day of 48 parts of 8 groups);
+  an id without a time reads a group per part until it is found.
 
 Dates searched: ``date`` when given; else the dates around a version 1 UUID's time; else the
 newest ``[console] find_dates`` dates. Called in worker threads.
