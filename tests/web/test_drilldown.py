@@ -277,9 +277,13 @@ def answers(reader: Drilldown) -> list[Any]:
 @pytest.mark.parametrize(
     ("journals", "size", "options"),
     [
-        (1, 97, {}),  # one journal: the minutes at segment boundaries are merged
-        (3, 150, {}),  # three journals: every minute has several parts
-        (2, 61, {"write_statistics": False}),  # no minute ranges: the whole day merged at once
+        # One journal: the minutes at segment boundaries are merged.
+        (1, 97, {}),
+        (1, 23, {}),  # segments of a minute or two: most minutes shared
+        # Three journals: every minute has several parts.
+        (3, 150, {}),
+        # No minute ranges: the whole day merged at once.
+        (2, 61, {"write_statistics": False}),
     ],
 )
 def test_a_parted_table_answers_as_the_flat_one(
@@ -292,7 +296,7 @@ def test_a_parted_table_answers_as_the_flat_one(
     expected = answers(flat)
     assert expected[0]["slow"] and any(a.get("requests") for a in expected)  # not vacuous
     assert answers(parted) == expected
-    assert flat.windows_merged == 0 and parted.windows_merged > 0
+    assert flat.merges == 0 and parted.merges > 0
 
 
 def test_parts_of_separate_minutes_are_not_merged(tmp_path: Path) -> None:
@@ -304,7 +308,7 @@ def test_parts_of_separate_minutes_are_not_merged(tmp_path: Path) -> None:
     write_parted(tmp_path / "parted", parts)
     flat, parted = drilldown(tmp_path / "flat"), drilldown(tmp_path / "parted")
     assert answers(parted) == answers(flat)
-    assert parted.windows_merged == 0
+    assert parted.merges == 0
 
 
 def test_flat_files_beside_parts_and_marker_names_are_not_read(tmp_path: Path) -> None:

@@ -18,11 +18,12 @@ A batch job with a parsed-segment cache writes ``request_samples`` a part per jo
 group (minute, action, ...) whose requests fall in several parts has each part's slowest and
 failed ones. :func:`merge_parts` makes them the group's: the ``slow`` slowest of the union are
 among each part's slowest, the first ``failed`` failed ones among each part's first, and the
-group's ``failed_count`` is its parts' added up. Only groups that can span parts are merged:
-those of the minutes that several parts' ``minute`` ranges (Parquet statistics) cover, read a
-window of at most :data:`MERGE_WINDOW_MINUTES` at a time (a journal's segments follow each
-other in time, so mostly the minutes at a segment's boundary); the other rows stream through
-as before.
+group's ``failed_count`` is its parts' added up. Each part is read once, in the order of its
+first minute (Parquet statistics of ``minute``): rows of minutes no other part's range covers
+are whole and go by a batch at a time as before; rows of shared minutes (with one journal, those
+at a segment's boundary; with several, most) are held until every part that can hold them has
+been read, then merged. What is held is bounded by the parts that overlap in time, not by the
+day. A part without statistics makes the whole selection one merge.
 """
 
 from __future__ import annotations
@@ -60,9 +61,6 @@ GROUP_KEYS = ("date", "app", "env", "minute", "action", "module", "frontend")
 MERGE_COLUMNS = (
     *GROUP_KEYS, "total_time", "journal", "offset", "started", "slow", "failed", "failed_count",
 )  # fmt: skip
-# Minutes of rows that may span parts read (and merged) at once: an hour of one app's drill-down
-# rows is at most 60 x actions x (slow + failed) rows, and mostly far fewer.
-MERGE_WINDOW_MINUTES = 60
 _MINUTE_US = 60_000_000
 _NULL_ORDER = np.iinfo(np.int64).min  # a null journal or offset orders first (as in Spark)
 
@@ -103,7 +101,8 @@ class Drilldown:
         self.failed = spark.failed_requests_per_action
         self._answers: OrderedDict[tuple[Any, ...], dict[str, Any]] = OrderedDict()
         self._lock = threading.Lock()
-        self.windows_merged = 0  # windows of rows read and merged (tests look at it)
+        self._bounds = (self.slow, self.failed)
+        self.merges = 0  # merges of rows read (tests look at it)
 
     def _read(self, table: str, date: str, where: Any, columns: list[str] | None) -> pa.Table:
         files = self.tables.files(table, date)
@@ -139,10 +138,10 @@ class Drilldown:
         """``request_samples``' rows of ``date`` in the groups ``groups`` selects (a filter on
         app, env, minute, action: whole groups) that ``rows`` then selects (None: all), a
         table at a time, each group's rows merged over its parts. ``minute_us``: the one
-        minute ``groups`` selects, if so (only the files that can hold it are read)."""
+        minute ``groups`` selects, if so (only the parts that can hold it are read)."""
         parts = self.tables.parts(SAMPLES, date)
-        both = groups if rows is None else groups & rows
         if len(parts) <= 1:  # a flat table, or one part: its rows are whole
+            both = groups if rows is None else groups & rows
             for batch in self._batches(SAMPLES, date, both, columns):
                 yield pa.Table.from_batches([batch])
             return
@@ -153,56 +152,68 @@ class Drilldown:
                 for name, span in ranges.items()
                 if span is None or span[0] <= minute_us <= span[1]
             }
-        windows = _contested(list(ranges.values()))
-        files_of = {name: files for name, files in parts.items() if name in ranges}
-        # Rows of minutes a single part holds: whole already, streamed as they are.
-        alone = [path for name, files in files_of.items() for path in files]
-        if windows is not None and alone:
-            where = both
-            for lo, hi in windows:
-                where &= ~_between(lo, hi)
-            dataset = ds.dataset(alone, format="parquet")
-            names = set(dataset.schema.names)
-            wanted = [c for c in columns if c in names]
-            scanner = dataset.scanner(columns=wanted, filter=where, batch_size=SCAN_BATCH_ROWS)
-            for batch in scanner.to_batches():
-                yield pa.Table.from_batches([batch])
-        # None: a part's minutes are unknown, so the whole selection is merged at once.
-        for window in windows if windows is not None else [None]:
-            chosen = {
-                name: files
-                for name, files in files_of.items()
-                if window is None or _overlaps(ranges[name], *window)
-            }
-            merged = self._merged(chosen, groups if window is None else groups & _between(*window))
-            if merged is None:
+        known = {name: span for name, span in ranges.items() if span is not None}
+        if len(known) < len(ranges):  # a part's minutes unknown: all merged at once
+            yield from self._merged([parts[name] for name in ranges], groups, rows, columns)
+            return
+        # The parts by their first minute, each read once: after part i, no part left holds a
+        # minute before part i+1's first, so the held rows of those minutes are whole.
+        order = sorted((span[0], name) for name, span in known.items() if span[0] <= span[1])
+        edges = np.asarray(
+            [edge for window in _shared([known[name] for _, name in order]) for edge in window],
+            dtype=np.int64,
+        )
+        held: list[pa.Table] = []
+        tags: list[np.ndarray] = []
+        for k, (_, name) in enumerate(order):
+            for table in self._part(parts[name], groups, columns):
+                minute = pc.cast(table.column("minute"), pa.int64()).to_numpy()
+                # In a shared window [lo, hi) iff an odd number of edges are at or below it.
+                shared = np.searchsorted(edges, minute, side="right") % 2 == 1
+                if shared.any():
+                    held.append(table.filter(pa.array(shared)))
+                    tags.append(np.full(int(shared.sum()), k))
+                    table = table.filter(pa.array(~shared))
+                yield from _selected(table, rows, columns)
+            if not held:
                 continue
-            if rows is not None:
-                merged = merged.filter(rows)
-            if merged.num_rows:
-                yield merged.select([c for c in columns if c in merged.column_names])
+            following = order[k + 1][0] if k + 1 < len(order) else None
+            table, tag = pa.concat_tables(held), np.concatenate(tags)
+            if following is None:
+                whole = np.ones(table.num_rows, dtype=bool)
+            else:
+                whole = pc.cast(table.column("minute"), pa.int64()).to_numpy() < following
+            if whole.any():
+                self.merges += 1
+                merged = merge_parts(table.filter(pa.array(whole)), tag[whole], *self._bounds)
+                yield from _selected(merged, rows, columns)
+            held, tags = (
+                ([table.filter(pa.array(~whole))], [tag[~whole]]) if not whole.all() else ([], [])
+            )
 
-    def _merged(self, parts: dict[str, list[str]], where: Any) -> pa.Table | None:
-        """The rows of ``parts`` that ``where`` selects, merged per group (:func:`merge_parts`)."""
-        paths = [path for files in parts.values() for path in files]
-        if not paths:
-            return None
-        self.windows_merged += 1
-        part_of = {path: k for k, files in enumerate(parts.values()) for path in files}
-        dataset = ds.dataset(paths, format="parquet")
+    def _part(self, files: list[str], groups: Any, columns: list[str]) -> Iterator[pa.Table]:
+        """A part's rows in ``groups``: ``columns`` and those the merge needs."""
+        dataset = ds.dataset(files, format="parquet")
         names = set(dataset.schema.names)
-        wanted = [c for c in dataset.schema.names if c in names]
-        scanner = dataset.scanner(columns=wanted, filter=where, batch_size=SCAN_BATCH_ROWS)
-        batches = []
-        tags = []
-        for tagged in scanner.scan_batches():
-            if tagged.record_batch.num_rows:
-                batches.append(tagged.record_batch)
-                tags.append(np.full(tagged.record_batch.num_rows, part_of[tagged.fragment.path]))
-        if not batches:
-            return None
-        table = pa.Table.from_batches(batches, schema=scanner.projected_schema)
-        return merge_parts(table, np.concatenate(tags), self.slow, self.failed)
+        wanted = [c for c in dict.fromkeys([*columns, *MERGE_COLUMNS]) if c in names]
+        scanner = dataset.scanner(columns=wanted, filter=groups, batch_size=SCAN_BATCH_ROWS)
+        for batch in scanner.to_batches():
+            if batch.num_rows:
+                yield pa.Table.from_batches([batch])
+
+    def _merged(
+        self, parts: list[list[str]], groups: Any, rows: Any, columns: list[str]
+    ) -> Iterator[pa.Table]:
+        """Every row of ``parts`` in ``groups``, merged at once."""
+        tables, tags = [], []
+        for k, files in enumerate(parts):
+            for table in self._part(files, groups, columns):
+                tables.append(table)
+                tags.append(np.full(table.num_rows, k))
+        if tables:
+            self.merges += 1
+            merged = merge_parts(pa.concat_tables(tables), np.concatenate(tags), *self._bounds)
+            yield from _selected(merged, rows, columns)
 
     def _cached(self, key: tuple[Any, ...], table: str, date: str, build: Any) -> dict[str, Any]:
         """``build()``, kept while the table's files for ``date`` stay the same."""
@@ -478,23 +489,32 @@ def merge_parts(table: pa.Table, parts: np.ndarray, slow: int, failed: int) -> p
 
 
 def _group_ids(table: pa.Table) -> np.ndarray:
-    """A number per row, the same for the rows of a group (:data:`GROUP_KEYS` present)."""
-    codes = []
+    """A number per row (0, 1, ...), the same for the rows of a group (:data:`GROUP_KEYS`
+    present): each key's values numbered, the numbers combined into one (mixed radix)."""
+    combined = np.zeros(table.num_rows, dtype=np.int64)
+    size = 1
     for name in GROUP_KEYS:
         if name not in table.column_names:
             continue
         column = table.column(name).combine_chunks()
-        if pa.types.is_timestamp(column.type):
-            column = pc.cast(column, pa.int64())
-        if pa.types.is_integer(column.type) or pa.types.is_boolean(column.type):
-            values = pc.cast(column, pa.int64()).fill_null(_NULL_ORDER).to_numpy()
-        else:
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
             encoded = pc.dictionary_encode(column)
-            values = encoded.indices.fill_null(-1).to_numpy()
-        codes.append(np.asarray(values, dtype=np.int64))
-    if not codes:
-        return np.zeros(table.num_rows, dtype=np.int64)
-    _, inverse = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)
+            codes = encoded.indices.fill_null(-1).to_numpy().astype(np.int64) + 1
+            count = len(encoded.dictionary) + 1
+        else:
+            if pa.types.is_timestamp(column.type):
+                column = pc.cast(column, pa.int64())
+            values = pc.cast(column, pa.int64()).fill_null(_NULL_ORDER).to_numpy()
+            _, inverse = np.unique(values, return_inverse=True)
+            codes = np.asarray(inverse, dtype=np.int64).reshape(-1)
+            count = int(codes.max()) + 1 if codes.size else 1
+        if size * count >= 1 << 62:  # never for a day's keys; keep the numbers small
+            _, inverse = np.unique(combined, return_inverse=True)
+            combined = np.asarray(inverse, dtype=np.int64).reshape(-1)
+            size = int(combined.max()) + 1 if combined.size else 1
+        combined = combined * count + codes
+        size *= count
+    _, inverse = np.unique(combined, return_inverse=True)
     return np.asarray(inverse, dtype=np.int64).reshape(-1)
 
 
@@ -507,40 +527,27 @@ def _order_codes(column: pa.ChunkedArray) -> np.ndarray:
     return np.where(indices < 0, _NULL_ORDER, rank[np.maximum(indices, 0)])
 
 
-def _contested(ranges: list[tuple[int, int] | None]) -> list[tuple[int, int]] | None:
-    """The minutes (epoch microseconds, half-open windows of at most
-    :data:`MERGE_WINDOW_MINUTES`) that two parts or more may hold, from each part's ``minute``
-    range (inclusive); None when a part's range is unknown (every minute may be shared)."""
-    if any(span is None for span in ranges):
-        return None
+def _shared(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The minutes (half-open windows of epoch microseconds, in order) that two parts or more
+    may hold, from each part's ``minute`` range (inclusive)."""
     edges: list[tuple[int, int]] = []
-    for lo, hi in ranges:  # type: ignore[misc]
-        if lo <= hi:
-            edges += [(lo, 1), (hi + _MINUTE_US, -1)]
+    for lo, hi in ranges:
+        edges += [(lo, 1), (hi + _MINUTE_US, -1)]
     edges.sort()
     windows: list[tuple[int, int]] = []
     depth = 0
     start = 0
     for at, step in edges:
-        if depth >= 2 and depth + step < 2 and at > start:
-            windows += _split(start, at)
+        if depth >= 2 > depth + step and at > start:
+            windows.append((start, at))
         elif depth < 2 <= depth + step:
             start = at
         depth += step
     return windows
 
 
-def _split(lo: int, hi: int) -> list[tuple[int, int]]:
-    step = MERGE_WINDOW_MINUTES * _MINUTE_US
-    return [(at, min(at + step, hi)) for at in range(lo, hi, step)]
-
-
-def _between(lo: int, hi: int) -> Any:
-    minute = pc.field("minute")
-    return (minute >= pa.scalar(lo, pa.timestamp("us", "UTC"))) & (
-        minute < pa.scalar(hi, pa.timestamp("us", "UTC"))
-    )
-
-
-def _overlaps(span: tuple[int, int] | None, lo: int, hi: int) -> bool:
-    return span is None or (span[0] < hi and lo <= span[1])
+def _selected(table: pa.Table, rows: Any, columns: list[str]) -> Iterator[pa.Table]:
+    if rows is not None:
+        table = table.filter(rows)
+    if table.num_rows:
+        yield table.select([c for c in columns if c in table.column_names])
