@@ -19,15 +19,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from aiohttp import ClientSession
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from taproom.spark.settings import SparkSettings
 from taproom.web.drilldown import Drilldown, merge_parts
 from taproom.web.tables import TableFiles
+from tests.support import running_app
 
 DAY = dt.datetime(2026, 3, 4, tzinfo=dt.UTC)
 DATE = DAY.date().isoformat()
@@ -353,3 +356,31 @@ def test_a_replaced_part_is_not_served_from_a_stale_listing(tmp_path: Path) -> N
     errors_after = reader.errors(STREAM, DATE, action="", status=None, exception="", limit=10)
     assert errors_after != errors_before
     assert answers(reader) == answers(drilldown(tmp_path / "flat-after"))
+
+
+async def test_the_console_merges_with_the_bounds_of_its_spark_section(tmp_path: Path) -> None:
+    """Over HTTP: the hub's ``[spark]`` bounds (3 slow, 2 failed, as the parts were written
+    with) are those the console merges to; with the defaults (10, 50) every row of every part
+    would stay and the answers would differ from the flat table's."""
+    requests = requests_of(7, count=400, journals=2, minutes=20)
+    write_flat(tmp_path / "flat", requests)
+    write_parted(tmp_path / "parted", segments_of(requests, 70))
+    flat = drilldown(tmp_path / "flat")
+    minute_ms = int((DAY + dt.timedelta(minutes=9)).timestamp() * 1000)
+    bounds = {"slow_requests_per_action": SLOW, "failed_requests_per_action": FAILED}
+    console = {"rollups": str(tmp_path / "parted")}
+    async with running_app(tmp_path, console=console, spark=bounds) as app:
+        base = f"http://{app.addresses['web']}/api/requests"
+        day = f"date={DATE}&stream={STREAM}"
+        async with ClientSession() as http:
+            async with http.get(f"{base}/samples?{day}&minute={minute_ms // 1000}") as r:
+                assert r.status == 200
+                samples = await r.json()
+            async with http.get(f"{base}/errors?{day}&limit=50") as r:
+                assert r.status == 200
+                errors = await r.json()
+    expected = flat.samples(STREAM, DATE, minute_ms, "", 100)
+    assert samples == orjson.loads(orjson.dumps(expected))
+    assert len(samples["slow"]) > SLOW  # several actions in the minute
+    expected = flat.errors(STREAM, DATE, action="", status=None, exception="", limit=50)
+    assert errors == orjson.loads(orjson.dumps(expected))
