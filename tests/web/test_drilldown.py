@@ -384,3 +384,25 @@ async def test_the_console_merges_with_the_bounds_of_its_spark_section(tmp_path:
     assert len(samples["slow"]) > SLOW  # several actions in the minute
     expected = flat.errors(STREAM, DATE, action="", status=None, exception="", limit=50)
     assert errors == orjson.loads(orjson.dumps(expected))
+
+
+def test_a_part_of_an_older_schema_reads_with_the_others(tmp_path: Path) -> None:
+    """A part written without a column the others have (an older job's) is read in the
+    first file's schema, the column null, and merged with the rest."""
+    requests = requests_of(11, count=500, journals=2, minutes=20)
+    parts = segments_of(requests, 100)
+    write_parted(tmp_path / "parted", parts)
+    older = sorted(parts)[-1]
+    path = next((tmp_path / "parted" / "request_samples").glob(f"*/part={older}/*.parquet"))
+    pq.write_table(pq.read_table(path).drop_columns(["host"]), path)
+    write_flat(tmp_path / "flat", requests)
+    got, expected = answers(drilldown(tmp_path / "parted")), answers(drilldown(tmp_path / "flat"))
+    hosts = set()
+    for mine, theirs in zip(got, expected, strict=True):
+        for name in ("slow", "failed", "requests"):
+            rows = mine.get(name, [])
+            hosts |= {row["host"] for row in rows}
+            for row in rows:
+                row["host"] = "web-1"
+        assert mine == theirs
+    assert hosts == {"web-1", None}

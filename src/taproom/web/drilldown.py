@@ -152,9 +152,13 @@ class Drilldown:
                 for name, span in ranges.items()
                 if span is None or span[0] <= minute_us <= span[1]
             }
+        # One schema for every part, as one dataset of them all reads them: the first file's,
+        # the others' columns cast to it (or null where absent).
+        schema = ds.dataset([p for files in parts.values() for p in files], format="parquet").schema
         known = {name: span for name, span in ranges.items() if span is not None}
         if len(known) < len(ranges):  # a part's minutes unknown: all merged at once
-            yield from self._merged([parts[name] for name in ranges], groups, rows, columns)
+            chosen = [parts[name] for name in ranges]
+            yield from self._merged(chosen, schema, groups, rows, columns)
             return
         # The parts by their first minute, each read once: after part i, no part left holds a
         # minute before part i+1's first, so the held rows of those minutes are whole.
@@ -166,7 +170,7 @@ class Drilldown:
         held: list[pa.Table] = []
         tags: list[np.ndarray] = []
         for k, (_, name) in enumerate(order):
-            for table in self._part(parts[name], groups, columns):
+            for table in self._part(parts[name], schema, groups, columns):
                 minute = pc.cast(table.column("minute"), pa.int64()).to_numpy()
                 # In a shared window [lo, hi) iff an odd number of edges are at or below it.
                 shared = np.searchsorted(edges, minute, side="right") % 2 == 1
@@ -191,9 +195,11 @@ class Drilldown:
                 ([table.filter(pa.array(~whole))], [tag[~whole]]) if not whole.all() else ([], [])
             )
 
-    def _part(self, files: list[str], groups: Any, columns: list[str]) -> Iterator[pa.Table]:
+    def _part(
+        self, files: list[str], schema: pa.Schema, groups: Any, columns: list[str]
+    ) -> Iterator[pa.Table]:
         """A part's rows in ``groups``: ``columns`` and those the merge needs."""
-        dataset = ds.dataset(files, format="parquet")
+        dataset = ds.dataset(files, schema=schema, format="parquet")
         names = set(dataset.schema.names)
         wanted = [c for c in dict.fromkeys([*columns, *MERGE_COLUMNS]) if c in names]
         scanner = dataset.scanner(columns=wanted, filter=groups, batch_size=SCAN_BATCH_ROWS)
@@ -202,12 +208,12 @@ class Drilldown:
                 yield pa.Table.from_batches([batch])
 
     def _merged(
-        self, parts: list[list[str]], groups: Any, rows: Any, columns: list[str]
+        self, parts: list[list[str]], schema: pa.Schema, groups: Any, rows: Any, columns: list[str]
     ) -> Iterator[pa.Table]:
         """Every row of ``parts`` in ``groups``, merged at once."""
         tables, tags = [], []
         for k, files in enumerate(parts):
-            for table in self._part(files, groups, columns):
+            for table in self._part(files, schema, groups, columns):
                 tables.append(table)
                 tags.append(np.full(table.num_rows, k))
         if tables:
