@@ -187,13 +187,21 @@ def write_flat(root: Path, requests: list[Request]) -> None:
     write_part(root, "request_samples", None, rows)
 
 
-def write_parted(root: Path, parts: dict[str, list[Request]], **options: Any) -> None:
+def write_parted(
+    root: Path, parts: dict[str, list[Request]], *, mark: bool = True, **options: Any
+) -> None:
+    """The parts' files, then (``mark``) each part's marker, as the job writes them."""
     for name, members in parts.items():
-        rows = expected_rows(members, SLOW, FAILED)
-        write_part(root, "request_samples", name, pa.Table.from_pylist(rows, schema=SAMPLE_SCHEMA), **options)  # fmt: skip
-        marker = root / "request_samples" / "_parts"
-        marker.mkdir(parents=True, exist_ok=True)
-        (marker / name).touch()
+        rows = pa.Table.from_pylist(expected_rows(members, SLOW, FAILED), schema=SAMPLE_SCHEMA)
+        write_part(root, "request_samples", name, rows, **options)
+        if mark:
+            mark_part(root, name)
+
+
+def mark_part(root: Path, name: str) -> None:
+    markers = root / "request_samples" / "_parts"
+    markers.mkdir(parents=True, exist_ok=True)
+    (markers / name).touch()
 
 
 def drilldown(root: Path) -> Drilldown:
@@ -332,30 +340,36 @@ def test_flat_files_beside_parts_and_marker_names_are_not_read(tmp_path: Path) -
 
 
 def test_a_replaced_part_is_not_served_from_a_stale_listing(tmp_path: Path) -> None:
-    """The live part sealed (a new sealed part, the live one dropped) and a new live part:
-    the next answer reads the new parts, not a cached answer of the old ones."""
+    """The job seals the live segment as the contract orders it: the sealed part's files,
+    the live part dropped, the sealed part's marker; and a new live part. At every step the
+    same reader answers as the flat table of the requests of the parts it may read: never a
+    request twice, never a cached answer of parts gone."""
     requests = requests_of(3, count=600, journals=1, minutes=20)
-    first = [r for r in requests if r.minute < 12]
-    before = segments_of(first, 200)
-    write_parted(tmp_path, before)
+    day = tmp_path / "request_samples" / f"date={DATE}"
     reader = drilldown(tmp_path)
-    errors_before = reader.errors(STREAM, DATE, action="", status=None, exception="", limit=10)
-    write_flat(tmp_path / "flat-before", first)
-    assert answers(reader) == answers(drilldown(tmp_path / "flat-before"))
 
-    # The job: write the sealed part that replaces the live one, drop the live one, then
-    # write the new live part.
-    after = segments_of(requests, 200)
-    sealed = [p for p in after if p not in before and not p.endswith(".live")]
-    write_parted(tmp_path, {p: after[p] for p in sealed})
-    shutil.rmtree(tmp_path / "request_samples" / f"date={DATE}" / "part=sj0.live")
+    def same_as(members: list[Request]) -> None:
+        flat = tmp_path / f"flat-{members[0].offset}-{members[-1].offset}"
+        if not flat.exists():
+            write_flat(flat, members)
+        assert answers(reader) == answers(drilldown(flat))
+
+    write_parted(tmp_path, segments_of(requests[:380], 200))  # sealed [0, 200), live [200, 380)
+    same_as(requests[:380])
+    after = segments_of(requests, 200)  # sealed [0, 200) and [200, 400), live [400, 600)
+    sealed = list(after)[1]
+    write_parted(tmp_path, {sealed: after[sealed]}, mark=False)
+    same_as(requests[:380])  # the new sealed part is not read before its marker
+    shutil.rmtree(day / "part=sj0.live")
+    same_as(requests[:200])  # for a moment, the live part's requests are missing
+    mark_part(tmp_path, sealed)
+    same_as(requests[:400])
     write_parted(tmp_path, {"sj0.live": after["sj0.live"]})
-    for stale in set(before) - set(after):
-        shutil.rmtree(tmp_path / "request_samples" / f"date={DATE}" / f"part={stale}")
-    write_flat(tmp_path / "flat-after", requests)
-    errors_after = reader.errors(STREAM, DATE, action="", status=None, exception="", limit=10)
-    assert errors_after != errors_before
-    assert answers(reader) == answers(drilldown(tmp_path / "flat-after"))
+    same_as(requests)
+    # Retention deleted the first segment: its part and marker go.
+    shutil.rmtree(day / f"part={next(iter(after))}")
+    (tmp_path / "request_samples" / "_parts" / next(iter(after))).unlink()
+    same_as(requests[200:])
 
 
 async def test_the_console_merges_with_the_bounds_of_its_spark_section(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ sizes and modification times.
 A batch job with a parsed-segment cache writes the drill-down tables a part per journal
 segment (docs/spark.md): ``date=D/part=P/*.parquet``, ``P`` naming a sealed segment
 (``s<journal>.<first>-<end>-<bytes>``, written once) or a journal's live segment
-(``s<journal>.live``, rewritten each run). :meth:`TableFiles.parts` lists them by part, for the
-readers that merge a group's rows over its parts (:mod:`.drilldown`). A date directory that
+(``s<journal>.live``, rewritten each run), and a marker ``<table>/_parts/P`` once a part's
+files are in place. :meth:`TableFiles.parts` lists them by part, for the readers that merge a
+group's rows over its parts (:mod:`.drilldown`). A date directory that
 has parts may still hold flat files of an earlier version's run over the same requests: those
 are not read, or a request would show twice. Called in worker threads.
 """
@@ -34,6 +35,7 @@ _LOG = "_spark_metadata"
 _BATCH = re.compile(r"^(\d+)(\.compact)?$")
 _DATE_DIR = re.compile(r"^date=(\d{4}-\d{2}-\d{2})$")
 _PART_DIR = "part="
+_MARKERS = "_parts"  # <table>/_parts/<P>: part P's files are all in place
 # Listings kept (tables x logs); each a few KB to a few MB for a long-running stream.
 _CACHED = 32
 # Files whose minute range is kept (a few dozen bytes each): a day has a part per segment.
@@ -105,13 +107,20 @@ class TableFiles:
     def parts(self, table: str, date: str) -> dict[str, list[str]]:
         """part directory name (``part=P``) -> its Parquet files, for a table written a part
         per journal segment; empty for a flat date directory (a stream's, an older job's).
-        A part's files appear by rename, so a listed part is whole."""
+        A part's files appear by rename, so a listed part is whole. Once the job has written
+        markers (``<table>/_parts/<P>``, each after its part's files), only the parts with one
+        are listed: a sealed part that replaces the live one gets its marker after the live
+        part is gone, so no request is listed twice (for a moment, neither may be)."""
         if self.streamed(table):
             return {}
         day = os.path.join(self.table_dir(table), f"date={date}")
+        markers = os.path.join(self.table_dir(table), _MARKERS)
+        committed = set(_listdir(markers)) if os.path.isdir(markers) else None
         found: dict[str, list[str]] = {}
         for name in _listdir(day):
             if name.startswith(_PART_DIR):
+                if committed is not None and unquote(name[len(_PART_DIR) :]) not in committed:
+                    continue
                 directory = os.path.join(day, name)
                 files = _parquet(_listdir(directory))
                 if files:
@@ -128,7 +137,8 @@ class TableFiles:
             for name in sorted(_listdir(day))
             if name.startswith(_PART_DIR)
         )
-        return (_fingerprint(day), parts, _fingerprint(log) if os.path.isdir(log) else ())
+        markers = tuple(sorted(_listdir(os.path.join(self.table_dir(table), _MARKERS))))
+        return (_fingerprint(day), parts, markers, _fingerprint(log) if os.path.isdir(log) else ())
 
     def minute_range(self, files: Iterable[str]) -> tuple[int, int] | None:
         """The least and greatest ``minute`` (epoch microseconds) of the rows of ``files``,
