@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,27 @@ MERGE_COLUMNS = (
 )  # fmt: skip
 _MINUTE_US = 60_000_000
 _NULL_ORDER = np.iinfo(np.int64).min  # a null journal or offset orders first (as in Spark)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """The rows the Errors page reads: failed requests (of one status code if given). A
+    filter on rows, not groups: applied after a group's rows are merged, pushed down to the
+    scan where they need no merge."""
+
+    status: int | None = None
+
+    def expression(self) -> Any:
+        where = pc.field("failed")
+        return where if self.status is None else where & (pc.field("code") == self.status)
+
+    def mask(self, table: pa.Table) -> Any:
+        # A compute kernel on the columns: a table filtered by an expression costs an Acero
+        # plan (milliseconds) a call.
+        where = table.column("failed").fill_null(False)
+        if self.status is not None:
+            where = pc.and_(where, pc.equal(table.column("code"), self.status).fill_null(False))
+        return where
 
 
 def split_stream(stream: str) -> tuple[str, str]:
@@ -131,7 +153,7 @@ class Drilldown:
         self,
         date: str,
         groups: Any,
-        rows: Any,
+        rows: _Failed | None,
         columns: list[str],
         minute_us: int | None = None,
     ) -> Iterator[pa.Table]:
@@ -141,7 +163,7 @@ class Drilldown:
         minute ``groups`` selects, if so (only the parts that can hold it are read)."""
         parts = self.tables.parts(SAMPLES, date)
         if len(parts) <= 1:  # a flat table, or one part: its rows are whole
-            both = groups if rows is None else groups & rows
+            both = groups if rows is None else groups & rows.expression()
             for batch in self._batches(SAMPLES, date, both, columns):
                 yield pa.Table.from_batches([batch])
             return
@@ -152,74 +174,87 @@ class Drilldown:
                 for name, span in ranges.items()
                 if span is None or span[0] <= minute_us <= span[1]
             }
-        # One schema for every part, as one dataset of them all reads them: the first file's,
-        # the others' columns cast to it (or null where absent).
-        schema = ds.dataset([p for files in parts.values() for p in files], format="parquet").schema
+        # Parts by their first minute: after those before part k are read, no part left holds
+        # a minute before part k's first, so the held rows of those minutes are whole. A part
+        # whose minutes are unknown may hold any: then every row is held to the end.
         known = {name: span for name, span in ranges.items() if span is not None}
-        if len(known) < len(ranges):  # a part's minutes unknown: all merged at once
-            chosen = [parts[name] for name in ranges]
-            yield from self._merged(chosen, schema, groups, rows, columns)
+        if len(known) == len(ranges):
+            order = sorted((span[0], name) for name, span in known.items() if span[0] <= span[1])
+            names = [name for _, name in order]
+            starts: list[int] | None = [start for start, _ in order]
+            windows = _shared([known[name] for name in names])
+            edges = np.asarray([edge for window in windows for edge in window], dtype=np.int64)
+        else:
+            names, starts, edges, windows = sorted(ranges), None, None, []
+        paths = [path for name in names for path in parts[name]]
+        if not paths:
             return
-        # The parts by their first minute, each read once: after part i, no part left holds a
-        # minute before part i+1's first, so the held rows of those minutes are whole.
-        order = sorted((span[0], name) for name, span in known.items() if span[0] <= span[1])
-        edges = np.asarray(
-            [edge for window in _shared([known[name] for _, name in order]) for edge in window],
-            dtype=np.int64,
-        )
+        part_of = {path: k for k, name in enumerate(names) for path in parts[name]}
+        # One dataset: one schema for every part (the first file's, the others' columns cast
+        # to it, null where absent), files read ahead; its batches come in the files' order.
+        dataset = ds.dataset(paths, format="parquet")
+        present = set(dataset.schema.names)
+        wanted = [c for c in dict.fromkeys([*columns, *MERGE_COLUMNS]) if c in present]
+        # The row filter goes down to the scan for the rows of unshared minutes (those of
+        # shared minutes are all needed: the merge ranks a group's rows whatever they are).
+        where = groups
+        if rows is not None and edges is not None:
+            pushed = rows.expression()
+            where = groups & (pushed | _within(windows)) if windows else groups & pushed
+        scanner = dataset.scanner(columns=wanted, filter=where, batch_size=SCAN_BATCH_ROWS)
         held: list[pa.Table] = []
         tags: list[np.ndarray] = []
-        for k, (_, name) in enumerate(order):
-            for table in self._part(parts[name], schema, groups, columns):
+        current = 0
+        for tagged in scanner.scan_batches():
+            k = part_of[tagged.fragment.path]
+            if k < current:  # not in the files' order after all: hold every shared row to the end
+                starts = None
+            elif k > current:
+                current = k
+                if starts is not None and held:
+                    whole, held, tags = self._whole(held, tags, starts[k])
+                    if whole is not None:
+                        yield from _selected(whole, rows, columns)
+            table = pa.Table.from_batches([tagged.record_batch])
+            if not table.num_rows:
+                continue
+            if edges is None:
+                shared = np.ones(table.num_rows, dtype=bool)
+            else:
                 minute = pc.cast(table.column("minute"), pa.int64()).to_numpy()
                 # In a shared window [lo, hi) iff an odd number of edges are at or below it.
                 shared = np.searchsorted(edges, minute, side="right") % 2 == 1
-                if shared.any():
-                    held.append(table.filter(pa.array(shared)))
-                    tags.append(np.full(int(shared.sum()), k))
-                    table = table.filter(pa.array(~shared))
-                yield from _selected(table, rows, columns)
-            if not held:
-                continue
-            following = order[k + 1][0] if k + 1 < len(order) else None
-            table, tag = pa.concat_tables(held), np.concatenate(tags)
-            if following is None:
-                whole = np.ones(table.num_rows, dtype=bool)
-            else:
-                whole = pc.cast(table.column("minute"), pa.int64()).to_numpy() < following
-            if whole.any():
-                self.merges += 1
-                merged = merge_parts(table.filter(pa.array(whole)), tag[whole], *self._bounds)
-                yield from _selected(merged, rows, columns)
-            held, tags = (
-                ([table.filter(pa.array(~whole))], [tag[~whole]]) if not whole.all() else ([], [])
-            )
-
-    def _part(
-        self, files: list[str], schema: pa.Schema, groups: Any, columns: list[str]
-    ) -> Iterator[pa.Table]:
-        """A part's rows in ``groups``: ``columns`` and those the merge needs."""
-        dataset = ds.dataset(files, schema=schema, format="parquet")
-        names = set(dataset.schema.names)
-        wanted = [c for c in dict.fromkeys([*columns, *MERGE_COLUMNS]) if c in names]
-        scanner = dataset.scanner(columns=wanted, filter=groups, batch_size=SCAN_BATCH_ROWS)
-        for batch in scanner.to_batches():
-            if batch.num_rows:
-                yield pa.Table.from_batches([batch])
-
-    def _merged(
-        self, parts: list[list[str]], schema: pa.Schema, groups: Any, rows: Any, columns: list[str]
-    ) -> Iterator[pa.Table]:
-        """Every row of ``parts`` in ``groups``, merged at once."""
-        tables, tags = [], []
-        for k, files in enumerate(parts):
-            for table in self._part(files, schema, groups, columns):
-                tables.append(table)
+            if shared.all():
+                held.append(table)
                 tags.append(np.full(table.num_rows, k))
-        if tables:
-            self.merges += 1
-            merged = merge_parts(pa.concat_tables(tables), np.concatenate(tags), *self._bounds)
-            yield from _selected(merged, rows, columns)
+                continue
+            if shared.any():
+                held.append(table.filter(pa.array(shared)))
+                tags.append(np.full(int(shared.sum()), k))
+                table = table.filter(pa.array(~shared))
+            yield from _selected(table, None if where is not groups else rows, columns)
+        if held:
+            whole, _, _ = self._whole(held, tags, None)
+            if whole is not None:
+                yield from _selected(whole, rows, columns)
+
+    def _whole(
+        self, held: list[pa.Table], tags: list[np.ndarray], before: int | None
+    ) -> tuple[pa.Table | None, list[pa.Table], list[np.ndarray]]:
+        """The held rows of minutes before ``before`` (None: all) merged, and those left."""
+        table, tag = pa.concat_tables(held), np.concatenate(tags)
+        if before is None:
+            whole = np.ones(table.num_rows, dtype=bool)
+        else:
+            whole = pc.cast(table.column("minute"), pa.int64()).to_numpy() < before
+        if not whole.any():
+            return None, held, tags
+        self.merges += 1
+        if whole.all():
+            return merge_parts(table, tag, *self._bounds), [], []
+        mask = pa.array(whole)
+        merged = merge_parts(table.filter(mask), tag[whole], *self._bounds)
+        return merged, [table.filter(pc.invert(mask))], [tag[~whole]]
 
     def _cached(self, key: tuple[Any, ...], table: str, date: str, build: Any) -> dict[str, Any]:
         """``build()``, kept while the table's files for ``date`` stay the same."""
@@ -302,9 +337,7 @@ class Drilldown:
         groups = day
         if action:
             groups &= pc.field("action") == action
-        rows = pc.field("failed")
-        if status is not None:
-            rows &= pc.field("code") == status
+        rows = _Failed(status)
         # The newest `limit` of the matching rows, kept while the batches go by.
         newest: pa.Table | None = None
         matched = 0
@@ -330,7 +363,7 @@ class Drilldown:
         exceptions: Counter[str] = Counter()
         groups: dict[tuple[Any, ...], int] = {}  # (minute, action, ...) -> its failed_count
         kept = 0
-        for batch in self._samples(date, day, pc.field("failed"), columns):
+        for batch in self._samples(date, day, _Failed(), columns):
             kept += batch.num_rows
             for counter, values in (
                 (actions, batch.column("action")),
@@ -552,8 +585,20 @@ def _shared(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return windows
 
 
-def _selected(table: pa.Table, rows: Any, columns: list[str]) -> Iterator[pa.Table]:
+def _within(windows: list[tuple[int, int]]) -> Any:
+    """A filter: the minute is in one of ``windows``."""
+    minute = pc.field("minute")
+    where = None
+    for lo, hi in windows:
+        inside = (minute >= pa.scalar(lo, pa.timestamp("us", "UTC"))) & (
+            minute < pa.scalar(hi, pa.timestamp("us", "UTC"))
+        )
+        where = inside if where is None else where | inside
+    return where
+
+
+def _selected(table: pa.Table, rows: _Failed | None, columns: list[str]) -> Iterator[pa.Table]:
     if rows is not None:
-        table = table.filter(rows)
+        table = table.filter(rows.mask(table))
     if table.num_rows:
         yield table.select([c for c in columns if c in table.column_names])
