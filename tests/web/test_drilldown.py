@@ -102,7 +102,8 @@ def requests_of(seed: int, count: int, journals: int, minutes: int) -> list[Requ
                     action=rng.choice(ACTIONS),
                     frontend=rng.random() < 0.2,
                     total_time=float(rng.choice((5, 10, 10, 20, 40, 80))),
-                    started_us=rng.choice((0, 1_000_000, 2_000_000)),
+                    # a few starts with microseconds (answers give milliseconds)
+                    started_us=rng.choice((0, 1_000_000, 2_000_000, 2_000_137)),
                     code=code,
                     exceptions=("Timeout",) if rng.random() < 0.15 else (),
                 )

@@ -94,7 +94,8 @@ def split_stream(stream: str) -> tuple[str, str]:
 
 
 def _ms(column: pa.ChunkedArray) -> list[int | None]:
-    return pc.cast(pc.cast(column, pa.timestamp("ms")), pa.int64()).to_pylist()
+    # Cut to the millisecond: a start parsed with microseconds would fail a safe cast.
+    return pc.cast(pc.cast(column, pa.timestamp("ms"), safe=False), pa.int64()).to_pylist()
 
 
 def _rows(table: pa.Table) -> list[dict[str, Any]]:
