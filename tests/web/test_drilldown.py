@@ -442,3 +442,34 @@ def test_parts_read_out_of_order_still_merge_exactly(
     expected = answers(drilldown(tmp_path / "flat"))
     monkeypatch.setattr(ds, "dataset", swapped_files)
     assert answers(drilldown(tmp_path / "parted")) == expected
+
+
+def test_a_file_gone_between_listing_and_reading_is_listed_again(tmp_path: Path) -> None:
+    """The job rewrites the live part (new file names) just after a page listed the old one:
+    the answer is read again from a fresh listing, not an error."""
+    requests = requests_of(6, count=500, journals=1, minutes=20)
+    parts = segments_of(requests, 120)
+    write_parted(tmp_path / "parted", parts)
+    write_flat(tmp_path / "flat", requests)
+    live = tmp_path / "parted" / "request_samples" / f"date={DATE}" / "part=sj0.live"
+
+    class Racing(TableFiles):
+        raced = 0
+
+        def parts(self, table: str, date: str) -> dict[str, list[str]]:
+            listed = super().parts(table, date)
+            if not self.raced:  # the job's rename right after this listing
+                self.raced += 1
+                (live / "part-00000-c000.snappy.parquet").rename(live / "part-00000-c001.parquet")
+            return listed
+
+    bounds = SparkSettings(slow_requests_per_action=SLOW, failed_requests_per_action=FAILED)
+    racing = Racing(str(tmp_path / "parted"))
+    got = Drilldown(racing, bounds).errors(
+        STREAM, DATE, action="", status=None, exception="", limit=100
+    )
+    assert racing.raced == 1
+    expected = drilldown(tmp_path / "flat").errors(
+        STREAM, DATE, action="", status=None, exception="", limit=100
+    )
+    assert got == expected

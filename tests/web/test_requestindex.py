@@ -191,3 +191,28 @@ def test_a_sealed_part_replacing_the_live_one_is_searched(tmp_path: Path) -> Non
         assert hit is not None and (hit.journal, hit.offset) == where[rid]
     hit = index.find(newer)
     assert hit is not None and hit.offset == 301
+
+
+def test_a_part_gone_between_listing_and_reading_is_listed_again(tmp_path: Path) -> None:
+    """The live part sealed just after a lookup listed it: the lookup lists again and finds
+    the request in the sealed part, not an error."""
+    where = _write_parted_day(tmp_path, journals=1, segments=3, per_segment=100)
+    day = tmp_path / "request_ids" / f"date={DAY.date().isoformat()}"
+    target = next(r for r, (_, offset) in where.items() if offset >= 250 and uuid1_time(r))
+
+    class Racing(TableFiles):
+        raced = 0
+
+        def files(self, table: str, date: str) -> list[str]:
+            listed = super().files(table, date)
+            if not self.raced:
+                self.raced += 1
+                (day / "part=sj-0.200-300-1").mkdir()
+                (day / "part=sj-0.live" / "part-00000.c000.parquet").rename(
+                    day / "part=sj-0.200-300-1" / "part-00000.c000.parquet"
+                )
+            return listed
+
+    racing = Racing(str(tmp_path))
+    hit = RequestIndex(racing, find_dates=31).find(target)
+    assert racing.raced == 1 and hit is not None and hit.offset == where[target][1]

@@ -40,7 +40,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from ..spark.settings import SparkSettings
-from .tables import TableFiles
+from .tables import TableFiles, relisted
 
 __all__ = ["Drilldown", "merge_parts", "split_stream"]
 
@@ -272,6 +272,7 @@ class Drilldown:
                 self._answers.popitem(last=False)
         return answer
 
+    @relisted
     def samples(
         self, stream: str, date: str, minute_ms: int | None, action: str, limit: int
     ) -> dict[str, Any]:
@@ -313,6 +314,7 @@ class Drilldown:
         result["failed_count"] = _failed_total(table)
         return result
 
+    @relisted
     def errors(
         self,
         stream: str,
@@ -386,6 +388,7 @@ class Drilldown:
             },
         }
 
+    @relisted
     def exceptions(self, stream: str, date: str, limit: int) -> dict[str, Any]:
         """Exception classes of ``stream``'s ``date`` by count: per class the count, its
         actions, sample requests (``request_id``, ``journal``, ``offset``) and, for the

@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .tables import TableFiles
+from .tables import TableFiles, relisted
 
 __all__ = ["CLOCK_SLACK_MINUTES", "IndexHit", "RequestIndex", "uuid1_time"]
 
@@ -117,12 +117,9 @@ class RequestIndex:
         self._files: OrderedDict[str, tuple[tuple[int, int], Any, list[_Group]]] = OrderedDict()
         self.groups_read = 0  # row groups read by lookups (tests and the bench look at it)
 
-    def _groups(self, path: str) -> tuple[Any, list[_Group]] | None:
+    def _groups(self, path: str) -> tuple[Any, list[_Group]]:
         """The file's metadata and its row groups' id and minute ranges (cached)."""
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return None
+        st = os.stat(path)  # FileNotFoundError: replaced since the listing (find lists again)
         stamp = (st.st_size, st.st_mtime_ns)
         with self._lock:
             cached = self._files.get(path)
@@ -157,10 +154,7 @@ class RequestIndex:
         self, request_id: str, date: str, window: tuple[int, int] | None
     ) -> IndexHit | None:
         for path in self.tables.files(TABLE, date):
-            found = self._groups(path)
-            if found is None:
-                continue
-            metadata, groups = found
+            metadata, groups = self._groups(path)
             candidates = [
                 g.index
                 for g in groups
@@ -182,6 +176,7 @@ class RequestIndex:
                     return _hit(hits, date)
         return None
 
+    @relisted
     def find(self, request_id: str, date: str = "") -> IndexHit | None:
         """Where the request ``request_id`` is stored, or None."""
         dates = self.tables.dates(TABLE)

@@ -21,15 +21,17 @@ are not read, or a request would show twice. Called in worker threads.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["TableFiles"]
+__all__ = ["READ_ATTEMPTS", "TableFiles", "relisted"]
 
 _LOG = "_spark_metadata"
 _BATCH = re.compile(r"^(\d+)(\.compact)?$")
@@ -38,8 +40,31 @@ _PART_DIR = "part="
 _MARKERS = "_parts"  # <table>/_parts/<P>: part P's files are all in place
 # Listings kept (tables x logs); each a few KB to a few MB for a long-running stream.
 _CACHED = 32
+# Answers read again from a fresh listing when a listed file went meanwhile (the job replaced
+# the live part, or retention deleted a part): a run replacing parts as we read costs one more.
+READ_ATTEMPTS = 3
 # Files whose minute range is kept (a few dozen bytes each): a day has a part per segment.
 _CACHED_RANGES = 100_000
+
+
+_Answer = TypeVar("_Answer")
+
+
+def relisted(method: Callable[..., _Answer]) -> Callable[..., _Answer]:
+    """``method`` (a reader's answer) again, up to :data:`READ_ATTEMPTS` times, when a file it
+    listed is gone: the next call lists the files again."""
+
+    @functools.wraps(method)
+    def answer(*args: Any, **kwargs: Any) -> _Answer:
+        for attempt in range(1, READ_ATTEMPTS + 1):
+            try:
+                return method(*args, **kwargs)
+            except FileNotFoundError:
+                if attempt == READ_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")
+
+    return answer
 
 
 def _parquet(names: list[str]) -> list[str]:
@@ -143,7 +168,8 @@ class TableFiles:
     def minute_range(self, files: Iterable[str]) -> tuple[int, int] | None:
         """The least and greatest ``minute`` (epoch microseconds) of the rows of ``files``,
         from their Parquet statistics (kept per file path, size and modification time); None
-        when a file has none (every minute may be in it). ``(1, 0)`` (empty) for no rows."""
+        when a file has none (every minute may be in it). ``(1, 0)`` (empty) for no rows.
+        FileNotFoundError when a file is gone (a part the job replaced since the listing)."""
         least, greatest = 1, 0
         for path in files:
             span = self._file_range(path)
@@ -160,10 +186,7 @@ class TableFiles:
     def _file_range(self, path: str) -> tuple[int, int] | None:
         import pyarrow.parquet as pq  # the console loads pyarrow only for these pages
 
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return (1, 0)  # gone (a part replaced since the listing): no rows read from it
+        st = os.stat(path)  # FileNotFoundError: replaced since the listing (read it again)
         stamp = (st.st_size, st.st_mtime_ns)
         with self._lock:
             cached = self._ranges.get(path)
