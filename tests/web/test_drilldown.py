@@ -310,6 +310,11 @@ def test_a_parted_table_answers_as_the_flat_one(
     assert expected[0]["slow"] and any(a.get("requests") for a in expected)  # not vacuous
     assert answers(parted) == expected
     assert flat.merges == 0 and parted.merges > 0
+    # And right, not only alike: the day's failed requests, and those the rollup kept.
+    day = parted.errors(STREAM, DATE, action="", status=None, exception="", limit=1)
+    assert day["failed_count"] == sum(r.failed for r in requests)
+    kept = expected_rows(requests, SLOW, FAILED)
+    assert day["failed_kept"] == sum(row["failed"] for row in kept) < day["failed_count"]
 
 
 def test_parts_of_separate_minutes_are_not_merged(tmp_path: Path) -> None:

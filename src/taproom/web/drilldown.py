@@ -364,7 +364,11 @@ class Drilldown:
         actions: Counter[str] = Counter()
         statuses: Counter[int] = Counter()
         exceptions: Counter[str] = Counter()
-        groups: dict[tuple[Any, ...], int] = {}  # (minute, action, ...) -> its failed_count
+        # Each group's failed_count once (every row of a group carries it): per batch a row
+        # per group, in Arrow; what is held is bounded by the day's groups, not its rows.
+        keys = columns[:4]
+        groups: list[pa.Table] = []
+        held = 0
         kept = 0
         for batch in self._samples(date, day, _Failed(), columns):
             kept += batch.num_rows
@@ -375,11 +379,18 @@ class Drilldown:
             ):
                 for pair in pc.value_counts(values).to_pylist():
                     counter[pair["values"]] += pair["counts"]
-            keys = zip(*(batch.column(k).to_pylist() for k in columns[:4]), strict=True)
-            for key, count in zip(keys, batch.column("failed_count").to_pylist(), strict=True):
-                groups[key] = count  # every row of a group carries the same count
+            present = [k for k in keys if k in batch.column_names]
+            groups.append(_per_group(batch.select([*present, "failed_count"]), present))
+            held += groups[-1].num_rows
+            if held > 4 * SCAN_BATCH_ROWS:
+                groups = [_per_group(pa.concat_tables(groups), present)]
+                held = groups[0].num_rows
+        failed_count = 0
+        if groups:
+            whole = _per_group(pa.concat_tables(groups), present)
+            failed_count = int(pc.sum(whole.column("failed_count")).as_py() or 0)
         return {
-            "failed_count": sum(groups.values()),
+            "failed_count": failed_count,
             "failed_kept": kept,
             "facets": {
                 "actions": _top(list(actions.items())),
@@ -463,6 +474,12 @@ def _raised(exceptions: pa.ChunkedArray | pa.Array, name: str) -> pa.Array:
 def _top(pairs: list[tuple[Any, int]]) -> list[tuple[Any, int]]:
     """The FACETS most frequent values, most frequent first (ties by value)."""
     return sorted(pairs, key=lambda p: (-p[1], str(p[0])))[:FACETS]
+
+
+def _per_group(table: pa.Table, keys: list[str]) -> pa.Table:
+    """A row per group of ``keys`` with its ``failed_count`` (the same on each of its rows)."""
+    grouped = table.group_by(keys, use_threads=False).aggregate([("failed_count", "max")])
+    return grouped.rename_columns([*keys, "failed_count"])
 
 
 def _failed_total(table: pa.Table) -> int:
