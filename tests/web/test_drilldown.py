@@ -441,7 +441,8 @@ def test_parts_read_out_of_order_still_merge_exactly(
 
     def swapped_files(source: Any, **options: Any) -> Any:
         if isinstance(source, list):  # 1, 0, 3, 2, ...: part 2 read after part 3
-            source = [source[i ^ 1] if i ^ 1 < len(source) else source[i] for i in range(len(source))]  # fmt: skip
+            swapped = [i ^ 1 if i ^ 1 < len(source) else i for i in range(len(source))]
+            source = [source[i] for i in swapped]
         return real(source, **options)
 
     expected = answers(drilldown(tmp_path / "flat"))

@@ -155,8 +155,8 @@ def test_a_parted_index_is_pruned_to_the_parts_of_a_v1_ids_time(tmp_path: Path) 
             hit = index.find(rid)
             assert hit is not None and (hit.journal, hit.offset) == where[rid]
             reads.append(index.groups_read - before)
-        print(f"{name} ids: row groups read per lookup, 48 parts of 8 groups: "
-              f"mean {sum(reads) / len(reads):.1f}, max {max(reads)}")  # fmt: skip
+        mean = sum(reads) / len(reads)
+        print(f"{name} ids, 48 parts of 8 row groups: {mean:.1f} read a lookup, max {max(reads)}")
         if name == "v1":
             # The parts whose minutes are within the id's time +- the clock slack (2 or 3 of
             # each journal), one group each, the id's journal's holding it.
@@ -181,9 +181,15 @@ def test_a_sealed_part_replacing_the_live_one_is_searched(tmp_path: Path) -> Non
     )
     (day / "part=sj-0.live").rmdir()
     newer = v1(DAY + dt.timedelta(minutes=95, seconds=3), 301)
-    rows = {"request_id": [newer], "journal": ["j-0"], "offset": [301], "app": ["shop"],
-            "env": ["production"],
-            "minute": pa.array([DAY + dt.timedelta(minutes=95)], pa.timestamp("us", "UTC"))}  # fmt: skip
+    minute = pa.array([DAY + dt.timedelta(minutes=95)], pa.timestamp("us", "UTC"))
+    rows = {
+        "request_id": [newer],
+        "journal": ["j-0"],
+        "offset": [301],
+        "app": ["shop"],
+        "env": ["production"],
+        "minute": minute,
+    }
     (day / "part=sj-0.live").mkdir()
     pq.write_table(pa.table(rows), day / "part=sj-0.live" / "part-00000.c000.parquet")
     for rid in late:
