@@ -479,3 +479,32 @@ def test_a_file_gone_between_listing_and_reading_is_listed_again(tmp_path: Path)
         STREAM, DATE, action="", status=None, exception="", limit=100
     )
     assert got == expected
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    sizes=st.lists(st.integers(1, 80), min_size=1, max_size=3),
+    minutes=st.integers(1, 12),
+)
+def test_any_layout_of_parts_answers_as_the_flat_table(
+    seed: int, sizes: list[int], minutes: int
+) -> None:
+    """Journals cut into segments of their own sizes (parts of one request, parts spanning
+    every minute, boundaries anywhere): the reader's sweep answers as the flat table."""
+    import tempfile
+
+    requests: list[Request] = []
+    parts: dict[str, list[Request]] = {}
+    for j, size in enumerate(sizes):
+        mine = [
+            Request(**{**r.__dict__, "journal": f"j{j}"})
+            for r in requests_of(seed + j, 120, 1, minutes)
+        ]
+        requests += mine
+        parts.update(segments_of(mine, size))
+    with tempfile.TemporaryDirectory() as scratch:
+        root = Path(scratch)
+        write_flat(root / "flat", requests)
+        write_parted(root / "parted", parts)
+        assert answers(drilldown(root / "parted")) == answers(drilldown(root / "flat"))
