@@ -4,7 +4,8 @@ The first part of ``python -m bench console``'s drill-down (bench/console_drilld
 fewer requests and without the Request page lookups: the same journal of logjam requests over
 one day, a cold run, then four warm rounds, each a run without (requests, exceptions without
 samples, logs) and one with the drill-down tables (exceptions with samples, request_samples,
-request_ids); the goal's figure is the CPU of all warm runs.
+request_ids); the goal's figure is the CPU of all warm runs. Warm runs reuse the sealed
+segments' parts of the drill-down tables (the cold run wrote them, its CPU is printed).
 1M requests (``--quick``: 300k; ``TAPROOM_BENCH_DRILLDOWN_EVENTS`` sets another number): a
 few minutes on local[2], where the whole drill-down half of the console bench takes ~22.
 """

@@ -18,6 +18,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
+from taproom.spark import transforms as T
 from taproom.spark.jobs.report import report_text
 from taproom.spark.jobs.rollup import day_range, run_rollup
 from taproom.spark.jobs.stream import run_stream
@@ -176,11 +177,24 @@ def test_request_index_lookups_read_one_row_group_per_file(
     from taproom.spark.settings import SparkSettings
     from taproom.web.requestindex import RequestIndex
 
-    out = tmp_path / "rollup"
     settings = SparkSettings(index_row_group_bytes=8 << 10)  # tiny groups for 3,000 events
+    # Per segment (the cache's layout, jobs/parts.py): one file per (date, part), each sorted
+    # by id, in small row groups.
+    parts = tmp_path / "parts"
+    run_rollup(
+        spark, [str(logjam_journal)], str(parts), tables=("request_ids",), progress=False,
+        settings=settings,
+    )  # fmt: skip
+    part_files = sorted((parts / "request_ids").glob("date=*/part=*/*.parquet"))
+    assert len({f.parent for f in part_files}) == len(part_files) > 1
+    for f in part_files:
+        ids = pq.read_table(f, columns=["request_id"]).column(0).to_pylist()
+        assert ids == sorted(ids) and pq.read_metadata(f).num_row_groups >= 2, f
+    # Whole (no cache): the console's lookups over the flat layout.
+    out = tmp_path / "rollup"
     run_rollup(
         spark, [str(logjam_journal)], str(out), tables=("request_ids",), progress=False,
-        settings=settings,
+        settings=settings, cache=False,
     )  # fmt: skip
     tables = TableFiles(str(out))
     files = [f for d in tables.dates("request_ids") for f in tables.files("request_ids", d)]
@@ -416,7 +430,13 @@ def test_stream_exactly_once_across_stop_and_sigkill(spark: Any, tmp_path: Path)
     reference = reference_requests(events)
     for table in tables:
         streamed = spark.read.parquet(str(out / table)).collect()
-        batched = [r for r in spark.read.parquet(str(batch / table)).collect()]
+        # The batch job wrote request_samples and request_ids per segment (jobs/parts.py):
+        # merged at read, they are the stream's whole rows.
+        batch_df = spark.read.parquet(str(batch / table))
+        assert ("part" in batch_df.columns) == (table in ("request_samples", "request_ids"))
+        if table == "request_samples":
+            batch_df = batch_df.transform(T.merge_sample_parts)
+        batched = [r for r in batch_df.drop("part").collect()]
         batched = [r for r in batched if r["minute"] < flush_minute]
         assert all(r["minute"] < flush_minute for r in streamed)
         key_cols = [

@@ -91,6 +91,9 @@ def cmd_rollup(args: argparse.Namespace) -> int:
         f"{stats.live} read live)",
         file=sys.stderr,
     )
+    if stats.parts_written:
+        written = ", ".join(f"{t} {n}" for t, n in sorted(stats.parts_written.items()))
+        print(f"rollup: drill-down parts written (live and new sealed): {written}", file=sys.stderr)
     return 0
 
 

@@ -39,7 +39,7 @@ from typing import Any
 from .schemas import PARSED_EVENT_SCHEMA
 from .sources import JournalSource, Segment, SourceSpec
 
-__all__ = ["CACHE_VERSION", "CacheStats", "parsed_events"]
+__all__ = ["CACHE_VERSION", "CacheStats", "SealedPart", "live_part", "parsed_events"]
 
 # 2: parsed rows carry the request's resources; 3: keyed by journal id, `journal` is the id;
 # 4: raw logjam bodies are not requests; 5: the event-time rule on started
@@ -48,15 +48,34 @@ CACHE_VERSION = 6  # 6: journal, offset, request_id and host kept (the drill-dow
 PARSE_COLUMNS = "journal,offset,received,ts,protocol,stream,topic,content_type,payload,attrs"
 
 
+@dataclass(frozen=True)
+class SealedPart:
+    """A sealed segment as a part of the per-segment tables (jobs/parts.py): its part name,
+    ``s<journal id>.<entry>``, and its cache entry (a directory of Parquet files)."""
+
+    name: str
+    path: str
+
+
+def live_part(journal_id: str) -> str:
+    """The part name of a journal's last (live) segment."""
+    return f"s{journal_id}.live"
+
+
 @dataclass
 class CacheStats:
-    """What one run took from the cache and what it had to parse."""
+    """What one run took from the cache and what it had to parse; with a cache, also what
+    the per-segment tables need: every sealed segment's part and the live rows."""
 
     cached: int = 0  # sealed segments read from the cache
     built: int = 0  # sealed segments parsed and added to the cache this run
     live: int = 0  # segments read through the source (the last of each journal)
     removed: int = 0  # entries of segments no longer in their journal
     persisted: list[Any] = field(default_factory=list)  # frames to unpersist after the run
+    sealed: list[SealedPart] = field(default_factory=list)  # every sealed segment, cached now
+    live_journals: list[str] = field(default_factory=list)  # ids of journals with a live part
+    live_rows: Any = None  # the parsed rows of the live segments (None: there are none)
+    parts_written: dict[str, int] = field(default_factory=dict)  # per table (jobs/parts.py)
 
     def release(self) -> None:
         for frame in self.persisted:
@@ -182,6 +201,11 @@ def parsed_events(
                 else:
                     missing.append((source, seg))
             entries += [os.path.join(jdir, s.entry) for s in segments if s.sealed]
+            stats.sealed += [
+                SealedPart(f"s{source.id}.{s.entry}", os.path.join(jdir, s.entry))
+                for s in segments
+                if s.sealed
+            ]
         if missing:
             _build(spark, root, spec, missing)
             stats.built = len(missing)
@@ -189,7 +213,9 @@ def parsed_events(
     if entries:
         frames.append(spark.read.schema(PARSED_EVENT_SCHEMA).parquet(*entries))
     if live or not frames:
-        frames.append(parsed_live(_source(spark, spec, live or None)))
+        stats.live_rows = parsed_live(_source(spark, spec, live or None))
+        stats.live_journals = sorted(live)
+        frames.append(stats.live_rows)
     out = frames[0]
     for frame in frames[1:]:
         out = out.unionByName(frame)

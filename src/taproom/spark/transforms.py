@@ -53,6 +53,7 @@ __all__ = [
     "exception_rollup",
     "log_rollup",
     "logjam_requests",
+    "merge_sample_parts",
     "parse_events",
     "parsed_rows",
     "request_index",
@@ -251,7 +252,8 @@ def logjam_requests(events: DataFrame) -> DataFrame:
     the input has them), stream, topic, app, env, frontend, started, minute, date, action,
     module, code, total_time, severity, exceptions (array of names), resources (struct of the
     numeric resources, :data:`~taproom.spark.schemas.LOGJAM_RESOURCES`; null where absent),
-    request_id and host (null where absent).
+    request_id and host (null where absent); ``part`` when the input has it (the per-segment
+    drill-down tables, jobs/parts.py).
     """
     parsed = parsed_rows(events)
     return (
@@ -274,6 +276,7 @@ def logjam_requests(events: DataFrame) -> DataFrame:
             "resources",
             "request_id",
             "host",
+            *[c for c in ("part",) if c in parsed.columns],
         )
         .withColumn("date", F.date_format(F.col("minute"), "yyyy-MM-dd"))
     )
@@ -543,6 +546,11 @@ def _ranked_samples(requests: DataFrame, slow: int, failed: int) -> DataFrame:
     (``min_by`` with a count over the whole group, in the same window: one sort, where a
     second window ordered by start sorted every row again).
 
+    With a ``part`` column (the per-segment tables, jobs/parts.py) a group is also per part:
+    each part's rows are what its requests alone give, and :func:`merge_sample_parts` merges
+    them. The caller partitions by ``part`` first: the windows' partitioning (which includes
+    ``part``) is then already satisfied and each part's rows stay in one task.
+
     Why not the aggregation: ``max_by``/``min_by`` with a count are declarative aggregates
     whose buffers are arrays, so Spark runs them as sort aggregates, partial and final: every
     request row is sorted twice, and each update rebuilds a group's heap arrays; the partial
@@ -551,18 +559,20 @@ def _ranked_samples(requests: DataFrame, slow: int, failed: int) -> DataFrame:
     each row where it stands (no explode; the one heap holds failed starts only).
     """
     is_failed = _is_failed(F.col("code"), F.col("severity"), F.col("exceptions"))
+    parts = [c for c in ("part",) if c in requests.columns]
     rows = requests.select(
         # The groups' hash leads the partitioning and the sorts (as in request_samples): the
         # sorts tell groups apart by this long prefix and compare the keys only within one.
         F.xxhash64(*_DIMENSIONS).alias("_group"),
         *_DIMENSIONS,
+        *parts,
         *[c for c in _SAMPLE_FIELDS if c != "times"],
         F.struct(*[F.col(f"resources.{n}").alias(n) for n in LOGJAM_TIME_RESOURCES]).alias("times"),
         is_failed.alias("failed"),
     )
     # (total_time, journal, offset) and (started, journal, offset) are unique: the rank and
     # the cut are those of the heaps' orderings.
-    by_time = Window.partitionBy("_group", *_DIMENSIONS).orderBy(
+    by_time = Window.partitionBy("_group", *_DIMENSIONS, *parts).orderBy(
         F.desc("total_time"), F.desc("journal"), F.desc("offset")
     )
     # The whole group, in the same order: one sort for every window of this select.
@@ -587,6 +597,64 @@ def _ranked_samples(requests: DataFrame, slow: int, failed: int) -> DataFrame:
         is_slow.alias("slow"),
         "failed",
         *_SAMPLE_FIELDS,
+        *parts,
+    )
+
+
+def merge_sample_parts(
+    samples: DataFrame,
+    slow: int = DEFAULT_SLOW_REQUESTS,
+    failed: int = DEFAULT_FAILED_REQUESTS,
+) -> DataFrame:
+    """Whole ``request_samples`` rows from per-part ones (the batch job's per-segment layout,
+    ``<table>/date=.../part=.../``): what :func:`request_samples` gives over the union of the
+    parts' requests, the ``part`` column dropped. ``slow`` and ``failed`` must be the bounds
+    the parts were written with (``[spark] slow_requests_per_action``,
+    ``failed_requests_per_action``) or smaller.
+
+    Exact because each part kept its own ``slow`` slowest and ``failed`` first failed
+    requests: the ``slow`` slowest of a union are among the union of each part's ``slow``
+    slowest, and the first ``failed`` failed of a union among each part's first ``failed``.
+    Per group (the dimensions and the date): ``slow`` = among the ``slow`` greatest by
+    (total_time, journal, offset); a failed row is kept when among the first ``failed``
+    failed by (started, journal, offset); a row is kept when slow or kept failed;
+    ``failed_count`` = the sum of each part's ``failed_count`` for the group. Rows without a
+    ``part`` column (the layout without a cache, a stream's table) are already whole and
+    pass unchanged.
+
+    For a Spark user: ``spark.read.parquet("<out>/request_samples")`` (or one date's
+    directory) ``.transform(merge_sample_parts, slow=10, failed=50)``.
+    """
+    if "part" not in samples.columns:
+        return samples
+    keys = (*_DIMENSIONS, "date")
+    by_time = Window.partitionBy(*keys).orderBy(
+        F.desc("total_time"), F.desc("journal"), F.desc("offset")
+    )
+    whole = by_time.rowsBetween(Window.unboundedPreceding, Window.unboundedFollowing)
+    # The part's count once per (group, part): every row of a part's group carries it.
+    first_of_part = Window.partitionBy(*keys, "part").orderBy("journal", "offset")
+    counted = samples.select(
+        "*",
+        F.when(F.row_number().over(first_of_part) == 1, F.col("failed_count")).alias("_count"),
+        F.when(F.col("failed"), F.struct("started", "journal", "offset")).alias("_failed_order"),
+    )
+    ranked = counted.select(
+        "*",
+        F.row_number().over(by_time).alias("_slow_rank"),
+        F.sum("_count").over(whole).cast("long").alias("_failed_count"),
+        F.array_max(F.min_by("_failed_order", "_failed_order", failed).over(whole)).alias(
+            "_failed_cut"
+        ),
+    )
+    is_slow = F.col("_slow_rank") <= slow
+    return ranked.filter(is_slow | (F.col("_failed_order") <= F.col("_failed_cut"))).select(
+        *_DIMENSIONS,
+        "date",
+        F.col("_failed_count").alias("failed_count"),
+        is_slow.alias("slow"),
+        "failed",
+        *_SAMPLE_FIELDS,
     )
 
 
@@ -599,8 +667,9 @@ def request_index(requests: DataFrame) -> DataFrame:
     by ``request_id`` (:func:`~taproom.spark.jobs.rollup.run_rollup`), so a lookup reads one
     row group per file; a streaming query cannot sort its files (docs/console.md)."""
     rid = F.col("request_id")
+    parts = [c for c in ("part",) if c in requests.columns]
     return requests.filter(rid.isNotNull() & (F.length(rid).between(1, MAX_REQUEST_ID))).select(
-        "request_id", "journal", "offset", "app", "env", "minute", _date()
+        "request_id", "journal", "offset", "app", "env", "minute", _date(), *parts
     )
 
 

@@ -13,6 +13,12 @@ and parse only the last segment of each journal. The parsed rows are read once p
 the live part is persisted for the run so its payloads are parsed once. Nothing else is
 persisted: the drill-down tables' columns persisted for ``request_samples`` and
 ``request_ids`` to share cost more than the second read they saved (docs/console.md).
+
+With the cache, ``request_samples`` and ``request_ids`` are written once per sealed segment
+(:mod:`~taproom.spark.jobs.parts`: ``<table>/date=.../part=.../``, readers merge the parts);
+a warm run writes only each journal's live part. ``--since``/``--until`` limit the other
+tables only. Without a cache (an output URL, ``cache=False``) every table is written whole
+as before (``<table>/date=.../``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from .. import transforms as T
 from ..segcache import PARSE_COLUMNS, CacheStats, parsed_events
 from ..settings import SparkSettings
 from ..sources import SourceSpec
+from .parts import PART_TABLES, drop_markers, write_parts
 
 __all__ = [
     "ROLLUP_COLUMNS",
@@ -172,7 +179,9 @@ def run_rollup(
     """Write the rollup tables for ``journals`` (a :class:`~taproom.spark.sources.SourceSpec`:
     directories and hubs, or journal directories) to ``out/<table>/date=YYYY-MM-DD/``.
 
-    ``cache``: True for :func:`default_cache`, a directory, or False/None for none.
+    ``cache``: True for :func:`default_cache`, a directory, or False/None for none. With a
+    cache, ``request_samples`` and ``request_ids`` are written per segment
+    (:mod:`~taproom.spark.jobs.parts`, whatever the range), else whole.
     ``settings``: the ``[spark]`` section (the drill-down tables' bounds).
     """
     settings = settings or SparkSettings()
@@ -181,6 +190,8 @@ def run_rollup(
         raise ValueError(f"unknown tables {sorted(unknown)}; known: {sorted(TABLES)}")
     lo, hi = day_range(since, until)
     cache_dir = default_cache(out) if cache is True else (cache or None)
+    if cache_dir is None:
+        drop_markers(out, tables)  # whole date directories replace the parts
     current = {"table": "parsing sealed segments"}
     with _Progress(spark, lambda: current["table"]) if progress else _NoProgress():
         parsed, stats = parsed_events(spark, journals, cache_dir, persist_live=True)
@@ -192,6 +203,9 @@ def run_rollup(
             current["table"] = ", ".join(tables)
 
             def write(name: str) -> None:
+                if cache_dir is not None and name in PART_TABLES:
+                    stats.parts_written[name] = len(write_parts(spark, stats, out, name, settings))
+                    return
                 path = os.path.join(out, name)
                 frame = frames[name]
                 writer_options = {}
