@@ -150,9 +150,6 @@ def fleet(spark: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict
                 settings=SparkSettings(
                     slow_requests_per_action=SLOW, failed_requests_per_action=FAILED
                 ),
-                # Whole tables (no parts): the console on main reads the flat layout; with
-                # the console's part reader (issue 30, web side) this runs with the cache.
-                cache=False,
             )
             yield {"a": hub_a, "b": hub_b, "root": root}
         finally:

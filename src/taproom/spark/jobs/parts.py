@@ -46,6 +46,7 @@ import os
 import shutil
 import uuid
 from typing import Any
+from urllib.parse import unquote
 
 from .. import transforms as T
 from ..schemas import PARSED_EVENT_SCHEMA
@@ -99,13 +100,15 @@ def _date_dirs(table_dir: str) -> list[str]:
 
 
 def _part_dirs(table_dir: str) -> dict[str, list[str]]:
-    """Every part's directories (one per date it has rows in)."""
+    """Every part's directories (one per date it has rows in). Spark escapes a partition
+    value's special characters in its directory name (%XX): part names have none, but the
+    name is read back the way Spark would."""
     found: dict[str, list[str]] = {}
     for date in _date_dirs(table_dir):
         path = os.path.join(table_dir, date)
         for name in os.listdir(path):
             if name.startswith(_PART):
-                found.setdefault(name[len(_PART) :], []).append(os.path.join(path, name))
+                found.setdefault(unquote(name[len(_PART) :]), []).append(os.path.join(path, name))
     return found
 
 
@@ -227,21 +230,17 @@ def _commit(
                 os.remove(os.path.join(path, name))
     # 2. The new parts, each directory by one rename; then their markers. Sealed parts come
     # first in ``written``; the old live part is already gone.
-    dates: dict[str, list[str]] = {}
-    for date in _date_dirs(staging):
-        for name in os.listdir(os.path.join(staging, date)):
-            if name.startswith(_PART):
-                dates.setdefault(name[len(_PART) :], []).append(date)
+    staged = _part_dirs(staging)
     for part in written:
-        for date in dates.get(part, []):
+        dates = []
+        for path in staged.get(part, []):
+            date = os.path.basename(os.path.dirname(path))
+            dates.append(date[len(_DATE) :])
             os.makedirs(os.path.join(table_dir, date), exist_ok=True)
-            os.rename(
-                os.path.join(staging, date, _PART + part),
-                os.path.join(table_dir, date, _PART + part),
-            )
+            os.rename(path, os.path.join(table_dir, date, os.path.basename(path)))
         tmp = os.path.join(markers, f".{part}.{uuid.uuid4().hex}")
         with open(tmp, "w") as f:
-            json.dump({**made, "dates": sorted(d[len(_DATE) :] for d in dates.get(part, []))}, f)
+            json.dump({**made, "dates": sorted(dates)}, f)
         os.rename(tmp, os.path.join(markers, part))
     for date in _date_dirs(table_dir):
         try:
