@@ -174,6 +174,23 @@ def test_parts_are_written_again_under_other_bounds(
         f: m for f, m in before["request_ids"].items() if ".live/" not in f
     }
 
+    # A run that died after moving a part's files in, before its marker: the part is written
+    # again (its old files go first), the others are kept, no request is there twice.
+    lost = sorted(p for p in _markers(out / "request_ids") if not p.endswith(".live"))[0]
+    os.remove(out / "request_ids" / MARKERS / lost)
+    run_rollup(
+        spark, [str(journal)], str(out), tables=("request_ids",), progress=False, settings=wider
+    )  # fmt: skip
+    again = _files(out / "request_ids")
+    for f, mtime in ids.items():
+        if f".{lost.split('.', 1)[1]}/" in f or ".live/" in f:
+            assert f not in again, f
+        else:
+            assert again.get(f) == mtime, f
+    assert lost in _markers(out / "request_ids")
+    offsets = [r["offset"] for r in spark.read.parquet(str(out / "request_ids")).collect()]
+    assert len(offsets) == len(set(offsets)) == len(_whole(spark, journal)[1])
+
 
 def test_without_a_cache_the_tables_are_whole_as_before(
     spark: Any, logjam_events: list[GeneratedEvent], tmp_path: Path
