@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import os
 import random
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +193,39 @@ def test_parts_are_written_again_under_other_bounds(
     assert lost in _markers(out / "request_ids")
     offsets = [r["offset"] for r in spark.read.parquet(str(out / "request_ids")).collect()]
     assert len(offsets) == len(set(offsets)) == len(_whole(spark, journal)[1])
+
+
+def _waiting_on(path: Path) -> bool:
+    """Some process or thread is blocked on an flock of ``path`` (``->`` lines of
+    /proc/locks name the inode a waiter waits for)."""
+    inode = f":{os.stat(path).st_ino} "
+    with open("/proc/locks") as f:
+        return any("->" in line and inode in line for line in f)
+
+
+def test_two_jobs_on_one_output_take_turns(
+    spark: Any, logjam_events: list[GeneratedEvent], tmp_path: Path
+) -> None:
+    """A job that finds another committing a table's parts (here: the test holding the lock)
+    waits for it before choosing its parts; nothing of that table moves meanwhile."""
+    journal = write_journal(tmp_path / "j", logjam_events[:1200], segment_bytes=SEGMENT_BYTES)
+    out = tmp_path / "out"
+    _run(spark, journal, out)
+    lock = out / "request_ids" / MARKERS / ".lock"
+    before = _files(out / "request_ids")
+    with ThreadPoolExecutor(1) as pool, open(lock, "a+b") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        job = pool.submit(_run, spark, journal, out)
+        deadline = time.monotonic() + 300
+        while not _waiting_on(lock):
+            assert not job.done(), job.result()  # it finished without waiting: no lock
+            assert time.monotonic() < deadline, "the second job never waited on the lock"
+            time.sleep(0.05)
+        assert _files(out / "request_ids") == before and not job.done()
+        fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+        job.result(timeout=300)
+    assert _merged(spark, out) == _whole(spark, journal)
+    assert _markers(out / "request_ids") == _expected_parts(journal)
 
 
 def test_without_a_cache_the_tables_are_whole_as_before(

@@ -39,7 +39,7 @@ from typing import Any
 from .schemas import PARSED_EVENT_SCHEMA
 from .sources import JournalSource, Segment, SourceSpec
 
-__all__ = ["CACHE_VERSION", "CacheStats", "SealedPart", "live_part", "parsed_events"]
+__all__ = ["CACHE_VERSION", "CacheStats", "SealedPart", "live_part", "locked", "parsed_events"]
 
 # 2: parsed rows carry the request's resources; 3: keyed by journal id, `journal` is the id;
 # 4: raw logjam bodies are not requests; 5: the event-time rule on started
@@ -88,7 +88,9 @@ def _journal_dir(root: str, source: JournalSource) -> str:
 
 
 @contextmanager
-def _locked(root: str) -> Iterator[None]:
+def locked(root: str) -> Iterator[None]:
+    """An exclusive lock on ``<root>/.lock`` (made if missing) while the block runs: one
+    process at a time builds the cache's entries, or commits a table's parts (jobs/parts.py)."""
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(root, ".lock"), "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -176,7 +178,7 @@ def parsed_events(
     root = os.path.abspath(cache)
     entries: list[str] = []
     live: dict[str, list[list[int | None]]] = {}
-    with _locked(root):
+    with locked(root):
         for name in os.listdir(root):
             if name.startswith(".tmp-"):  # left by a job that died while building
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)

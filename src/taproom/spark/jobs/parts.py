@@ -37,6 +37,9 @@ sealed part that holds its requests appears), and never a half-written part.
 
 The run's ``--since``/``--until`` range limits the aggregate tables only: a part holds its
 whole segment, whatever the range (a sealed part is written once, for good).
+
+Two jobs writing the same output take turns per table: ``<table>/_parts/.lock`` (an
+exclusive ``flock``) is held from choosing the parts to writing their markers.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from urllib.parse import unquote
 
 from .. import transforms as T
 from ..schemas import PARSED_EVENT_SCHEMA
-from ..segcache import CACHE_VERSION, CacheStats, SealedPart, live_part
+from ..segcache import CACHE_VERSION, CacheStats, SealedPart, live_part, locked
 from ..settings import SparkSettings
 
 __all__ = ["MARKERS", "PART_TABLES", "drop_markers", "write_parts"]
@@ -183,7 +186,16 @@ def write_parts(
     """Write ``table``'s missing parts and its live parts, remove its stale parts; returns
     the names of the parts written."""
     table_dir = os.path.join(out, table)
-    os.makedirs(os.path.join(table_dir, MARKERS), exist_ok=True)
+    # One job at a time per table, from choosing the parts to their markers: two rollups of
+    # the same output (a cron run that overlaps the next) would each remove and rename the
+    # other's parts. The second waits, then finds the sealed parts done.
+    with locked(os.path.join(table_dir, MARKERS)):
+        return _write_parts(spark, stats, table_dir, table, settings)
+
+
+def _write_parts(
+    spark: Any, stats: CacheStats, table_dir: str, table: str, settings: SparkSettings
+) -> list[str]:
     made = _made_with(table, settings)
     done = _current(table_dir, made)
     sealed = [p for p in stats.sealed if p.name not in done]
