@@ -190,20 +190,26 @@ def write_flat(root: Path, requests: list[Request]) -> None:
 
 
 def write_parted(
-    root: Path, parts: dict[str, list[Request]], *, mark: bool = True, **options: Any
+    root: Path,
+    parts: dict[str, list[Request]],
+    *,
+    mark: bool = True,
+    made: dict[str, Any] | None = None,
+    **options: Any,
 ) -> None:
-    """The parts' files, then (``mark``) each part's marker, as the job writes them."""
+    """The parts' files, then (``mark``) each part's marker, as the job writes them; with
+    ``made``, the marker's JSON (the job's: its bounds), else an empty marker."""
     for name, members in parts.items():
         rows = pa.Table.from_pylist(expected_rows(members, SLOW, FAILED), schema=SAMPLE_SCHEMA)
         write_part(root, "request_samples", name, rows, **options)
         if mark:
-            mark_part(root, name)
+            mark_part(root, name, made)
 
 
-def mark_part(root: Path, name: str) -> None:
+def mark_part(root: Path, name: str, made: dict[str, Any] | None = None) -> None:
     markers = root / "request_samples" / "_parts"
     markers.mkdir(parents=True, exist_ok=True)
-    (markers / name).touch()
+    (markers / name).write_bytes(orjson.dumps(made) if made is not None else b"")
 
 
 def drilldown(root: Path) -> Drilldown:
@@ -405,6 +411,31 @@ async def test_the_console_merges_with_the_bounds_of_its_spark_section(tmp_path:
     assert len(samples["slow"]) > SLOW  # several actions in the minute
     expected = flat.errors(STREAM, DATE, action="", status=None, exception="", limit=50)
     assert errors == orjson.loads(orjson.dumps(expected))
+
+
+def test_the_bounds_the_parts_were_written_with_are_those_merged_to(tmp_path: Path) -> None:
+    """The job's markers record the bounds it wrote the parts with; the console merges to
+    those, whatever its own [spark] section says (here the defaults, 10 and 50: merged to
+    them, every row of every part would stay). Markers that disagree, or say nothing: the
+    section's bounds."""
+    requests = requests_of(13, count=400, journals=2, minutes=20)
+    write_flat(tmp_path / "flat", requests)
+    made = {"cache_version": 6, "slow": SLOW, "failed": FAILED, "dates": [DATE]}
+    write_parted(tmp_path / "parted", segments_of(requests, 70), made=made)
+    expected = answers(drilldown(tmp_path / "flat"))
+    defaults = SparkSettings()
+    assert (defaults.slow_requests_per_action, defaults.failed_requests_per_action) != (
+        SLOW, FAILED,
+    )  # fmt: skip
+    assert answers(Drilldown(TableFiles(str(tmp_path / "parted")), defaults)) == expected
+
+    # One marker disagrees (not what the job leaves: it writes every part again when its
+    # bounds change): the [spark] section's bounds, and with the defaults the answers differ.
+    markers = tmp_path / "parted" / "request_samples" / "_parts"
+    first = sorted(markers.iterdir())[0]
+    first.write_bytes(orjson.dumps({**made, "slow": SLOW + 1}))
+    assert answers(Drilldown(TableFiles(str(tmp_path / "parted")), defaults)) != expected
+    assert answers(drilldown(tmp_path / "parted")) == expected
 
 
 def test_a_part_of_an_older_schema_reads_with_the_others(tmp_path: Path) -> None:

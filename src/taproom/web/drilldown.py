@@ -190,6 +190,8 @@ class Drilldown:
         paths = [path for name in names for path in parts[name]]
         if not paths:
             return
+        # The bounds the parts were written with (their markers), else the [spark] section's.
+        bounds = self.tables.part_bounds(SAMPLES, names) or self._bounds
         part_of = {path: k for k, name in enumerate(names) for path in parts[name]}
         # One dataset: one schema for every part (the first file's, the others' columns cast
         # to it, null where absent), files read ahead; its batches come in the files' order.
@@ -213,7 +215,7 @@ class Drilldown:
             elif k > current:
                 current = k
                 if starts is not None and held:
-                    whole, held, tags = self._whole(held, tags, starts[k])
+                    whole, held, tags = self._whole(held, tags, starts[k], bounds)
                     if whole is not None:
                         yield from _selected(whole, rows, columns)
             table = pa.Table.from_batches([tagged.record_batch])
@@ -235,14 +237,19 @@ class Drilldown:
                 table = table.filter(pa.array(~shared))
             yield from _selected(table, None if where is not groups else rows, columns)
         if held:
-            whole, _, _ = self._whole(held, tags, None)
+            whole, _, _ = self._whole(held, tags, None, bounds)
             if whole is not None:
                 yield from _selected(whole, rows, columns)
 
     def _whole(
-        self, held: list[pa.Table], tags: list[np.ndarray], before: int | None
+        self,
+        held: list[pa.Table],
+        tags: list[np.ndarray],
+        before: int | None,
+        bounds: tuple[int, int],
     ) -> tuple[pa.Table | None, list[pa.Table], list[np.ndarray]]:
-        """The held rows of minutes before ``before`` (None: all) merged, and those left."""
+        """The held rows of minutes before ``before`` (None: all) merged to ``bounds``, and
+        those left."""
         table, tag = pa.concat_tables(held), np.concatenate(tags)
         if before is None:
             whole = np.ones(table.num_rows, dtype=bool)
@@ -252,9 +259,9 @@ class Drilldown:
             return None, held, tags
         self.merges += 1
         if whole.all():
-            return merge_parts(table, tag, *self._bounds), [], []
+            return merge_parts(table, tag, *bounds), [], []
         mask = pa.array(whole)
-        merged = merge_parts(table.filter(mask), tag[whole], *self._bounds)
+        merged = merge_parts(table.filter(mask), tag[whole], *bounds)
         return merged, [table.filter(pc.invert(mask))], [tag[~whole]]
 
     def _cached(self, key: tuple[Any, ...], table: str, date: str, build: Any) -> dict[str, Any]:

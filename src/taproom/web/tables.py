@@ -102,6 +102,8 @@ class TableFiles:
         self._ranges: OrderedDict[str, tuple[tuple[int, int], tuple[int, int] | None]] = (
             OrderedDict()
         )
+        # marker path -> ((size, mtime), the bounds it records or None)
+        self._made: OrderedDict[str, tuple[tuple[int, int], tuple[int, int] | None]] = OrderedDict()
 
     def table_dir(self, table: str) -> str:
         return os.path.join(self.directory, table)
@@ -151,6 +153,45 @@ class TableFiles:
                 if files:
                     found[name] = sorted(os.path.join(directory, n) for n in files)
         return dict(sorted(found.items()))
+
+    def part_bounds(self, table: str, parts: Iterable[str]) -> tuple[int, int] | None:
+        """The ``(slow, failed)`` bounds the job wrote the parts ``parts`` (``part=P``
+        directory names) with, from their markers (JSON: ``slow``, ``failed``); None when a
+        marker is missing or has none, or when they differ. The job writes every part of a
+        table again when its bounds change, so the committed parts agree."""
+        found: set[tuple[int, int] | None] = set()
+        for name in parts:
+            found.add(self._marker_bounds(table, unquote(name.removeprefix(_PART_DIR))))
+            if len(found) > 1:
+                return None
+        return found.pop() if found else None
+
+    def _marker_bounds(self, table: str, part: str) -> tuple[int, int] | None:
+        path = os.path.join(self.table_dir(table), _MARKERS, part)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        stamp = (st.st_size, st.st_mtime_ns)
+        with self._lock:
+            cached = self._made.get(path)
+            if cached is not None and cached[0] == stamp:
+                return cached[1]
+        bounds = None
+        try:
+            with open(path, "rb") as f:
+                made = json.loads(f.read(64 * 1024) or b"null")
+        except (OSError, ValueError):
+            made = None
+        if isinstance(made, dict):
+            slow, failed = made.get("slow"), made.get("failed")
+            if isinstance(slow, int) and isinstance(failed, int) and slow >= 0 and failed >= 0:
+                bounds = (slow, failed)
+        with self._lock:
+            self._made[path] = (stamp, bounds)
+            while len(self._made) > _CACHED_RANGES:
+                self._made.popitem(last=False)
+        return bounds
 
     def fingerprint(self, table: str, date: str) -> tuple[object, ...]:
         """Changes whenever the committed files of ``table`` for ``date`` may have changed:
