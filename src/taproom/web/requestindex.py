@@ -24,9 +24,6 @@ newest ``[console] find_dates`` dates. Called in worker threads.
 from __future__ import annotations
 
 import datetime as dt
-import os
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .tables import TableFiles, relisted
+from .tables import FileMemo, TableFiles, relisted
 
 __all__ = ["CLOCK_SLACK_MINUTES", "IndexHit", "RequestIndex", "uuid1_time"]
 
@@ -113,19 +110,15 @@ class RequestIndex:
     def __init__(self, tables: TableFiles, find_dates: int) -> None:
         self.tables = tables
         self.find_dates = find_dates
-        self._lock = threading.Lock()
-        self._files: OrderedDict[str, tuple[tuple[int, int], Any, list[_Group]]] = OrderedDict()
+        self._files: FileMemo[tuple[Any, list[_Group]]] = FileMemo(CACHED_FILES)
         self.groups_read = 0  # row groups read by lookups (tests and the bench look at it)
 
     def _groups(self, path: str) -> tuple[Any, list[_Group]]:
         """The file's metadata and its row groups' id and minute ranges (cached)."""
-        st = os.stat(path)  # FileNotFoundError: replaced since the listing (find lists again)
-        stamp = (st.st_size, st.st_mtime_ns)
-        with self._lock:
-            cached = self._files.get(path)
-            if cached is not None and cached[0] == stamp:
-                self._files.move_to_end(path)
-                return cached[1], cached[2]
+        # FileNotFoundError: replaced since the listing (find lists again)
+        stamp, kept, found = self._files.get(path)
+        if found and kept is not None:
+            return kept
         metadata = pq.read_metadata(path)
         schema = metadata.schema.to_arrow_schema()
         id_col = schema.get_field_index("request_id")
@@ -144,11 +137,7 @@ class RequestIndex:
                     _micros(_stat(minutes, "max")),
                 )
             )
-        with self._lock:
-            self._files[path] = (stamp, metadata, groups)
-            while len(self._files) > CACHED_FILES:
-                self._files.popitem(last=False)
-        return metadata, groups
+        return self._files.put(path, stamp, (metadata, groups))
 
     def _search(
         self, request_id: str, date: str, window: tuple[int, int] | None

@@ -28,10 +28,10 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["READ_ATTEMPTS", "TableFiles", "relisted"]
+__all__ = ["READ_ATTEMPTS", "FileMemo", "TableFiles", "relisted"]
 
 _LOG = "_spark_metadata"
 _BATCH = re.compile(r"^(\d+)(\.compact)?$")
@@ -48,6 +48,38 @@ _CACHED_RANGES = 100_000
 
 
 _Answer = TypeVar("_Answer")
+_Value = TypeVar("_Value")
+
+
+class FileMemo(Generic[_Value]):
+    """What was read from a file (its statistics, a marker's JSON), kept per path while the
+    file's size and modification time stay the same; the least recently used beyond ``size``
+    are dropped. Thread-safe: ``get`` and ``put`` hold a lock, the read between them does not."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[str, tuple[tuple[int, int], _Value]] = OrderedDict()
+
+    def get(self, path: str) -> tuple[tuple[int, int], _Value | None, bool]:
+        """``(stamp, value, found)``: the file's stamp now and what was kept for it, if it was
+        kept for that stamp. FileNotFoundError when the file is gone."""
+        st = os.stat(path)
+        stamp = (st.st_size, st.st_mtime_ns)
+        with self._lock:
+            kept = self._kept.get(path)
+            if kept is not None and kept[0] == stamp:
+                self._kept.move_to_end(path)
+                return stamp, kept[1], True
+        return stamp, None, False
+
+    def put(self, path: str, stamp: tuple[int, int], value: _Value) -> _Value:
+        with self._lock:
+            self._kept[path] = (stamp, value)
+            self._kept.move_to_end(path)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+        return value
 
 
 def relisted(method: Callable[..., _Answer]) -> Callable[..., _Answer]:
@@ -99,11 +131,8 @@ class TableFiles:
         self.directory = directory
         self._lock = threading.Lock()
         self._logs: dict[str, tuple[object, dict[str, set[str]]]] = {}
-        self._ranges: OrderedDict[str, tuple[tuple[int, int], tuple[int, int] | None]] = (
-            OrderedDict()
-        )
-        # marker path -> ((size, mtime), the bounds it records or None)
-        self._made: OrderedDict[str, tuple[tuple[int, int], tuple[int, int] | None]] = OrderedDict()
+        self._ranges: FileMemo[tuple[int, int] | None] = FileMemo(_CACHED_RANGES)
+        self._made: FileMemo[tuple[int, int] | None] = FileMemo(_CACHED_RANGES)  # markers' bounds
 
     def table_dir(self, table: str) -> str:
         return os.path.join(self.directory, table)
@@ -169,15 +198,11 @@ class TableFiles:
     def _marker_bounds(self, table: str, part: str) -> tuple[int, int] | None:
         path = os.path.join(self.table_dir(table), _MARKERS, part)
         try:
-            st = os.stat(path)
+            stamp, bounds, found = self._made.get(path)
         except FileNotFoundError:
             return None
-        stamp = (st.st_size, st.st_mtime_ns)
-        with self._lock:
-            cached = self._made.get(path)
-            if cached is not None and cached[0] == stamp:
-                return cached[1]
-        bounds = None
+        if found:
+            return bounds
         try:
             with open(path, "rb") as f:
                 made = json.loads(f.read(64 * 1024) or b"null")
@@ -187,11 +212,7 @@ class TableFiles:
             slow, failed = made.get("slow"), made.get("failed")
             if isinstance(slow, int) and isinstance(failed, int) and slow >= 0 and failed >= 0:
                 bounds = (slow, failed)
-        with self._lock:
-            self._made[path] = (stamp, bounds)
-            while len(self._made) > _CACHED_RANGES:
-                self._made.popitem(last=False)
-        return bounds
+        return self._made.put(path, stamp, bounds)
 
     def fingerprint(self, table: str, date: str) -> tuple[object, ...]:
         """Changes whenever the committed files of ``table`` for ``date`` may have changed:
@@ -227,13 +248,10 @@ class TableFiles:
     def _file_range(self, path: str) -> tuple[int, int] | None:
         import pyarrow.parquet as pq  # the console loads pyarrow only for these pages
 
-        st = os.stat(path)  # FileNotFoundError: replaced since the listing (read it again)
-        stamp = (st.st_size, st.st_mtime_ns)
-        with self._lock:
-            cached = self._ranges.get(path)
-            if cached is not None and cached[0] == stamp:
-                self._ranges.move_to_end(path)
-                return cached[1]
+        # FileNotFoundError: replaced since the listing (read it again)
+        stamp, kept, found = self._ranges.get(path)
+        if found:
+            return kept
         try:
             metadata = pq.read_metadata(path)
         except (OSError, ValueError):
@@ -253,12 +271,7 @@ class TableFiles:
             if least <= greatest:
                 lo, hi = min(least, lo), max(greatest, hi)
             least, greatest = lo, hi
-        span = (least, greatest) if known else None
-        with self._lock:
-            self._ranges[path] = (stamp, span)
-            while len(self._ranges) > _CACHED_RANGES:
-                self._ranges.popitem(last=False)
-        return span
+        return self._ranges.put(path, stamp, (least, greatest) if known else None)
 
     def _committed(self, table: str) -> dict[str, set[str]]:
         """partition directory name -> committed file names, from the sink's log."""
